@@ -1,0 +1,421 @@
+"""The contiguous KV pool of one device: one block per request, pure bookkeeping (no torch).
+
+Layout: token slots [0, total) in units of `align` tokens, split into a main region and a large region
+(the top `large_share`), each an `ExtentMap` of free extents.
+
+Strategy (carving, splitting, coalescing; boundaries drift, memory must not strand):
+- A request's block is carved from the front of a free extent of its region (TLSF good fit, O(1)).
+- A released block goes onto its bucket's free list (LIFO, bounded). A reservation of the same bucket
+  takes the top block when it is large enough and splits the excess back to the extents, so a free-list
+  hit is O(1) and never over-reserves.
+- When carving fails, every free list is flushed back into the extents (neighbours coalesce), and the
+  carve is retried once; only then is the request refused. So free-list blocks never strand memory.
+- When bucket bounds change (the policy's version moves), the free lists are flushed too: their sizes
+  belong to the old bounds. Live blocks keep their capacity until release.
+- Normal requests use the main region only; large-bucket requests and migrations may use both, the
+  large region first for large-bucket requests, so overflow always has somewhere to go.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from odma.buckets import LARGE
+from odma.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    RequestTooLargeError,
+    UnknownRequestError,
+)
+from odma.extents import ExtentMap
+from odma.policy import Reservation, ReservationPolicy, SizedRequest, validate_request
+
+MAIN, LARGE_REGION = "main", "large"
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    offset: int  # first token slot
+    capacity: int  # token slots, a multiple of the pool's alignment
+    bucket: int  # bucket index at reservation, LARGE for the large bucket
+    region: str = MAIN
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.capacity
+
+
+class BlockMover(Protocol):
+    def copy(self, src: Block, dst: Block, n_tokens: int) -> None:
+        """Copy the first n_tokens of src's KV into dst (a sequential copy on the device)."""
+
+
+@dataclass(slots=True)
+class _Live:
+    request: SizedRequest
+    block: Block
+    reservation: Reservation
+    length: int  # tokens the block holds now (prompt + generated)
+
+
+@dataclass(slots=True)
+class PoolStats:
+    total_tokens: int
+    bytes_per_token: int
+    main_tokens: int
+    large_tokens: int
+    live_blocks: int
+    live_blocks_per_bucket: dict[int, int]
+    reserved_tokens: int  # Σ capacity of live blocks
+    live_tokens: int  # Σ tokens actually held
+    free_tokens: int  # free extents + free-list blocks
+    cached_tokens: int  # of which on bucket free lists
+    largest_free_extent_tokens: int
+    reservations: int = 0
+    refusals: int = 0
+    migrations: int = 0
+    migrated_tokens: int = 0
+    migration_refusals: int = 0
+    releases: int = 0
+    free_list_hits: int = 0
+    flushes: int = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.free_tokens * self.bytes_per_token
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.reserved_tokens * self.bytes_per_token
+
+    @property
+    def live_bytes(self) -> int:
+        return self.live_tokens * self.bytes_per_token
+
+    @property
+    def external_fragmentation(self) -> float:
+        """1 - largest free extent / free tokens: 0 when all free memory is one extent."""
+        return 0.0 if self.free_tokens == 0 else 1.0 - self.largest_free_extent_tokens / self.free_tokens
+
+
+@dataclass(slots=True)
+class _Counters:
+    reservations: int = 0
+    refusals: int = 0
+    migrations: int = 0
+    migrated_tokens: int = 0
+    migration_refusals: int = 0
+    releases: int = 0
+    free_list_hits: int = 0
+    flushes: int = 0
+
+
+@dataclass(slots=True)
+class _FreeLists:
+    lists: dict[int, list[Block]] = field(default_factory=lambda: defaultdict(list))
+    units: int = 0
+
+
+class KVPool:
+    """reserve / extend / release of contiguous blocks; thread-safe."""
+
+    def __init__(
+        self,
+        total_tokens: int,
+        policy: ReservationPolicy,
+        *,
+        large_share: float = 0.1,
+        align: int = 16,
+        bytes_per_token: int = 1,
+        mover: BlockMover | None = None,
+        on_release: Callable[[SizedRequest, int, Block], None] | None = None,
+        free_list_limit: int = 64,
+    ) -> None:
+        if align < 1 or total_tokens < align:
+            raise InvalidRequestError(f"pool of {total_tokens} tokens cannot hold one {align}-token unit")
+        if not 0.0 <= large_share < 1.0:
+            raise InvalidRequestError(f"large_share must be in [0, 1), got {large_share}")
+        self.policy = policy
+        self.align = align
+        self.bytes_per_token = bytes_per_token
+        self.mover = mover
+        self.on_release = on_release
+        self.free_list_limit = free_list_limit
+        units = total_tokens // align
+        self._large_units = int(units * large_share)
+        self._main_units = units - self._large_units
+        self._units = units
+        self._regions = {MAIN: ExtentMap(), LARGE_REGION: ExtentMap()}
+        self._regions[MAIN].add_range(0, self._main_units)
+        self._regions[LARGE_REGION].add_range(self._main_units, self._large_units)
+        self._live: dict[str, _Live] = {}
+        self._free = _FreeLists()
+        self._free_version = policy.version
+        self._n = _Counters()
+        self._reserved_units = 0
+        self._live_tokens = 0
+        self._lock = threading.RLock()
+
+    @classmethod
+    def from_bytes(cls, budget_bytes: int, bytes_per_token: int, policy: ReservationPolicy, **kw) -> "KVPool":
+        if bytes_per_token < 1:
+            raise InvalidRequestError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
+        return cls(budget_bytes // bytes_per_token, policy, bytes_per_token=bytes_per_token, **kw)
+
+    # -- sizes -------------------------------------------------------------------------------------
+
+    @property
+    def total_tokens(self) -> int:
+        return self._units * self.align
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The largest block this pool can ever hand out (prompt + output tokens)."""
+        return max(self._main_units, self._large_units) * self.align
+
+    def _units_for(self, tokens: int) -> int:
+        return -(-tokens // self.align)
+
+    # -- public API --------------------------------------------------------------------------------
+
+    def reserve(self, req: SizedRequest) -> Block | None:
+        """A block for the prompt plus the policy's output reservation; None when there is no room now."""
+        validate_request(req)
+        with self._lock:
+            if req.request_id in self._live:
+                raise DuplicateRequestError(f"request {req.request_id} already holds a block")
+            res = self.policy.initial(req)
+            units = self._units_for(req.prompt_tokens + res.output_tokens)
+            if res.bucket != LARGE and units > self._main_units:
+                res = Reservation(res.output_tokens, LARGE)  # only the large bucket can hold it
+            # Admit only what can always finish: prompt + max_new_tokens must fit one block of the pool.
+            worst = req.prompt_tokens + req.max_new_tokens
+            if self._units_for(worst) * self.align > self.max_request_tokens:
+                raise RequestTooLargeError(
+                    f"request {req.request_id} may need {req.prompt_tokens} prompt + {req.max_new_tokens} new "
+                    f"tokens, more than the largest block this pool can hold ({self.max_request_tokens} tokens); "
+                    "lower max_new_tokens or enlarge the pool"
+                )
+            block = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=res.bucket == LARGE)
+            if block is None:
+                self._n.refusals += 1
+                return None
+            self._live[req.request_id] = _Live(req, block, res, req.prompt_tokens)
+            self._reserved_units += units
+            self._live_tokens += req.prompt_tokens
+            self._n.reservations += 1
+            return block
+
+    def extend(self, req: SizedRequest | str, new_len: int) -> Block | None:
+        """Make the block hold `new_len` tokens (prompt + generated): the same block if it fits, else a
+        migration to the policy's growth target. None = no room to migrate now (the old block stays)."""
+        with self._lock:
+            live = self._lookup(req)
+            r = live.request
+            limit = r.prompt_tokens + r.max_new_tokens
+            if isinstance(new_len, bool) or not isinstance(new_len, int) or not live.length <= new_len <= limit:
+                raise InvalidRequestError(
+                    f"request {r.request_id}: new length must be an integer in [{live.length}, {limit}], got {new_len!r}"
+                )
+            old = live.block
+            if new_len <= old.capacity:
+                self._live_tokens += new_len - live.length
+                live.length = new_len
+                return old
+            res = self.policy.grow(r, new_len - r.prompt_tokens, live.reservation)
+            units = self._units_for(r.prompt_tokens + max(res.output_tokens, new_len - r.prompt_tokens))
+            units = min(units, max(self._main_units, self._large_units))
+            if units * self.align < new_len:
+                raise RequestTooLargeError(f"request {r.request_id}: {new_len} tokens exceed the largest block")
+            new = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=True)
+            if new is None:
+                self._n.migration_refusals += 1
+                return None
+            if self.mover is not None:
+                try:
+                    self.mover.copy(old, new, live.length)
+                except BaseException:
+                    self._give_back(new)  # the old block is untouched: state as before the call
+                    raise
+            # the swap: from here on the request's KV is the new block
+            live.block, live.reservation = new, res
+            self._reserved_units += units - old.capacity // self.align
+            self._n.migrations += 1
+            self._n.migrated_tokens += live.length
+            self._live_tokens += new_len - live.length
+            live.length = new_len
+            self._recycle(old)
+            return new
+
+    def release(self, req: SizedRequest | str, realized_len: int) -> Block:
+        """Free the request's block and log its realized output length for the bucket manager."""
+        with self._lock:
+            live = self._lookup(req)
+            r = live.request
+            if isinstance(realized_len, bool) or not isinstance(realized_len, int) or not 0 <= realized_len <= r.max_new_tokens:
+                raise InvalidRequestError(
+                    f"request {r.request_id}: realized length must be an integer in [0, {r.max_new_tokens}], "
+                    f"got {realized_len!r}"
+                )
+            del self._live[r.request_id]
+            block = live.block
+            self._reserved_units -= block.capacity // self.align
+            self._live_tokens -= live.length
+            self._n.releases += 1
+            self._recycle(block)
+        self.policy.observe(realized_len)
+        if self.on_release is not None:
+            self.on_release(r, realized_len, block)
+        return block
+
+    def block_of(self, req: SizedRequest | str) -> Block:
+        with self._lock:
+            return self._lookup(req).block
+
+    def length_of(self, req: SizedRequest | str) -> int:
+        with self._lock:
+            return self._lookup(req).length
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def live_requests(self) -> list[str]:
+        with self._lock:
+            return list(self._live)
+
+    def flush_free_lists(self) -> None:
+        with self._lock:
+            self._flush()
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _lookup(self, req: SizedRequest | str) -> _Live:
+        rid = req if isinstance(req, str) else getattr(req, "request_id", None)
+        live = self._live.get(rid)  # type: ignore[arg-type]
+        if live is None:
+            raise UnknownRequestError(f"request {rid!r} holds no block in this pool (never reserved or already released)")
+        return live
+
+    def _carve(self, units: int, bucket: int, *, prefer_large: bool, allow_large: bool) -> Block | None:
+        if self.policy.version != self._free_version:
+            self._flush()  # free-list sizes belong to the old bounds
+            self._free_version = self.policy.version
+        block = self._from_free_list(units, bucket, allow_large)
+        if block is not None:
+            return block
+        order = (LARGE_REGION, MAIN) if prefer_large else (MAIN, LARGE_REGION) if allow_large else (MAIN,)
+        for attempt in range(2):
+            for region in order:
+                start = self._regions[region].allocate(units)
+                if start is not None:
+                    return Block(start * self.align, units * self.align, bucket, region)
+            if attempt == 0 and self._free.units:
+                self._flush()
+            else:
+                break
+        return None
+
+    def _from_free_list(self, units: int, bucket: int, allow_large: bool) -> Block | None:
+        stack = self._free.lists.get(bucket)
+        if not stack:
+            return None
+        top = stack[-1]
+        have = top.capacity // self.align
+        if have < units or (top.region == LARGE_REGION and not allow_large):
+            return None
+        stack.pop()
+        self._free.units -= have
+        self._n.free_list_hits += 1
+        if have > units:  # split: the tail goes back to the extents (and coalesces there)
+            self._regions[top.region].free(top.offset // self.align + units, have - units)
+        return Block(top.offset, units * self.align, bucket, top.region)
+
+    def _recycle(self, block: Block) -> None:
+        stack = self._free.lists[block.bucket]
+        if len(stack) < self.free_list_limit:
+            stack.append(block)
+            self._free.units += block.capacity // self.align
+        else:
+            self._give_back(block)
+
+    def _give_back(self, block: Block) -> None:
+        self._regions[block.region].free(block.offset // self.align, block.capacity // self.align)
+
+    def _flush(self) -> None:
+        if self._free.units:
+            self._n.flushes += 1
+        for stack in self._free.lists.values():
+            for block in stack:
+                self._give_back(block)
+            stack.clear()
+        self._free.units = 0
+
+    # -- observability -----------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            per_bucket: dict[int, int] = defaultdict(int)
+            for live in self._live.values():
+                per_bucket[live.block.bucket] += 1
+            cached = self._free.units
+            largest = max(r.largest() for r in self._regions.values())
+            for stack in self._free.lists.values():
+                for b in stack:
+                    largest = max(largest, b.capacity // self.align)
+            free_units = sum(r.free_units for r in self._regions.values()) + cached
+            n = self._n
+            return PoolStats(
+                total_tokens=self.total_tokens,
+                bytes_per_token=self.bytes_per_token,
+                main_tokens=self._main_units * self.align,
+                large_tokens=self._large_units * self.align,
+                live_blocks=len(self._live),
+                live_blocks_per_bucket=dict(per_bucket),
+                reserved_tokens=self._reserved_units * self.align,
+                live_tokens=self._live_tokens,
+                free_tokens=free_units * self.align,
+                cached_tokens=cached * self.align,
+                largest_free_extent_tokens=largest * self.align,
+                reservations=n.reservations,
+                refusals=n.refusals,
+                migrations=n.migrations,
+                migrated_tokens=n.migrated_tokens,
+                migration_refusals=n.migration_refusals,
+                releases=n.releases,
+                free_list_hits=n.free_list_hits,
+                flushes=n.flushes,
+            )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by the property tests)."""
+        with self._lock:
+            spans: list[tuple[int, int, str]] = []
+            for live in self._live.values():
+                b = live.block
+                assert b.offset % self.align == 0 and b.capacity % self.align == 0 and b.capacity > 0
+                assert live.request.prompt_tokens <= live.length <= b.capacity
+                spans.append((b.offset // self.align, b.capacity // self.align, "live"))
+            cached = 0
+            for stack in self._free.lists.values():
+                for b in stack:
+                    spans.append((b.offset // self.align, b.capacity // self.align, "cached"))
+                    cached += b.capacity // self.align
+            assert cached == self._free.units
+            for name, region in self._regions.items():
+                region.check()
+                lo, hi = (0, self._main_units) if name == MAIN else (self._main_units, self._units)
+                for s, n in region.extents():
+                    assert lo <= s and s + n <= hi, f"free extent {s}+{n} outside region {name}"
+                    spans.append((s, n, "free"))
+            spans.sort()
+            pos = 0
+            for s, n, kind in spans:
+                assert s >= pos, f"overlap at unit {s} ({kind})"
+                assert s == pos, f"lost units [{pos}, {s})"
+                pos = s + n
+            assert pos == self._units, f"bytes not conserved: covered {pos} of {self._units} units"
+            assert self._reserved_units == sum(l.block.capacity for l in self._live.values()) // self.align
+            assert self._live_tokens == sum(l.length for l in self._live.values())

@@ -1,0 +1,1 @@
+"""odma-bench subcommands: each module exposes add_arguments(parser) and run(args) -> dict."""

@@ -1,0 +1,31 @@
+"""odma-bench: measurements that check odma's speed and memory targets; prints one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# subcommand → module; a module is imported only when its subcommand runs
+SUBCOMMANDS = {
+    "allocator": ("odma.bench.allocator_bench", "reserve/release latency of the contiguous pool"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="odma-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--json", action="store_true", help="print only the JSON result (default prints it too)")
+        importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    result = importlib.import_module(SUBCOMMANDS[args.command][0]).run(args)
+    json.dump(result, sys.stdout, indent=None if args.json else 2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

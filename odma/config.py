@@ -1,0 +1,99 @@
+"""One typed configuration for the whole system; CLI flags map onto these fields one to one."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from odma.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_data_dir() -> Path:
+    """$ODMA_DATA_DIR, else ../shared/datasets beside the repo (the shared read-only data)."""
+    env = os.environ.get("ODMA_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    return REPO_ROOT.parent / "shared" / "datasets"
+
+
+def default_cache_dir() -> Path:
+    """$ODMA_CACHE_DIR, else ~/.cache/odma: converted models, tokenizers, tokenized traces."""
+    env = os.environ.get("ODMA_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "odma"
+
+
+@dataclass(frozen=True, slots=True)
+class BucketConfig:
+    """How realized lengths become bucket bounds, and how a prediction picks a bucket."""
+
+    max_buckets: int = 8
+    align: int = 16  # bounds are multiples of this many tokens
+    window: int = 2000  # realized lengths kept for the quantiles
+    min_samples: int = 64  # fewer than this: keep the bootstrap bounds
+    refresh_every_n: int = 256  # completions between refreshes
+    refresh_every_s: float = 30.0  # or seconds, whichever comes first
+    method: str = "quantile"  # "quantile" (equal occupancy) or "optimal" (min expected reserved tokens)
+    large_bound: int = 2048  # output tokens the large bucket reserves (the max_new_tokens cap)
+    alpha: float = 0.0  # inflation: reserve for L̂·(1 + alpha·u)
+    tau: float = math.inf  # u above this goes straight to the large bucket
+
+    def __post_init__(self) -> None:
+        if self.max_buckets < 1:
+            raise ConfigError(f"max_buckets must be >= 1, got {self.max_buckets}")
+        if self.align < 1:
+            raise ConfigError(f"align must be >= 1, got {self.align}")
+        if self.window < 1 or self.min_samples < 1:
+            raise ConfigError("window and min_samples must be >= 1")
+        if self.refresh_every_n < 1 or self.refresh_every_s <= 0:
+            raise ConfigError("refresh_every_n must be >= 1 and refresh_every_s > 0")
+        if self.method not in ("quantile", "optimal"):
+            raise ConfigError(f"method must be 'quantile' or 'optimal', got {self.method!r}")
+        if self.large_bound < 1:
+            raise ConfigError(f"large_bound must be >= 1, got {self.large_bound}")
+        if self.alpha < 0 or math.isnan(self.alpha):
+            raise ConfigError(f"alpha must be >= 0, got {self.alpha}")
+        if math.isnan(self.tau) or self.tau < 0:
+            raise ConfigError(f"tau must be >= 0, got {self.tau}")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """The KV pool of one device."""
+
+    budget_bytes: int = 256 << 20
+    large_share: float = 0.1  # share of the pool held back for uncertain and overflowing requests
+    align: int = 16  # block capacities and offsets are multiples of this many tokens
+    growth: str = "next"  # what a request that outgrows its block migrates to: next | large | double
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ConfigError(f"budget_bytes must be > 0, got {self.budget_bytes}")
+        if not 0.0 <= self.large_share < 1.0:
+            raise ConfigError(f"large_share must be in [0, 1), got {self.large_share}")
+        if self.align < 1:
+            raise ConfigError(f"align must be >= 1, got {self.align}")
+        if self.growth not in GROWTH_POLICIES:
+            raise ConfigError(f"growth must be one of {GROWTH_POLICIES}, got {self.growth!r}")
+
+
+GROWTH_POLICIES = ("next", "large", "double")
+
+
+@dataclass(frozen=True, slots=True)
+class DataConfig:
+    data_dir: Path = field(default_factory=default_data_dir)
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    tokenizer: str = "smollm2"
+
+
+@dataclass(frozen=True, slots=True)
+class OdmaConfig:
+    """The whole system's configuration."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)

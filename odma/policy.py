@@ -1,0 +1,154 @@
+"""Reservation policies: how many output tokens a request reserves, and what it grows into (no torch).
+
+The pool asks a policy; the policy never touches memory. Capacity = prompt tokens + reserved output.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+from odma.buckets import LARGE, BucketManager
+from odma.config import GROWTH_POLICIES
+from odma.errors import ConfigError, InvalidRequestError
+
+
+class SizedRequest(Protocol):
+    request_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+    predicted_tokens: float | None
+    uncertainty: float
+
+
+@dataclass(slots=True)
+class KVRequest:
+    """What the pool needs to know about a request (the engine's sequence may carry the same fields)."""
+
+    request_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+    predicted_tokens: float | None = None
+    uncertainty: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    output_tokens: int  # output tokens reserved beyond the prompt
+    bucket: int  # bucket index, LARGE for the large bucket
+
+
+class ReservationPolicy(ABC):
+    name: str = "policy"
+
+    @abstractmethod
+    def initial(self, req: SizedRequest) -> Reservation:
+        """The reservation before the first token."""
+
+    @abstractmethod
+    def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
+        """The reservation to migrate to once `needed_output` tokens no longer fit in `current`."""
+
+    @property
+    def version(self) -> int:
+        """Changes when bucket bounds change (the pool drops its cached free blocks then)."""
+        return 0
+
+    def observe(self, realized_len: int) -> None:
+        """A request finished with this many output tokens."""
+
+
+def _grow_by(growth: str, req: SizedRequest, needed: int, current: Reservation, buckets: BucketManager | None):
+    cap = req.max_new_tokens
+    if growth == "large" or buckets is None and growth == "next":
+        return Reservation(cap, LARGE)
+    if growth == "double":
+        return Reservation(min(cap, max(needed, 2 * current.output_tokens)), current.bucket)
+    choice = buckets.next_above(needed)
+    return Reservation(min(cap, choice.bound), choice.index)
+
+
+class StaticPolicy(ReservationPolicy):
+    """Worst case: prompt + max_new_tokens. Never grows (the Cambricon-vLLM baseline)."""
+
+    name = "static"
+
+    def initial(self, req: SizedRequest) -> Reservation:
+        return Reservation(req.max_new_tokens, 0)
+
+    def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
+        return Reservation(req.max_new_tokens, current.bucket)
+
+
+class BucketPolicy(ReservationPolicy):
+    """Predicted length → bucket (dynamic quantile buckets for odma, static equal-width ones for S3)."""
+
+    def __init__(self, buckets: BucketManager, growth: str = "next", name: str = "odma") -> None:
+        if growth not in GROWTH_POLICIES:
+            raise ConfigError(f"growth must be one of {GROWTH_POLICIES}, got {growth!r}")
+        self.buckets = buckets
+        self.growth = growth
+        self.name = name
+
+    def initial(self, req: SizedRequest) -> Reservation:
+        if req.predicted_tokens is None:  # no prediction: only the large bucket is safe
+            return Reservation(req.max_new_tokens, LARGE)
+        choice = self.buckets.select(req.predicted_tokens, req.uncertainty)
+        return Reservation(min(req.max_new_tokens, choice.bound), choice.index)
+
+    def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
+        return _grow_by(self.growth, req, needed_output, current, self.buckets)
+
+    @property
+    def version(self) -> int:
+        return self.buckets.version
+
+    def observe(self, realized_len: int) -> None:
+        self.buckets.observe(realized_len)
+
+
+class ExactPolicy(ReservationPolicy):
+    """Reserve exactly the predicted length (the contiguous upper bound when the prediction is the truth)."""
+
+    name = "exact"
+
+    def __init__(self, growth: str = "double", min_tokens: int = 1) -> None:
+        if growth not in ("double", "large"):
+            raise ConfigError(f"exact reservation grows by 'double' or 'large', got {growth!r}")
+        self.growth = growth
+        self.min_tokens = min_tokens
+
+    def initial(self, req: SizedRequest) -> Reservation:
+        predicted = req.predicted_tokens
+        if predicted is None:
+            return Reservation(req.max_new_tokens, LARGE)
+        return Reservation(min(req.max_new_tokens, max(self.min_tokens, math.ceil(predicted))), 0)
+
+    def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
+        return _grow_by(self.growth, req, needed_output, current, None)
+
+
+def _is_count(v, low: int) -> bool:
+    return type(v) is int and v >= low  # bool is a subclass of int: `type(...) is int` rejects it
+
+
+def _is_nonneg_number(v) -> bool:
+    return (type(v) is float or type(v) is int) and 0 <= v < math.inf  # NaN fails both comparisons
+
+
+def validate_request(req: SizedRequest) -> None:
+    """Reject malformed requests before any state changes (on the hot path: keep it cheap)."""
+    rid = getattr(req, "request_id", None)
+    if type(rid) is not str or not rid:
+        raise InvalidRequestError(f"request_id must be a non-empty string, got {rid!r}")
+    if not _is_count(req.prompt_tokens, 1):
+        raise InvalidRequestError(f"request {rid}: prompt_tokens must be an integer >= 1, got {req.prompt_tokens!r}")
+    if not _is_count(req.max_new_tokens, 1):
+        raise InvalidRequestError(f"request {rid}: max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
+    p = req.predicted_tokens
+    if p is not None and not _is_nonneg_number(p):
+        raise InvalidRequestError(f"request {rid}: predicted_tokens must be a finite number >= 0, got {p!r}")
+    if not _is_nonneg_number(req.uncertainty):
+        raise InvalidRequestError(f"request {rid}: uncertainty must be a finite number >= 0, got {req.uncertainty!r}")
