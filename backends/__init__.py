@@ -1,15 +1,55 @@
 """Device backends: the only code that allocates or copies device memory."""
 
-from backends.base import Arena, Backend, KVLayout
-from backends.cpu import CPUBackend
+from __future__ import annotations
 
-__all__ = ["Arena", "Backend", "CPUBackend", "KVLayout", "get_backend"]
+from backends.base import Arena, Backend, Capabilities, KVLayout, MemoryInfo, NullEvent, NullStream
+from backends.cpu import CPUBackend
+from backends.segmented import SegmentedArena
+
+__all__ = [
+    "Arena", "Backend", "CPUBackend", "Capabilities", "KVLayout", "MemoryInfo", "NullEvent", "NullStream",
+    "SegmentedArena", "available_devices", "get_backend", "parse_device",
+]
+
+KINDS = ("cpu", "cuda", "mlu")
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """'cpu' | 'cuda' | 'cuda:1' | 'mlu:0' → (kind, index); ConfigError on anything else."""
+    from odma.errors import ConfigError
+
+    if not isinstance(device, str):
+        raise ConfigError(f"device must be a string such as 'cpu', 'cuda:0' or 'mlu:0', got {device!r}")
+    kind, _, idx = device.strip().lower().partition(":")
+    if kind not in KINDS:
+        raise ConfigError(f"unknown device {device!r}: expected one of {', '.join(KINDS)} (optionally ':N')")
+    if idx == "":
+        return kind, 0
+    if not idx.isdigit():
+        raise ConfigError(f"device index in {device!r} must be a non-negative integer")
+    return kind, int(idx)
 
 
 def get_backend(device: str = "cpu") -> Backend:
-    from odma.errors import ConfigError
-
-    kind = device.split(":", 1)[0]
+    """The backend for 'cpu', 'cuda[:N]' or 'mlu[:N]'; ConfigError if that device cannot be used here."""
+    kind, index = parse_device(device)
     if kind == "cpu":
         return CPUBackend()
-    raise ConfigError(f"backend {device!r} is not available yet: only 'cpu' is implemented (CUDA and MLU come later)")
+    if kind == "cuda":
+        from backends.cuda import CUDABackend
+
+        return CUDABackend(index)
+    from backends.mlu import MLUBackend
+
+    return MLUBackend(index)
+
+
+def available_devices() -> list[str]:
+    """Devices usable in this process: always 'cpu', then every visible CUDA device (MLU is not probed:
+    importing torch_mlu has side effects, so ask for it explicitly)."""
+    import torch
+
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return devices

@@ -1,9 +1,16 @@
-"""The device interface: everything device-specific lives behind `Backend`; the pool never sees torch."""
+"""The device interface: everything device-specific lives behind `Backend`; the pool never sees torch.
+
+A backend allocates arenas (the KV pool's first arena and any later segments), views blocks as tensors,
+copies block → block (migration) and device ↔ host (offload / fetch), and exposes streams, events,
+memory figures and capability flags. CPU is the reference; CUDA and MLU share `TorchDeviceBackend`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -33,6 +40,29 @@ class KVLayout:
         return self.elements_per_token * torch.empty((), dtype=self.dtype).element_size()
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do beyond the common interface (callers branch on these, never on names)."""
+
+    supports_vmm: bool = False  # grow a block in place by mapping pages; no backend implements it yet
+    supports_streams: bool = False  # streams/events are real (False: no-op objects, work is synchronous)
+    pinned_host: bool = False  # host buffers are page-locked, so device↔host copies can be asynchronous
+    returns_memory_to_driver: bool = False  # free_arena(..., return_to_driver=True) gives bytes back
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryInfo:
+    """Device memory in bytes. `free, total = backend.memory_info()` still works (the old tuple)."""
+
+    total_bytes: int
+    free_bytes: int
+    framework_bytes: int  # held by live tensors of this framework (arenas included)
+    framework_reserved_bytes: int  # held by the framework's caching allocator (>= framework_bytes)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((self.free_bytes, self.total_bytes))
+
+
 class Arena:
     """One flat device tensor holding every block; a block is one contiguous range of it."""
 
@@ -40,6 +70,14 @@ class Arena:
         self.storage = storage
         self.layout = layout
         self.total_tokens = total_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    @property
+    def released(self) -> bool:
+        return self.total_tokens == 0
 
     def view(self, block: Block) -> torch.Tensor:
         """[layers, 2, capacity, kv_heads, head_dim] over the block's range (a view, no copy)."""
@@ -57,15 +95,58 @@ class Arena:
         if n_tokens:
             self.view(dst)[:, :, :n_tokens].copy_(self.view(src)[:, :, :n_tokens])
 
+    def release(self) -> None:
+        """Drop the storage (the arena can no longer view anything); the backend decides where bytes go."""
+        self.storage = self.storage.new_empty(0)
+        self.total_tokens = 0
+
+
+class NullEvent:
+    """An event on a synchronous device: always complete."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+class NullStream:
+    """A stream on a synchronous device: work submitted 'on' it has finished when the call returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> NullEvent:
+        return event if event is not None else NullEvent()
+
 
 class Backend(ABC):
-    """Device-specific operations. CPU now; CUDA and MLU implement the same methods."""
+    """Device-specific operations; CPU, CUDA and MLU implement the same methods."""
 
     name: str = "backend"
+    capabilities: Capabilities = Capabilities()
 
     @property
     @abstractmethod
     def device(self) -> torch.device: ...
+
+    # -- arenas and segments -------------------------------------------------------------------------
 
     def create_arena(self, total_tokens: int, layout: KVLayout) -> Arena:
         if total_tokens < 1:
@@ -73,9 +154,86 @@ class Backend(ABC):
         storage = torch.zeros(total_tokens * layout.elements_per_token, dtype=layout.dtype, device=self.device)
         return Arena(storage, layout, total_tokens)
 
+    def create_segment(self, total_tokens: int, layout: KVLayout) -> Arena:
+        """An additional arena (a ballooning segment); uninitialised, since blocks are written before read."""
+        if total_tokens < 1:
+            raise ConfigError(f"segment needs at least one token, got {total_tokens}")
+        storage = torch.empty(total_tokens * layout.elements_per_token, dtype=layout.dtype, device=self.device)
+        return Arena(storage, layout, total_tokens)
+
+    def free_arena(self, arena: Arena, *, return_to_driver: bool = False) -> int:
+        """Release an arena or segment; returns its bytes. The caller guarantees no live block is in it.
+        With return_to_driver the framework's cache is emptied too (other processes can then use it)."""
+        nbytes = arena.nbytes
+        arena.release()
+        if return_to_driver:
+            self.empty_cache()
+        return nbytes
+
+    def empty_cache(self) -> None:
+        """Give the framework's cached free memory back to the driver (no-op where there is no cache)."""
+
+    # -- device ↔ host -------------------------------------------------------------------------------
+
+    def host_buffer(self, n_tokens: int, layout: KVLayout) -> torch.Tensor:
+        """A host tensor [layers, 2, n_tokens, kv_heads, head_dim], page-locked when the backend can."""
+        if n_tokens < 1:
+            raise ConfigError(f"host buffer needs at least one token, got {n_tokens}")
+        shape = (layout.layers, 2, n_tokens, layout.kv_heads, layout.head_dim)
+        return torch.empty(shape, dtype=layout.dtype, device="cpu", pin_memory=self.capabilities.pinned_host)
+
+    def offload(self, arena: Arena, block: Block, n_tokens: int, out: torch.Tensor | None = None,
+                *, stream: Any = None) -> torch.Tensor:
+        """Copy the block's first n_tokens to host; returns the host tensor (`out` if given). With a stream
+        on an asynchronous backend the copy is queued on it: synchronize it before reading the result."""
+        if not 0 <= n_tokens <= block.capacity:
+            raise ConfigError(f"cannot offload {n_tokens} tokens of {block}")
+        if out is None:
+            out = self.host_buffer(max(n_tokens, 1), arena.layout)
+        if out.shape[2] < n_tokens:
+            raise ConfigError(f"host buffer holds {out.shape[2]} tokens, {n_tokens} needed")
+        with self._on(stream):
+            out[:, :, :n_tokens].copy_(arena.view(block)[:, :, :n_tokens], non_blocking=self._async(stream))
+        return out
+
+    def fetch(self, host: torch.Tensor, arena: Arena, block: Block, n_tokens: int, *, stream: Any = None) -> None:
+        """Copy host[:, :, :n_tokens] into the block's first n_tokens (the inverse of `offload`). With a
+        stream the copy is queued: keep `host` alive and synchronize before the block is read."""
+        if not 0 <= n_tokens <= min(block.capacity, host.shape[2]):
+            raise ConfigError(f"cannot fetch {n_tokens} tokens into {block} from a {host.shape[2]}-token buffer")
+        with self._on(stream):
+            arena.view(block)[:, :, :n_tokens].copy_(host[:, :, :n_tokens], non_blocking=self._async(stream))
+
+    # -- synchronisation -----------------------------------------------------------------------------
+
     @abstractmethod
     def synchronize(self) -> None: ...
 
+    def new_stream(self) -> Any:
+        return NullStream()
+
+    def current_stream(self) -> Any:
+        return NullStream()
+
+    def new_event(self) -> Any:
+        return NullEvent()
+
+    def use_stream(self, stream: Any) -> ContextManager:
+        """Context in which work is queued on `stream` (a no-op on synchronous backends)."""
+        return contextlib.nullcontext()
+
+    def _on(self, stream: Any) -> ContextManager:
+        return contextlib.nullcontext() if stream is None else self.use_stream(stream)
+
+    def _async(self, stream: Any) -> bool:
+        # only page-locked host memory makes a device↔host copy truly asynchronous
+        return stream is not None and self.capabilities.pinned_host
+
+    # -- observability -------------------------------------------------------------------------------
+
     @abstractmethod
-    def memory_info(self) -> tuple[int, int]:
-        """(free bytes, total bytes) of the device."""
+    def memory_info(self) -> MemoryInfo:
+        """Total / free bytes of the device and bytes held by this framework."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"

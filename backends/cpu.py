@@ -1,4 +1,4 @@
-"""The reference backend: host memory through torch."""
+"""The reference backend: host memory through torch (synchronous; streams and events are no-ops)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import os
 
 import torch
 
-from backends.base import Backend
+from backends.base import Backend, Capabilities, MemoryInfo
 
 
 class CPUBackend(Backend):
     name = "cpu"
+    capabilities = Capabilities()  # no VMM, no streams, no pinned memory (nothing to pin against)
 
     @property
     def device(self) -> torch.device:
@@ -19,7 +20,17 @@ class CPUBackend(Backend):
     def synchronize(self) -> None:
         pass  # CPU ops are synchronous
 
-    def memory_info(self) -> tuple[int, int]:
-        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        avail = os.sysconf("SC_AVPHYS_PAGES")
-        return avail * page_size, pages * page_size
+    def memory_info(self) -> MemoryInfo:
+        page_size = os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * page_size
+        free = os.sysconf("SC_AVPHYS_PAGES") * page_size
+        used = _process_rss_bytes()  # the process's resident set stands in for "used by the framework"
+        return MemoryInfo(total_bytes=total, free_bytes=free, framework_bytes=used, framework_reserved_bytes=used)
+
+
+def _process_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -32,6 +32,7 @@ from odma.errors import (
 )
 from odma.extents import ExtentMap
 from odma.policy import Reservation, ReservationPolicy, SizedRequest, validate_request
+from odma.pool_segments import SegmentHooks
 
 MAIN, LARGE_REGION = "main", "large"
 
@@ -119,7 +120,7 @@ class _FreeLists:
     units: int = 0
 
 
-class KVPool:
+class KVPool(SegmentHooks):
     """reserve / extend / release of contiguous blocks; thread-safe."""
 
     def __init__(
@@ -158,6 +159,10 @@ class KVPool:
         self._reserved_units = 0
         self._live_tokens = 0
         self._lock = threading.RLock()
+        # ballooning (odma.balloon): extra address ranges, ranges being drained, units held out of use
+        self._segments: dict[int, tuple[int, str]] = {}  # start unit → (units, region)
+        self._fences: dict[int, int] = {}  # start unit → units of a segment being evacuated
+        self._withheld: dict[int, int] = {}  # start unit → units neither free nor live (inside fences)
 
     @classmethod
     def from_bytes(cls, budget_bytes: int, bytes_per_token: int, policy: ReservationPolicy, **kw) -> "KVPool":
@@ -250,8 +255,9 @@ class KVPool:
             self._recycle(old)
             return new
 
-    def release(self, req: SizedRequest | str, realized_len: int) -> Block:
-        """Free the request's block and log its realized output length for the bucket manager."""
+    def release(self, req: SizedRequest | str, realized_len: int, *, observe: bool = True) -> Block:
+        """Free the request's block and log its realized output length for the bucket manager.
+        observe=False frees without logging (a preempted or cancelled request: its length is not realized)."""
         with self._lock:
             live = self._lookup(req)
             r = live.request
@@ -266,8 +272,9 @@ class KVPool:
             self._live_tokens -= live.length
             self._n.releases += 1
             self._recycle(block)
-        self.policy.observe(realized_len)
-        if self.on_release is not None:
+        if observe:
+            self.policy.observe(realized_len)
+        if observe and self.on_release is not None:
             self.on_release(r, realized_len, block)
         return block
 
@@ -334,6 +341,8 @@ class KVPool:
         return Block(top.offset, units * self.align, bucket, top.region)
 
     def _recycle(self, block: Block) -> None:
+        if self._fences and self._withhold_if_fenced(block):
+            return
         stack = self._free.lists[block.bucket]
         if len(stack) < self.free_list_limit:
             stack.append(block)
@@ -408,14 +417,22 @@ class KVPool:
                 region.check()
                 lo, hi = (0, self._main_units) if name == MAIN else (self._main_units, self._units)
                 for s, n in region.extents():
-                    assert lo <= s and s + n <= hi, f"free extent {s}+{n} outside region {name}"
+                    assert lo <= s and s + n <= hi or self._segment_of(s, n, name) is not None, (
+                        f"free extent {s}+{n} outside region {name}")
                     spans.append((s, n, "free"))
+            spans.extend((s, n, "withheld") for s, n in self._withheld.items())
+            for s, n in self._withheld.items():
+                assert any(f <= s and s + n <= f + m for f, m in self._fences.items()), f"withheld {s}+{n} unfenced"
             spans.sort()
-            pos = 0
-            for s, n, kind in spans:
-                assert s >= pos, f"overlap at unit {s} ({kind})"
-                assert s == pos, f"lost units [{pos}, {s})"
-                pos = s + n
-            assert pos == self._units, f"bytes not conserved: covered {pos} of {self._units} units"
+            i = 0
+            for lo, size in [(0, self._units)] + sorted((s, n) for s, (n, _) in self._segments.items()):
+                pos = lo
+                while i < len(spans) and spans[i][0] < lo + size:
+                    s, n, kind = spans[i]
+                    assert s >= pos, f"overlap at unit {s} ({kind})"
+                    assert s == pos, f"lost units [{pos}, {s})"
+                    pos, i = s + n, i + 1
+                assert pos == lo + size, f"bytes not conserved: covered {pos - lo} of {size} units at {lo}"
+            assert i == len(spans), f"span {spans[i] if i < len(spans) else ''} outside the address space"
             assert self._reserved_units == sum(l.block.capacity for l in self._live.values()) // self.align
             assert self._live_tokens == sum(l.length for l in self._live.values())

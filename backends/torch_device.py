@@ -1,0 +1,70 @@
+"""Accelerators that torch drives through a `torch.<kind>` module with the torch.cuda API shape
+(`synchronize`, `mem_get_info`, `memory_allocated`, `memory_reserved`, `empty_cache`, `Stream`, `Event`,
+`stream`). CUDA and Cambricon MLU (torch_mlu registers `torch.mlu`) differ only in the module name, so
+everything that runs here on CUDA is the code that would run on MLU."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, ContextManager
+
+import torch
+
+from backends.base import Backend, Capabilities, MemoryInfo
+from odma.errors import ConfigError
+
+
+class TorchDeviceBackend(Backend):
+    def __init__(self, kind: str, module: ModuleType, index: int = 0) -> None:
+        if not module.is_available():
+            raise ConfigError(f"backend {kind}:{index}: torch.{kind}.is_available() is False (no device visible)")
+        count = module.device_count()
+        if not 0 <= index < count:
+            raise ConfigError(f"backend {kind}:{index}: device index out of range ({count} device(s) visible)")
+        self.name = kind
+        self._mod = module
+        self._device = torch.device(kind, index)
+        self.capabilities = Capabilities(
+            supports_vmm=False,  # no backend maps pages yet: blocks grow by copy migration
+            supports_streams=True,
+            pinned_host=_can_pin(),
+            returns_memory_to_driver=True,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def synchronize(self) -> None:
+        self._mod.synchronize(self._device)
+
+    def empty_cache(self) -> None:
+        self._mod.empty_cache()
+
+    def new_stream(self) -> Any:
+        return self._mod.Stream(device=self._device)
+
+    def current_stream(self) -> Any:
+        return self._mod.current_stream(self._device)
+
+    def new_event(self) -> Any:
+        return self._mod.Event()
+
+    def use_stream(self, stream: Any) -> ContextManager:
+        return self._mod.stream(stream)
+
+    def memory_info(self) -> MemoryInfo:
+        free, total = self._mod.mem_get_info(self._device)
+        return MemoryInfo(
+            total_bytes=int(total),
+            free_bytes=int(free),
+            framework_bytes=int(self._mod.memory_allocated(self._device)),
+            framework_reserved_bytes=int(self._mod.memory_reserved(self._device)),
+        )
+
+
+def _can_pin() -> bool:
+    try:
+        return torch.empty(1, pin_memory=True).is_pinned()
+    except RuntimeError:  # no accelerator runtime to register page-locked memory with
+        return False

@@ -1,0 +1,152 @@
+"""Every available backend passes the same suite: CPU always, each visible CUDA device when present.
+(MLU cannot run here: tests/test_backends_errors.py pins its error message.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends import (
+    Arena, Backend, Capabilities, KVLayout, MemoryInfo, SegmentedArena, available_devices, get_backend,
+)
+from odma.allocator import Block
+from odma.errors import ConfigError
+
+DEVICES = available_devices()
+LAYOUT = KVLayout(layers=2, kv_heads=3, head_dim=4)
+
+
+@pytest.fixture(params=DEVICES)
+def backend(request) -> Backend:
+    return get_backend(request.param)
+
+
+def _fill(arena: Arena, block: Block, seed: float) -> torch.Tensor:
+    view = arena.view(block)
+    values = torch.arange(view.numel(), dtype=view.dtype, device=view.device).view_as(view) + seed
+    view.copy_(values)
+    return values
+
+
+def test_backend_identity(backend):
+    assert isinstance(backend.capabilities, Capabilities)
+    assert backend.capabilities.supports_vmm is False  # nobody maps pages yet: growth is copy migration
+    assert backend.device.type == backend.name
+
+
+def test_arena_view_is_a_view_of_one_contiguous_range(backend):
+    arena = backend.create_arena(64, LAYOUT)
+    assert arena.storage.device.type == backend.device.type and arena.total_tokens == 64
+    block = Block(offset=16, capacity=8, bucket=0)
+    view = arena.view(block)
+    assert view.shape == (2, 2, 8, 3, 4) and view.dtype == LAYOUT.dtype
+    view.fill_(7.0)
+    e = LAYOUT.elements_per_token
+    assert torch.all(arena.storage[16 * e : 24 * e] == 7.0)
+    assert torch.all(arena.storage[: 16 * e] == 0) and torch.all(arena.storage[24 * e :] == 0)
+    with pytest.raises(ConfigError):
+        arena.view(Block(offset=60, capacity=8, bucket=0))
+
+
+def test_migration_copy_moves_first_n_tokens_only(backend):
+    arena = backend.create_arena(64, LAYOUT)
+    src, dst = Block(0, 16, 0), Block(32, 32, 1)
+    values = _fill(arena, src, 1.0)
+    arena.copy(src, dst, 10)
+    assert torch.equal(arena.view(dst)[:, :, :10], values[:, :, :10])
+    assert torch.all(arena.view(dst)[:, :, 10:] == 0)
+    assert torch.equal(arena.view(src), values)  # the source is untouched
+    with pytest.raises(ConfigError):
+        arena.copy(src, dst, 17)
+
+
+def test_segments_allocate_and_free(backend):
+    seg = backend.create_segment(32, LAYOUT)
+    assert seg.total_tokens == 32 and seg.nbytes == 32 * LAYOUT.bytes_per_token
+    assert backend.free_arena(seg) == 32 * LAYOUT.bytes_per_token
+    assert seg.released and seg.nbytes == 0
+    with pytest.raises(ConfigError):
+        seg.view(Block(0, 16, 0))
+    backend.free_arena(backend.create_segment(16, LAYOUT), return_to_driver=True)
+    with pytest.raises(ConfigError):
+        backend.create_segment(0, LAYOUT)
+
+
+def test_segmented_arena_views_and_copies_across_segments(backend):
+    seg = SegmentedArena(LAYOUT)
+    seg.add(0, backend.create_arena(32, LAYOUT))
+    seg.add(48, backend.create_segment(32, LAYOUT))  # a 16-token gap between the two
+    a, b = Block(8, 16, 0), Block(56, 24, 0)
+    values = _fill(seg, a, 3.0)  # type: ignore[arg-type]
+    seg.copy(a, b, 16)
+    assert torch.equal(seg.view(b)[:, :, :16], values)
+    for bad in (Block(24, 16, 0), Block(32, 16, 0), Block(72, 16, 0)):  # spans, in the gap, past the end
+        with pytest.raises(ConfigError):
+            seg.view(bad)
+    with pytest.raises(ConfigError):
+        seg.add(40, backend.create_segment(16, LAYOUT))  # overlaps the second segment
+    arena = seg.remove(48)
+    assert backend.free_arena(arena) > 0 and [base for base, _ in seg.segments()] == [0]
+    with pytest.raises(ConfigError):
+        seg.remove(48)
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_offload_then_fetch_round_trips(backend, use_stream):
+    arena = backend.create_arena(64, LAYOUT)
+    src, dst = Block(0, 32, 0), Block(32, 32, 0)
+    values = _fill(arena, src, 5.0)
+    stream = backend.new_stream() if use_stream else None
+    if stream is not None:
+        stream.wait_stream(backend.current_stream())  # the fill above ran on the current stream
+    host = backend.offload(arena, src, 20, stream=stream)
+    if stream is not None:
+        stream.synchronize()
+    assert host.device.type == "cpu" and host.shape == (2, 2, 20, 3, 4)
+    assert host.is_pinned() == backend.capabilities.pinned_host
+    assert torch.equal(host, values[:, :, :20].cpu())
+    backend.fetch(host, arena, dst, 20, stream=stream)
+    if stream is not None:
+        stream.synchronize()
+    backend.synchronize()
+    assert torch.equal(arena.view(dst)[:, :, :20], values[:, :, :20])
+    assert torch.all(arena.view(dst)[:, :, 20:] == 0)
+
+
+def test_offload_into_a_given_buffer_and_bad_sizes(backend):
+    arena = backend.create_arena(32, LAYOUT)
+    block = Block(0, 16, 0)
+    values = _fill(arena, block, 2.0)
+    buf = backend.host_buffer(16, LAYOUT)
+    assert backend.offload(arena, block, 16, out=buf) is buf and torch.equal(buf, values.cpu())
+    with pytest.raises(ConfigError):
+        backend.offload(arena, block, 17)
+    with pytest.raises(ConfigError):
+        backend.offload(arena, block, 16, out=backend.host_buffer(8, LAYOUT))
+    with pytest.raises(ConfigError):
+        backend.fetch(backend.host_buffer(8, LAYOUT), arena, block, 9)
+
+
+def test_streams_and_events(backend):
+    stream, event = backend.new_stream(), backend.new_event()
+    with backend.use_stream(stream):
+        x = torch.ones(8, device=backend.device) * 2
+        event.record(stream)
+    event.synchronize()
+    assert event.query() and stream.query()
+    backend.synchronize()
+    assert float(x.sum()) == 16.0
+
+
+def test_memory_info(backend):
+    info = backend.memory_info()
+    assert isinstance(info, MemoryInfo)
+    assert info.total_bytes > 0 and 0 <= info.free_bytes <= info.total_bytes
+    assert 0 <= info.framework_bytes <= info.framework_reserved_bytes
+    free, total = info  # the old (free, total) tuple still unpacks
+    assert (free, total) == (info.free_bytes, info.total_bytes)
+    if backend.name != "cpu":  # a 64 MiB arena shows up in the framework's bytes
+        before = backend.memory_info().framework_bytes
+        arena = backend.create_arena((64 << 20) // LAYOUT.bytes_per_token, LAYOUT)
+        assert backend.memory_info().framework_bytes >= before + arena.nbytes
+        backend.free_arena(arena)
