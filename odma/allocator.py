@@ -64,7 +64,7 @@ class _Live:
 
 @dataclass(slots=True)
 class PoolStats:
-    total_tokens: int
+    total_tokens: int  # what the pool can hand out now (ballooned segments included)
     bytes_per_token: int
     main_tokens: int
     large_tokens: int
@@ -178,8 +178,19 @@ class KVPool(SegmentHooks):
 
     @property
     def max_request_tokens(self) -> int:
-        """The largest block this pool can ever hand out (prompt + output tokens)."""
-        return max(self._main_units, self._large_units) * self.align
+        """The largest block this pool can hand out (prompt + output tokens): its largest contiguous range."""
+        return self._largest_range_units() * self.align
+
+    def _largest_range_units(self, region: str | None = None) -> int:
+        """Largest contiguous address range (of `region`, or any), segments being drained excluded."""
+        ranges = [] if region == LARGE_REGION else [self._main_units]
+        if region != MAIN:
+            ranges.append(self._large_units)
+        ranges += [n for s, (n, r) in self._segments.items() if s not in self._fences and region in (None, r)]
+        return max(ranges)
+
+    def _segment_units(self, region: str) -> int:
+        return sum(n for n, r in self._segments.values() if r == region)
 
     def _units_for(self, tokens: int) -> int:
         return -(-tokens // self.align)
@@ -194,7 +205,7 @@ class KVPool(SegmentHooks):
                 raise DuplicateRequestError(f"request {req.request_id} already holds a block")
             res = self.policy.initial(req)
             units = self._units_for(req.prompt_tokens + res.output_tokens)
-            if res.bucket != LARGE and units > self._main_units:
+            if res.bucket != LARGE and units > self._largest_range_units(MAIN):
                 res = Reservation(res.output_tokens, LARGE)  # only the large bucket can hold it
             # Admit only what can always finish: prompt + max_new_tokens must fit one block of the pool.
             worst = req.prompt_tokens + req.max_new_tokens
@@ -232,7 +243,7 @@ class KVPool(SegmentHooks):
                 return old
             res = self.policy.grow(r, new_len - r.prompt_tokens, live.reservation)
             units = self._units_for(r.prompt_tokens + max(res.output_tokens, new_len - r.prompt_tokens))
-            units = min(units, max(self._main_units, self._large_units))
+            units = min(units, self._largest_range_units())
             if units * self.align < new_len:
                 raise RequestTooLargeError(f"request {r.request_id}: {new_len} tokens exceed the largest block")
             new = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=True)
@@ -377,10 +388,10 @@ class KVPool(SegmentHooks):
             free_units = sum(r.free_units for r in self._regions.values()) + cached
             n = self._n
             return PoolStats(
-                total_tokens=self.total_tokens,
+                total_tokens=self.capacity_tokens,  # segments included, units being drained excluded
                 bytes_per_token=self.bytes_per_token,
-                main_tokens=self._main_units * self.align,
-                large_tokens=self._large_units * self.align,
+                main_tokens=(self._main_units + self._segment_units(MAIN)) * self.align,
+                large_tokens=(self._large_units + self._segment_units(LARGE_REGION)) * self.align,
                 live_blocks=len(self._live),
                 live_blocks_per_bucket=dict(per_bucket),
                 reserved_tokens=self._reserved_units * self.align,

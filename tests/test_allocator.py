@@ -240,3 +240,21 @@ def test_stats_report_fragmentation():
     assert s.free_tokens == 64 and s.largest_free_extent_tokens == 32
     assert s.external_fragmentation == pytest.approx(0.5)
     assert s.reserved_tokens == 96 and s.live_tokens == 48
+
+
+def test_segments_count_in_sizes_and_stats_until_drained():
+    pool = KVPool(256, StaticPolicy(), large_share=0.0, align=16)  # 16 units
+    assert pool.max_request_tokens == 256
+    with pytest.raises(RequestTooLargeError):
+        pool.reserve(KVRequest("big", 100, 300))
+    pool.add_segment(100, 32)  # 512 tokens, apart from the base range
+    assert pool.max_request_tokens == 512 and pool.stats().total_tokens == 768
+    assert pool.stats().main_tokens == 768 and pool.stats().free_tokens == 768
+    big = pool.reserve(KVRequest("big", 100, 300))
+    assert big.offset == 100 * 16  # only the segment can hold it
+    pool.release("big", 300)
+    pool.fence(100)
+    assert pool.max_request_tokens == 256  # a segment being drained no longer counts
+    assert pool.remove_segment(100) == 512
+    assert pool.stats().total_tokens == 256
+    pool.check_invariants()
