@@ -36,7 +36,8 @@ class BucketConfig:
     min_samples: int = 64  # fewer than this: keep the bootstrap bounds
     refresh_every_n: int = 256  # completions between refreshes
     refresh_every_s: float = 30.0  # or seconds, whichever comes first
-    method: str = "quantile"  # "quantile" (equal occupancy) or "optimal" (min expected reserved tokens)
+    # "optimal" (min expected reserved tokens, DP) beat "quantile" (equal occupancy) on every replayed trace
+    method: str = "optimal"
     large_bound: int = 2048  # output tokens the large bucket reserves (the max_new_tokens cap)
     alpha: float = 0.0  # inflation: reserve for L̂·(1 + alpha·u)
     tau: float = math.inf  # u above this goes straight to the large bucket
@@ -65,9 +66,12 @@ class PoolConfig:
     """The KV pool of one device."""
 
     budget_bytes: int = 256 << 20
-    large_share: float = 0.1  # share of the pool held back for uncertain and overflowing requests
+    # share held back for uncertain and overflowing requests; 0 by default: it never helped in the replays
+    large_share: float = 0.0
     align: int = 16  # block capacities and offsets are multiples of this many tokens
     growth: str = "next"  # what a request that outgrows its block migrates to: next | large | double
+    # reserve for reserve_scale·L̂ and grow by migration: 0.5 won the replays (docs/analyze.md)
+    reserve_scale: float = 0.5
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
@@ -76,6 +80,8 @@ class PoolConfig:
             raise ConfigError(f"large_share must be in [0, 1), got {self.large_share}")
         if self.align < 1:
             raise ConfigError(f"align must be >= 1, got {self.align}")
+        if not (0 < self.reserve_scale < math.inf):
+            raise ConfigError(f"reserve_scale must be a positive number, got {self.reserve_scale}")
         if self.growth not in GROWTH_POLICIES:
             raise ConfigError(f"growth must be one of {GROWTH_POLICIES}, got {self.growth!r}")
 

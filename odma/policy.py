@@ -85,17 +85,23 @@ class StaticPolicy(ReservationPolicy):
 class BucketPolicy(ReservationPolicy):
     """Predicted length → bucket (dynamic quantile buckets for odma, static equal-width ones for S3)."""
 
-    def __init__(self, buckets: BucketManager, growth: str = "next", name: str = "odma") -> None:
+    def __init__(
+        self, buckets: BucketManager, growth: str = "next", name: str = "odma", reserve_scale: float = 1.0
+    ) -> None:
         if growth not in GROWTH_POLICIES:
             raise ConfigError(f"growth must be one of {GROWTH_POLICIES}, got {growth!r}")
+        if not (0 < reserve_scale < math.inf):
+            raise ConfigError(f"reserve_scale must be a positive number, got {reserve_scale}")
         self.buckets = buckets
         self.growth = growth
         self.name = name
+        # < 1: reserve for part of L̂ and grow by migration (cheap contiguous copies) when it is exceeded
+        self.reserve_scale = reserve_scale
 
     def initial(self, req: SizedRequest) -> Reservation:
         if req.predicted_tokens is None:  # no prediction: only the large bucket is safe
             return Reservation(req.max_new_tokens, LARGE)
-        choice = self.buckets.select(req.predicted_tokens, req.uncertainty)
+        choice = self.buckets.select(req.predicted_tokens * self.reserve_scale, req.uncertainty)
         return Reservation(min(req.max_new_tokens, choice.bound), choice.index)
 
     def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:

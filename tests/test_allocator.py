@@ -258,3 +258,10 @@ def test_segments_count_in_sizes_and_stats_until_drained():
     assert pool.remove_segment(100) == 512
     assert pool.stats().total_tokens == 256
     pool.check_invariants()
+
+
+def test_reserve_scale_reserves_part_of_the_prediction_and_grows():
+    pool = KVPool(4096, BucketPolicy(BucketManager.fixed((32, 64, 128), 256), reserve_scale=0.5), align=1)
+    block = pool.reserve(KVRequest("a", 10, 256, predicted_tokens=100))  # 50 → the 64 bucket
+    assert block.capacity == 10 + 64
+    assert pool.extend("a", 10 + 65).capacity == 10 + 128  # grows into the next bucket

@@ -79,7 +79,9 @@ def test_select_rejects_bad_input(bad):
 
 
 def test_refresh_follows_the_window_and_bumps_version():
-    cfg = BucketConfig(max_buckets=4, align=1, window=100, min_samples=10, refresh_every_n=50, large_bound=5000)
+    cfg = BucketConfig(
+        max_buckets=4, align=1, window=100, min_samples=10, refresh_every_n=50, large_bound=5000, method="quantile"
+    )
     bm = BucketManager(cfg, bootstrap=list(range(1, 101)))
     assert bm.bounds == (25, 50, 75, 100) and bm.version == 1
     for x in range(1000, 1100):

@@ -1,0 +1,1 @@
+"""odma-analyze: offline replay of traces through the real pool, and bucket-boundary analysis."""
