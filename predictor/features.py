@@ -1,0 +1,87 @@
+"""Cheap request metadata → a fixed-size float vector; every field may be absent.
+
+Layout: log prompt length (always known), then a presence flag and a value for each numeric field, then a
+one-hot block per categorical field over the values seen in training (all zeros when absent or unseen).
+Absent metadata is therefore an all-zero block, which training also shows the model (metadata dropout), so a
+request without metadata is in-distribution rather than a surprise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+CATEGORICAL_FIELDS = ("type", "system_prompt_id", "generator")
+NUMERIC_FIELDS = ("temperature", "depth")
+PROMPT_SCALE = 8.0  # log1p(prompt tokens) / 8 keeps the value near [0, 1.5]
+
+
+def prompt_tokens_of(request: Any) -> int:
+    n = getattr(request, "prompt_tokens", None)
+    if n is None:  # no count given: a rough estimate beats nothing
+        return len(getattr(request, "prompt", None) or "") // 4
+    return int(n)
+
+
+@dataclass(frozen=True)
+class MetadataEncoder:
+    """Knows which categorical values it saw in training; `size` is fixed once fitted."""
+
+    vocab: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, requests: Sequence[Any], min_count: int = 5, max_values: int = 16) -> "MetadataEncoder":
+        vocab = {}
+        for name in CATEGORICAL_FIELDS:
+            counts = Counter(v for r in requests if (v := getattr(r, name, None)) is not None)
+            common = [v for v, c in counts.most_common(max_values) if c >= min_count]
+            # One value seen everywhere carries no signal inside this trace; keep it only if mixed.
+            if len(common) >= 2 or (common and sum(counts.values()) < len(requests)):
+                vocab[name] = sorted(common)
+        return cls(vocab)
+
+    @property
+    def size(self) -> int:
+        return 1 + 2 * len(NUMERIC_FIELDS) + sum(len(v) for v in self.vocab.values())
+
+    def encode(self, requests: Sequence[Any]) -> np.ndarray:
+        out = np.zeros((len(requests), self.size), dtype=np.float32)
+        for i, r in enumerate(requests):
+            out[i, 0] = math.log1p(max(prompt_tokens_of(r), 0)) / PROMPT_SCALE
+            col = 1
+            temperature = getattr(r, "temperature", None)
+            if temperature is not None:
+                out[i, col], out[i, col + 1] = 1.0, float(temperature)
+            col += 2
+            depth = getattr(r, "depth", None)
+            if depth is not None:
+                out[i, col], out[i, col + 1] = 1.0, math.log1p(max(int(depth), 0))
+            col += 2
+            for name in CATEGORICAL_FIELDS:
+                values = self.vocab.get(name)
+                if not values:
+                    continue
+                v = getattr(r, name, None)
+                if v in values:
+                    out[i, col + values.index(v)] = 1.0
+                col += len(values)
+        return out
+
+    def to_json(self) -> dict:
+        return {"vocab": self.vocab}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MetadataEncoder":
+        return cls({k: list(v) for k, v in data.get("vocab", {}).items()})
+
+
+def drop_metadata(meta: np.ndarray, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Training augmentation: blank all optional metadata of a random share of rows (prompt length stays)."""
+    out = meta.copy()
+    rows = rng.random(len(out)) < rate
+    out[rows, 1:] = 0.0
+    return out

@@ -1,0 +1,72 @@
+"""Calibration meets its under-prediction target where the truth is known, and matches the allocator."""
+
+import math
+
+import numpy as np
+import pytest
+
+from odma.buckets import BucketManager, quantile_bounds
+from odma.errors import ConfigError
+from predictor.calibration import calibrate, conformal_alpha, coverage_scores, reserved_bounds
+
+CAP = 2048
+
+
+def synthetic(n: int, seed: int):
+    """Realized length = predicted median · lognormal noise whose spread the uncertainty reports."""
+    rng = np.random.default_rng(seed)
+    pred = np.exp(rng.uniform(2.0, 6.0, n))
+    unc = rng.uniform(0.05, 1.0, n)
+    realized = np.minimum(np.ceil(pred * np.exp(rng.normal(0.0, 0.8 * unc))), CAP)
+    return pred, unc, realized
+
+
+@pytest.fixture(scope="module")
+def bounds():
+    _, _, realized = synthetic(4000, 99)
+    return quantile_bounds(realized.astype(int).tolist(), 8, 16, cap=CAP)
+
+
+@pytest.mark.parametrize("target", [0.02, 0.05, 0.10])
+def test_calibrated_rate_meets_target_on_fresh_data(bounds, target):
+    point = calibrate(*synthetic(3000, 1), bounds, CAP, target=target)
+    assert point.underprediction_rate <= target
+    pred, unc, realized = synthetic(20000, 2)  # same distribution, new draws
+    reserved = reserved_bounds(pred, unc, bounds, CAP, point.alpha, point.tau)
+    rate = float(np.mean(realized > reserved))
+    assert abs(rate - target) < 0.012, rate  # conformal: near the target, not far below it
+
+
+def test_tighter_target_reserves_more(bounds):
+    loose = calibrate(*synthetic(3000, 3), bounds, CAP, target=0.10)
+    tight = calibrate(*synthetic(3000, 3), bounds, CAP, target=0.01)
+    assert tight.overreservation > loose.overreservation
+
+
+def test_vectorised_reservation_is_what_the_bucket_manager_selects(bounds):
+    pred, unc, _ = synthetic(500, 4)
+    for alpha, tau in [(0.0, math.inf), (1.7, 0.6), (5.0, 0.9)]:
+        manager = BucketManager.fixed(bounds, CAP, alpha=alpha, tau=tau)
+        expected = [manager.select(float(p), float(u)).bound for p, u in zip(pred, unc)]
+        assert reserved_bounds(pred, unc, bounds, CAP, alpha, tau).tolist() == expected
+
+
+def test_coverage_score_is_the_smallest_covering_alpha(bounds):
+    pred, unc, realized = synthetic(300, 5)
+    scores = coverage_scores(pred, unc, realized, bounds, math.inf)
+    for p, u, y, s in zip(pred, unc, realized, scores):
+        assert math.isfinite(s)
+        manager = BucketManager.fixed(bounds, CAP, alpha=s)
+        assert manager.select(float(p), float(u)).bound >= y
+        if s > 1e-3:  # a little less inflation no longer covers it
+            assert BucketManager.fixed(bounds, CAP, alpha=s * 0.99).select(float(p), float(u)).bound < y
+
+
+def test_conformal_alpha_needs_enough_samples():
+    assert conformal_alpha(np.arange(10.0), 0.02) == math.inf
+    assert conformal_alpha(np.arange(100.0), 0.05) == 95.0  # rank ⌈101 · 0.95⌉ = 96
+
+
+def test_bad_target_is_a_config_error(bounds):
+    with pytest.raises(ConfigError):
+        calibrate(*synthetic(10, 6), bounds, CAP, target=0.0)

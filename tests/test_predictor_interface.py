@@ -1,0 +1,73 @@
+"""load_predictor specs, the experiment-only oracles, the scikit-learn baseline, clear errors."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from odma.errors import PredictorError
+from odma.traces import load_trace
+from predictor import Prediction, load_predictor
+from predictor.base import Calibration, Manifest
+from predictor.oracle import NoisyOraclePredictor, OraclePredictor
+from predictor.sklearn_baseline import SklearnPredictor
+
+FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "predictor_tiny.jsonl"
+
+
+def test_oracle_and_noisy_oracle():
+    reqs = [SimpleNamespace(request_id=f"r{i}", prompt="x", output_tokens=n) for i, n in enumerate([5, 50, 500])]
+    expected = [Prediction(5.0, 0.0), Prediction(50.0, 0.0), Prediction(500.0, 0.0)]
+    assert load_predictor("oracle").predict(reqs) == expected
+    noisy = load_predictor("noisy-oracle:0.5")
+    first, again = noisy.predict(reqs), noisy.predict(reqs)
+    assert first == again  # deterministic per request id
+    assert all(0 <= p.uncertainty <= 1 for p in first)
+    assert NoisyOraclePredictor(0.0).predict(reqs)[1] == Prediction(50.0, 0.0)
+    with pytest.raises(PredictorError):
+        OraclePredictor().predict([SimpleNamespace(prompt="x", output_tokens=None)])
+
+
+@pytest.mark.parametrize("spec", ["noisy-oracle:abc", "/no/such/folder", "not-a-predictor"])
+def test_bad_specs_raise_predictor_error(spec):
+    with pytest.raises(PredictorError):
+        load_predictor(spec)
+
+
+def test_corrupt_manifest(tmp_path):
+    (tmp_path / "predictor.json").write_text("{not json")
+    with pytest.raises(PredictorError, match="corrupt"):
+        load_predictor(str(tmp_path))
+    (tmp_path / "predictor.json").write_text(json.dumps({"format_version": 1, "kind": "mystery"}))
+    with pytest.raises(PredictorError, match="unknown predictor kind"):
+        load_predictor(str(tmp_path))
+
+
+def test_sklearn_round_trip(tmp_path):
+    trace = load_trace(str(FIXTURE))
+    y = np.array(trace.output_lengths())
+    model = SklearnPredictor.fit(trace.records, y, (16, 64, 256, 1024))
+    cal = Calibration((16, 64, 256, 1024), 2048, alpha=1.5, tau=0.9, target=0.05)
+    model.save(tmp_path, Manifest("sklearn", cal, {}))
+    loaded = load_predictor(str(tmp_path))
+    assert loaded.calibration == cal
+    preds = loaded.predict(trace.records)
+    assert preds == model.predict(trace.records) and len(preds) == len(trace)
+    assert all(p.length >= 1 and 0 <= p.uncertainty <= 1 for p in preds)
+    # the fixture's long/short prompts are learnable even from hand-made features
+    long = np.mean([p.length for p, r in zip(preds, trace.records) if r.output_tokens > 300])
+    short = np.mean([p.length for p, r in zip(preds, trace.records) if r.output_tokens < 20])
+    assert long > 5 * short
+    (tmp_path / "model.joblib").write_bytes(b"garbage")
+    with pytest.raises(PredictorError, match="corrupt"):
+        load_predictor(str(tmp_path))
+
+
+def test_committed_default_predictors_load_offline():
+    for spec in ("sklearn", "default"):
+        p = load_predictor(spec)
+        out = p.predict([SimpleNamespace(prompt="Write a long essay about the sea.", prompt_tokens=20)])
+        assert len(out) == 1 and out[0].length > 0 and 0 <= out[0].uncertainty <= 1
+        assert p.calibration is not None and p.calibration.target is not None

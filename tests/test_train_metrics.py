@@ -1,0 +1,50 @@
+"""Report metrics on cases whose answers are known by hand."""
+
+import math
+
+import numpy as np
+
+from predictor.base import Calibration, Prediction
+from training.data import TrainStats, bucket_index
+from training.metrics import evaluate
+
+BOUNDS = (64, 128, 256, 512)
+
+
+def stats():
+    train = np.array([10, 20, 30, 100, 200, 300, 400, 500, 600, 1500])
+    return TrainStats.from_lengths(train, cap=2048, target=0.1)
+
+
+def test_oracle_is_perfect():
+    y = np.array([5, 70, 200, 400, 900])
+    cal = Calibration(BOUNDS, 2048, alpha=0.0, tau=math.inf, target=0.02)
+    r = evaluate([Prediction(float(v), 0.0) for v in y], y, cal, stats())
+    assert r["mae_tokens"] == 0 and r["bucket_accuracy"] == 1.0 and r["s3_bucket_accuracy"] == 1.0
+    assert r["underprediction_rate"] == 0.0 and r["spearman"] == 1.0
+    # reserved: 64, 128, 256, 512, 2048 (900 overflows every bucket: the large one)
+    assert r["mean_overreservation"] == round((64 + 128 + 256 + 512 + 2048) / y.sum(), 4)
+
+
+def test_underprediction_and_baselines():
+    y = np.array([100, 100, 100, 100])
+    cal = Calibration(BOUNDS, 2048, alpha=0.0, tau=math.inf, target=0.02)
+    r = evaluate([Prediction(50.0, 0.5)] * 4, y, cal, stats())
+    assert r["underprediction_rate"] == 1.0  # reserved 64 < 100
+    assert r["mae_tokens"] == 50 and r["median_mae_tokens"] == abs(250 - 100)
+    assert r["spearman"] is None  # constant predictions have no rank correlation
+
+
+def test_alpha_and_tau_are_applied():
+    y = np.array([100])
+    lifted = evaluate([Prediction(50.0, 1.0)], y, Calibration(BOUNDS, 2048, alpha=2.0), stats())
+    assert lifted["underprediction_rate"] == 0.0  # 50 · (1 + 2·1) = 150 → bucket 256
+    large = evaluate([Prediction(50.0, 0.9)], y, Calibration(BOUNDS, 2048, tau=0.5), stats())
+    assert large["large_bucket_share"] == 1.0
+
+
+def test_bucket_index_and_stats():
+    assert bucket_index([1, 64, 65, 600], BOUNDS).tolist() == [0, 0, 1, 4]
+    s = stats()
+    assert s.s3_bounds[0] == 205 and len(s.s3_bounds) == 10
+    assert TrainStats.from_json(s.to_json()) == s

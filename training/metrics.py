@@ -1,0 +1,70 @@
+"""report.json metrics: the predictor against its trivial baselines, on one split."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+from scipy.stats import pearsonr, spearmanr
+
+from predictor.base import Calibration, Prediction
+from training.data import TrainStats, bucket_index
+
+
+def _safe_corr(fn, a: np.ndarray, b: np.ndarray) -> float | None:
+    if len(a) < 3 or np.all(a == a[0]) or np.all(b == b[0]):
+        return None
+    return round(float(fn(a, b)[0]), 4)
+
+
+def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Calibration, stats: TrainStats,
+             s3_baseline_buckets: np.ndarray | None = None) -> dict:
+    """All metrics of the issue; `realized` is capped at the large bound (what a server can generate)."""
+    y = np.asarray(realized, dtype=np.float64)
+    length = np.array([p.length for p in preds], dtype=np.float64)
+    unc = np.array([p.uncertainty for p in preds], dtype=np.float64)
+    manager = calibration.bucket_manager()
+    reserved = np.array([manager.select(float(a), float(b)).bound for a, b in zip(length, unc)], dtype=np.float64)
+    plain = calibration.bucket_manager()
+    plain.alpha, plain.tau = 0.0, math.inf
+    ours_bucket = np.array([plain.select(float(a)).index for a in length])
+    ours_bucket = np.where(ours_bucket < 0, len(calibration.bounds), ours_bucket)  # LARGE sorts last
+    true_bucket = bucket_index(y, calibration.bounds)
+    true_s3 = bucket_index(y, stats.s3_bounds)
+    constant = stats.constant_bound
+    realized_total = max(y.sum(), 1.0)
+    per_request = reserved / np.maximum(y, 1.0)
+    report = {
+        "n": int(len(y)),
+        "bucket_accuracy": round(float(np.mean(ours_bucket == true_bucket)), 4),
+        "majority_bucket_accuracy": round(float(np.mean(true_bucket == stats.majority_bucket)), 4),
+        "n_buckets": len(calibration.bounds),
+        "bucket_bounds": list(calibration.bounds),
+        "s3_bucket_accuracy": round(float(np.mean(bucket_index(length, stats.s3_bounds) == true_s3)), 4),
+        "majority_s3_bucket_accuracy": round(float(np.mean(true_s3 == stats.majority_s3_bucket)), 4),
+        "baseline_s3_bucket_accuracy": (round(float(np.mean(s3_baseline_buckets == true_s3)), 4)
+                                        if s3_baseline_buckets is not None else None),
+        "s3_buckets": {"count": len(stats.s3_bounds), "width_tokens": round(stats.cap / len(stats.s3_bounds), 1),
+                       "bounds": list(stats.s3_bounds)},
+        "mae_tokens": round(float(np.mean(np.abs(length - y))), 2),
+        "median_mae_tokens": round(float(np.mean(np.abs(stats.median_length - y))), 2),
+        "spearman": _safe_corr(spearmanr, length, y),
+        "pearson_log": _safe_corr(pearsonr, np.log1p(length), np.log1p(y)),
+        "underprediction_rate": round(float(np.mean(y > reserved)), 4),
+        "underprediction_target": calibration.target,
+        # Tokens the allocator holds per token actually generated (what pool capacity pays for).
+        "mean_overreservation": round(float(reserved.sum() / realized_total), 4),
+        "mean_overreservation_per_request": round(float(np.mean(per_request)), 4),
+        "constant_reservation_tokens": constant,
+        "constant_underprediction_rate": round(float(np.mean(y > constant)), 4),
+        "constant_mean_overreservation": round(float(len(y) * constant / realized_total), 4),
+        "static_mean_overreservation": round(float(len(y) * calibration.large_bound / realized_total), 4),
+        "large_bucket_share": round(float(np.mean(reserved >= calibration.large_bound)), 4),
+        "mean_uncertainty": round(float(unc.mean()), 4) if len(unc) else None,
+        "alpha": round(calibration.alpha, 4),
+        "tau": None if math.isinf(calibration.tau) else round(calibration.tau, 4),
+        "large_bound": calibration.large_bound,
+    }
+    return report
+
