@@ -126,7 +126,8 @@ class BucketManager:
         self._since_refresh = 0
         self._last_refresh = time.monotonic()
         self._dynamic = True
-        self._bounds: tuple[int, ...] = default_bounds(self.config)
+        self._large_choice = BucketChoice(LARGE, self.config.large_bound)
+        self._bounds = default_bounds(self.config)
         self.version = 0
         self.refreshes = 0
         self._thread: threading.Thread | None = None
@@ -155,7 +156,15 @@ class BucketManager:
 
     @property
     def bounds(self) -> tuple[int, ...]:
-        return self._bounds
+        return self._state[0]
+
+    @property
+    def _bounds(self) -> tuple[int, ...]:
+        return self._state[0]
+
+    @_bounds.setter
+    def _bounds(self, bounds: tuple[int, ...]) -> None:
+        self._state = (bounds, tuple(BucketChoice(i, b) for i, b in enumerate(bounds)))
 
     @property
     def large_bound(self) -> int:
@@ -168,7 +177,7 @@ class BucketManager:
         if not math.isfinite(uncertainty) or uncertainty < 0:
             raise InvalidRequestError(f"uncertainty must be a finite number >= 0, got {uncertainty}")
         if uncertainty > self.tau:
-            return BucketChoice(LARGE, self.config.large_bound)
+            return self._large_choice
         return self._first_at_least(predicted * (1.0 + self.alpha * uncertainty))
 
     def next_above(self, needed: int) -> BucketChoice:
@@ -176,11 +185,11 @@ class BucketManager:
         return self._first_at_least(needed)
 
     def _first_at_least(self, target: float) -> BucketChoice:
-        bounds = self._bounds  # one read: a concurrent refresh swaps the whole tuple
+        bounds, choices = self._state  # one read: a concurrent refresh swaps both at once
         i = bisect.bisect_left(bounds, target)
         if i == len(bounds):
-            return BucketChoice(LARGE, self.config.large_bound)
-        return BucketChoice(i, bounds[i])
+            return self._large_choice
+        return choices[i]  # prebuilt: no allocation on the hot path
 
     def observe(self, realized_len: int) -> None:
         with self._lock:

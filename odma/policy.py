@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-from odma.buckets import LARGE, BucketManager
+from odma.buckets import LARGE, BucketChoice, BucketManager
 from odma.config import GROWTH_POLICIES
 from odma.errors import ConfigError, InvalidRequestError
 
@@ -97,12 +97,20 @@ class BucketPolicy(ReservationPolicy):
         self.name = name
         # < 1: reserve for part of L̂ and grow by migration (cheap contiguous copies) when it is exceeded
         self.reserve_scale = reserve_scale
+        self._reservations: dict[BucketChoice, Reservation] = {}
 
     def initial(self, req: SizedRequest) -> Reservation:
         if req.predicted_tokens is None:  # no prediction: only the large bucket is safe
             return Reservation(req.max_new_tokens, LARGE)
         choice = self.buckets.select(req.predicted_tokens * self.reserve_scale, req.uncertainty)
-        return Reservation(min(req.max_new_tokens, choice.bound), choice.index)
+        if choice.bound <= req.max_new_tokens:  # the common case: one shared object per bucket choice
+            res = self._reservations.get(choice)
+            if res is None:
+                res = self._reservations[choice] = Reservation(choice.bound, choice.index)
+                if len(self._reservations) > 1024:  # bounds drift: keep the cache small
+                    self._reservations.clear()
+            return res
+        return Reservation(req.max_new_tokens, choice.index)
 
     def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
         return _grow_by(self.growth, req, needed_output, current, self.buckets)
