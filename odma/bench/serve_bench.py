@@ -1,0 +1,236 @@
+"""`odma-bench serve`: replay a trace against an OpenAI-compatible server with real HTTP calls.
+
+Each request is a streaming chat completion of a trace prompt (same sampling for every policy, a per-request
+seed so every run generates the same tokens). Reports throughput (completion tokens / makespan), TTFT and
+TPOT percentiles, completed / errors / lost, the server's migrations and preemptions, and the peak number
+of running requests. `--start-server` starts odma-serve in-process (`--policy`, `--kv-budget`...);
+`--baseline hf` instead runs transformers `generate` in static batches over the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--start-server", action="store_true", help="start odma-serve in this process")
+    p.add_argument("--trace", default="nq", help="trace spec (odma.traces.load_trace)")
+    p.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (inf: all at once)")
+    p.add_argument("--num", type=int, default=64, help="requests to send")
+    p.add_argument("--seed", type=int, default=0, help="selects the prompts and the arrival times")
+    p.add_argument("--max-tokens", type=int, default=512, help="max_tokens of every request (the length cap)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    # --start-server / --baseline hf
+    p.add_argument("--policy", default="odma", choices=["odma", "static", "s3"])
+    p.add_argument("--kv-budget", default="160MiB")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--preempt", default="wait", choices=["wait", "recompute"])
+    p.add_argument("--predictor", default="default")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--length-log", default="", help="JSONL of realized lengths for the started server ('' = none)")
+    p.add_argument("--baseline", default=None, choices=["hf"], help="run transformers generate instead of a server")
+    p.add_argument("--hf-batch", type=int, default=48)
+    p.add_argument("--out", default=None, help="also write the result JSON here")
+
+
+def _pick(trace_spec: str, num: int, seed: int) -> list:
+    from odma.traces import load_trace
+
+    records = [r for r in load_trace(trace_spec).records if r.prompt]
+    if num > len(records):
+        raise SystemExit(f"trace {trace_spec!r} has {len(records)} prompts, fewer than --num {num}")
+    return random.Random(seed).sample(records, num)
+
+
+def _req_seed(request_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "little")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+async def _one(client, url: str, rec, args, start_at: float, t0: float, out: dict) -> None:
+    await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
+    body = {"model": args.model, "messages": [{"role": "user", "content": rec.prompt}], "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "top_p": args.top_p, "seed": _req_seed(rec.request_id), "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first = None
+    tokens = None
+    finish = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=args.timeout) as r:
+            if r.status_code != 200:
+                out["errors"].append(f"{r.status_code}: {(await r.aread())[:200]!r}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out["errors"].append(str(chunk["error"]))
+                    return
+                for ch in chunk.get("choices") or []:
+                    if first is None and ch.get("delta", {}).get("content"):
+                        first = time.perf_counter()
+                    finish = ch.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except Exception as exc:  # noqa: BLE001 - every failure is counted, none is fatal to the run
+        out["errors"].append(f"{type(exc).__name__}: {exc}")
+        return
+    end = time.perf_counter()
+    if tokens is None or finish is None:
+        out["lost"] += 1
+        return
+    first = first or end
+    out["done"].append({"ttft": first - sent, "tpot": (end - first) / (tokens - 1) if tokens > 1 else None,
+                        "tokens": tokens, "end": end, "finish": finish})
+
+
+async def _poll(client, url: str, stop: asyncio.Event, peak: dict) -> None:
+    while not stop.is_set():
+        try:
+            h = (await client.get(url + "/health", timeout=5)).json()
+            peak["running"] = max(peak["running"], h.get("running", 0))
+            peak["waiting"] = max(peak["waiting"], h.get("waiting", 0))
+        except Exception:  # noqa: BLE001 - health polling is best effort
+            pass
+        await asyncio.sleep(0.5)
+
+
+def _server_counters(text: str) -> dict:
+    out = {}
+    for name in ("odma_migrations_total", "odma_preemptions_total", "odma_stalls_total", "odma_reservation_refusals_total",
+                 "odma_migration_refusals_total", "odma_kv_budget_bytes"):
+        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+        if m:
+            out[name.removeprefix("odma_").removesuffix("_total")] = float(m.group(1))
+    m = re.search(r'odma_predictor_info\{[^}]*name="([^"]+)"', text)
+    if m:
+        out["predictor"] = m.group(1)
+    return out
+
+
+async def _replay(url: str, records: list, args) -> dict:
+    import httpx
+
+    rng = random.Random(args.seed + 1)
+    arrivals, t = [], 0.0
+    for _ in records:
+        arrivals.append(t)
+        t += 0.0 if math.isinf(args.rate) else rng.expovariate(args.rate)
+    out: dict = {"done": [], "errors": [], "lost": 0}
+    peak = {"running": 0, "waiting": 0}
+    limits = httpx.Limits(max_connections=len(records) + 4, max_keepalive_connections=len(records) + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=args.timeout) as client:
+        stop = asyncio.Event()
+        poller = asyncio.create_task(_poll(client, url, stop, peak))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_one(client, url, r, args, a, t0, out) for r, a in zip(records, arrivals)))
+        makespan = time.perf_counter() - t0
+        stop.set()
+        await poller
+        counters = _server_counters((await client.get(url + "/metrics")).text)
+    done = out["done"]
+    tokens = sum(d["tokens"] for d in done)
+    return {
+        "throughput_tps": tokens / makespan if makespan > 0 else 0.0,
+        "ttft_p50_s": _pct([d["ttft"] for d in done], 0.5),
+        "ttft_p99_s": _pct([d["ttft"] for d in done], 0.99),
+        "tpot_p50_s": _pct([d["tpot"] for d in done if d["tpot"] is not None], 0.5),
+        "completed": len(done),
+        "errors": len(out["errors"]),
+        "lost": out["lost"],
+        "num": len(records),
+        "rate": args.rate,
+        "completion_tokens": tokens,
+        "mean_completion_tokens": statistics.fmean([d["tokens"] for d in done]) if done else 0.0,
+        "hit_length_cap": sum(d["finish"] == "length" for d in done),
+        "makespan_s": makespan,
+        "peak_running": peak["running"],
+        "peak_waiting": peak["waiting"],
+        "server": counters,
+        "error_samples": out["errors"][:5],
+    }
+
+
+def _hf_baseline(records: list, args) -> dict:
+    """transformers `generate` in static batches (left-padded), same sampling and cap; counts useful tokens:
+    each row's tokens up to and including its first EOS (what a user receives)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from odma.models import resolve_model
+
+    torch.set_num_threads(args.threads)
+    folder = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    useful = generated = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(records), args.hf_batch):
+        batch = records[i : i + args.hf_batch]
+        texts = [tok.apply_chat_template([{"role": "user", "content": r.prompt}], add_generation_prompt=True, tokenize=False)
+                 for r in batch]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        torch.manual_seed(args.seed + i)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=args.max_tokens, do_sample=args.temperature > 0,
+                                 temperature=args.temperature or None, top_p=args.top_p, pad_token_id=tok.pad_token_id)
+        new = out[:, enc["input_ids"].shape[1]:]
+        generated += new.numel()
+        for row in new.tolist():
+            useful += row.index(eos) + 1 if eos in row else len(row)
+    wall = time.perf_counter() - t0
+    return {"baseline": "hf-generate", "throughput_tps": useful / wall, "useful_tokens": useful,
+            "generated_tokens_incl_padding": generated, "batch": args.hf_batch, "num": len(records),
+            "makespan_s": wall, "completed": len(records), "errors": 0, "lost": 0}
+
+
+def run(args: argparse.Namespace) -> dict:
+    records = _pick(args.trace, args.num, args.seed)
+    common = {"trace": args.trace, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "threads": args.threads}
+    if args.baseline == "hf":
+        result = {**_hf_baseline(records, args), **common}
+    elif args.start_server:
+        from odma.server.cli import build_parser, build_server, config_from_args
+        from odma.server.threaded import ThreadedServer
+
+        serve_args = build_parser().parse_args([
+            "--model", args.model, "--policy", args.policy, "--kv-budget", args.kv_budget, "--max-num-seqs",
+            str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor, "--threads",
+            str(args.threads), "--length-log", args.length_log, "--max-tokens-cap", str(max(args.max_tokens, 16)),
+            "--max-queue", str(args.num + 1),
+        ])
+        app, runtime = build_server(config_from_args(serve_args), max_queue=args.num + 1)
+        with ThreadedServer(app) as srv:
+            result = asyncio.run(_replay(srv.url, records, args))
+        result.update(policy=args.policy, kv_budget=args.kv_budget, **common)
+    elif args.url:
+        result = {**asyncio.run(_replay(args.url.rstrip("/"), records, args)), **common}
+    else:
+        raise SystemExit("odma-bench serve: give --url URL, --start-server, or --baseline hf")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result

@@ -1,0 +1,77 @@
+"""The serving engine's configuration (frozen; `odma-serve` flags map onto these fields one to one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from odma.config import BucketConfig, PoolConfig, default_cache_dir
+from odma.errors import ConfigError
+
+POLICIES = ("odma", "static", "s3")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2"  # "smollm2", a HF folder, a .gguf file or a hub name
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    policy: str = "odma"  # odma | static | s3 (compared on the same KV budget)
+    kv_budget: str = "256MiB"  # bytes ("268435456", "256MiB", "2GB") or a share of device memory ("0.3", "30%")
+    max_num_seqs: int = 64  # decode batch cap
+    max_prefill_tokens: int = 2048  # prompt tokens per step (one long prompt always passes)
+    max_tokens_cap: int = 2048  # the largest max_tokens a request may ask; the large bucket's bound
+    max_model_len: int | None = None  # prompt + output limit; None = the model's max_position_embeddings
+    default_max_tokens: int = 256
+    preempt: str = "wait"  # "wait" (stall until room) or "recompute" (free the newest block, redo it later)
+    predictor: str | None = "default"  # predictor spec; falls back to a running median if it cannot load
+    s3_buckets: int = 8  # equal-width buckets of the s3 baseline
+    length_log: Path | None = field(default_factory=lambda: default_cache_dir() / "logs" / "lengths.jsonl")
+    bootstrap_from_log: bool = True  # seed the bucket bounds with the log's last realized lengths
+    threads: int = 2  # torch CPU threads
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_tokens_cap", "default_max_tokens", "threads", "s3_buckets"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
+        if self.preempt not in ("wait", "recompute"):
+            raise ConfigError(f"preempt must be 'wait' or 'recompute', got {self.preempt!r}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_kv_budget(spec: str | int, device_bytes: int) -> int:
+    """Bytes from "268435456", "256MiB", "2GB", or a share of `device_bytes` ("0.3" or "30%")."""
+    s = str(spec).strip().lower().replace("_", "")
+    try:
+        if s.endswith("%"):
+            return _share(float(s[:-1]) / 100, device_bytes, spec)
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = s[len(num):]
+        value = float(num)
+        if unit == "" and 0 < value < 1:
+            return _share(value, device_bytes, spec)
+        if unit not in _UNITS:
+            raise ValueError(unit)
+        out = int(value * _UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"kv budget {spec!r}: use bytes (e.g. 268435456, 256MiB, 2GB) or a share (0.3, 30%)") from None
+    if out <= 0:
+        raise ConfigError(f"kv budget must be positive, got {spec!r}")
+    return out
+
+
+def _share(share: float, device_bytes: int, spec) -> int:
+    if not 0 < share < 1:
+        raise ConfigError(f"kv budget share must be in (0, 1), got {spec!r}")
+    return int(share * device_bytes)

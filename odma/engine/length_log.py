@@ -1,0 +1,73 @@
+"""JSONL log of realized lengths: one line per finished request, readable as a trace by `odma-train`.
+
+Each line is a `TraceRecord` (request_id, prompt, prompt_tokens, output_tokens, finished, source) plus what
+the engine knew when it reserved (predicted, uncertainty, bucket, policy) and what happened (migrations,
+preemptions, finish_reason), so the log feeds both retraining and the bucket manager's bootstrap.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from odma.engine.sequence import Sequence
+
+
+class LengthLog:
+    def __init__(self, path: str | Path, policy: str, model: str) -> None:
+        self.path = Path(path).expanduser()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.policy = policy
+        self.model = model
+        self._lock = threading.Lock()
+        self._fh = self.path.open("a", encoding="utf-8")
+
+    def write(self, seq: Sequence) -> None:
+        if seq.finish_reason not in ("stop", "length"):
+            return  # cancelled or failed requests did not realize a length
+        record = {
+            "request_id": seq.request_id,
+            "prompt": seq.prompt_text,
+            "prompt_tokens": len(seq.prompt_ids),
+            "output_tokens": seq.num_generated,
+            "finished": seq.finish_reason == "stop",  # False: hit max_tokens, so the length is a lower bound
+            "source": "odma-serve",
+            "max_tokens": seq.params.max_tokens,
+            "predicted": seq.predicted_length,
+            "uncertainty": seq.uncertainty,
+            "bucket": seq.bucket,
+            "policy": self.policy,
+            "model": self.model,
+            "migrations": seq.migrations,
+            "preemptions": seq.preemptions,
+            "finish_reason": seq.finish_reason,
+            "ts": time.time(),
+        }
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with self._lock:
+            self._fh.write(line)
+            self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._fh.close()
+
+
+def read_realized_lengths(path: str | Path, limit: int = 2000, model: str | None = None) -> list[int]:
+    """The last `limit` realized output lengths in a log (to bootstrap bucket bounds on restart), only
+    those of `model` when given (another model's lengths say nothing about this one's)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        return []
+    lengths: list[int] = []
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                rec = json.loads(line)
+                if model is None or rec.get("model") == model:
+                    lengths.append(int(rec["output_tokens"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line after a crash is not fatal
+    return lengths[-limit:]

@@ -1,0 +1,60 @@
+"""The length predictor as the engine sees it: `predict(requests) -> [(L̂, u)]`, with a fallback.
+
+The trained predictor lives in the `predictor` package. When it cannot be loaded (not built yet, missing
+files), the engine still runs with `RunningMedian`: L̂ = median of recently realized lengths, u = 1.0.
+The fallback and its reason are logged at start-up and exported in /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class RunningMedian:
+    """Trivial predictor: the median realized length of the last `window` requests (`prior` before any)."""
+
+    name = "running-median"
+
+    def __init__(self, prior: float = 128.0, window: int = 512) -> None:
+        self._lengths: deque[int] = deque(maxlen=window)
+        self._prior = prior
+        self._lock = threading.Lock()
+
+    def predict(self, requests: Sequence[Any]) -> list[tuple[float, float]]:
+        with self._lock:
+            guess = float(statistics.median(self._lengths)) if self._lengths else self._prior
+        return [(guess, 1.0) for _ in requests]
+
+    def observe(self, realized: int) -> None:
+        with self._lock:
+            self._lengths.append(realized)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPredictor:
+    predictor: Any
+    name: str
+    fallback_reason: str | None  # None: the requested predictor loaded
+
+
+def load_engine_predictor(spec: str | None) -> LoadedPredictor:
+    """`spec` as `predictor.load_predictor` takes it ("default", "sklearn", "oracle", a folder), or
+    "median" for the fallback itself."""
+    if spec in (None, "", "median", "running-median"):
+        return LoadedPredictor(RunningMedian(), RunningMedian.name, None if spec else "no predictor configured")
+    try:
+        from predictor import load_predictor
+
+        p = load_predictor(spec)
+        return LoadedPredictor(p, getattr(p, "name", spec), None)
+    except Exception as exc:  # noqa: BLE001 - any failure to load degrades to the fallback, loudly
+        reason = f"{type(exc).__name__}: {exc}"
+        log.warning("length predictor %r unavailable (%s); using the running-median fallback (u = 1.0)", spec, reason)
+        return LoadedPredictor(RunningMedian(), RunningMedian.name, reason)

@@ -1,0 +1,302 @@
+"""The engine: request → predictor tag (L̂, u, bucket) → scheduler (reserve / extend / release on the pool)
+→ model runner → sampled tokens → finished requests logged with their realized lengths."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from odma.allocator import KVPool
+from odma.engine.config import EngineConfig, parse_kv_budget
+from odma.engine.length_log import LengthLog, read_realized_lengths
+from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor
+from odma.engine.memory import build_policy
+from odma.engine.model_runner import ModelRunner
+from odma.engine.sampling import SamplingParams
+from odma.engine.scheduler import Scheduler
+from odma.engine.sequence import Sequence, Status
+from odma.errors import ConfigError, InvalidRequestError, RequestTooLargeError
+from odma.models.llama import CausalLM
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    seq: Sequence
+    token: int | None  # the new token (None: the request only finished, e.g. cancelled)
+    finished: bool
+
+
+class NullMetrics:
+    """The hooks the engine calls; the server's Prometheus metrics implement the same methods."""
+
+    def on_predict(self, seconds: float, n: int) -> None: ...
+    def on_first_token(self, seq: Sequence, seconds: float) -> None: ...
+    def on_finish(self, seq: Sequence) -> None: ...
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model: CausalLM | None = None,
+        tokenizer: Any = None,
+        predictor: LoadedPredictor | None = None,
+        metrics: Any = None,
+    ) -> None:
+        from backends import get_backend
+
+        self.config = config
+        torch.set_num_threads(config.threads)
+        self.backend = get_backend(config.device)  # ConfigError when the device is absent or not supported yet
+        budget = parse_kv_budget(config.kv_budget, self.backend.memory_info().total_bytes)  # fail before loading
+        if model is None:
+            from odma.models import load_model, resolve_model
+
+            folder = resolve_model(config.model)
+            model = load_model(folder, dtype=DTYPES[config.dtype], device=str(self.backend.device))
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+
+        bytes_per_token = model.kv_bytes_per_token()
+        total_tokens = budget // bytes_per_token
+        if total_tokens < config.pool.align:
+            raise ConfigError(f"kv budget {config.kv_budget!r} holds {total_tokens} tokens of {bytes_per_token} B each")
+        self.runner = ModelRunner(model, self.backend, total_tokens)
+        bootstrap = []
+        if config.length_log and config.bootstrap_from_log:
+            bootstrap = read_realized_lengths(config.length_log, model=config.model)
+        self.policy = build_policy(config, bootstrap)
+        # static blocks never grow and never use the large bucket: give it the whole budget as one region
+        large_share = 0.0 if config.policy == "static" else config.pool.large_share
+        self.pool = KVPool(
+            total_tokens, self.policy, large_share=large_share, align=config.pool.align,
+            bytes_per_token=bytes_per_token, mover=self.runner.arena,
+        )
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
+            preempt=config.preempt,
+        )
+        self.predictor = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
+        self.metrics = metrics or NullMetrics()
+        self.length_log = LengthLog(config.length_log, config.policy, config.model) if config.length_log else None
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._live: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.steps = 0
+        self.errors = 0
+        log.info(
+            "engine: policy=%s kv budget %.1f MiB = %d tokens (%d B/token), predictor=%s%s",
+            config.policy, budget / 2**20, self.pool.total_tokens, bytes_per_token, self.predictor.name,
+            f" (fallback: {self.predictor.fallback_reason})" if self.predictor.fallback_reason else "",
+        )
+
+    # -- requests in -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prompt_text: str | None = None,
+    ) -> Sequence:
+        """Validate and queue a request (thread-safe). Raises InvalidRequestError / RequestTooLargeError
+        before anything is queued, so a refused request holds nothing."""
+        params = params or SamplingParams(max_tokens=self.config.default_max_tokens)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass token ids")
+            prompt_text = prompt if prompt_text is None else prompt_text
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+        self.validate(ids, params)
+        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, prompt_text=prompt_text)
+        with self._inbox_lock:
+            if seq.request_id in self._live:
+                raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")
+            self._live[seq.request_id] = seq
+            self._inbox.append(("add", seq))
+        return seq
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (0 tokens)")
+        vocab = self.model.config.vocab_size
+        if any(type(t) is not int or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.max_tokens > self.config.max_tokens_cap:
+            raise InvalidRequestError(f"max_tokens {params.max_tokens} exceeds this server's cap of {self.config.max_tokens_cap}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        limit = self.pool.max_request_tokens
+        if -(-total // self.pool.align) * self.pool.align > limit:
+            raise RequestTooLargeError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the KV pool's largest "
+                f"block ({limit} tokens); lower max_tokens or raise --kv-budget"
+            )
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Cancel a request (thread-safe); its block is released at the next step. reason="stop" ends it as a
+        normal completion (a stop string matched), so its length is logged as realized."""
+        with self._inbox_lock:
+            self._inbox.append(("abort", (request_id, reason)))
+
+    def fail_all(self, message: str) -> list[StepOutput]:
+        """Finish every live request with an error (the loop's last resort); frees all their blocks."""
+        outputs = []
+        for seq in list(self._live.values()):
+            if seq.status is not Status.FINISHED:
+                seq.error = message
+                try:
+                    outputs.append(self._finish(seq, "error"))
+                except Exception:  # noqa: BLE001 - keep failing the others
+                    log.exception("could not finish %s", seq.request_id)
+        return outputs
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        outputs = self._drain_inbox()
+        work = self.scheduler.schedule()
+        if not work:
+            return outputs
+        self.steps += 1
+        try:
+            tokens = self.runner.run(work)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never leaks their blocks
+            log.exception("model step failed")
+            self.errors += 1
+            for w in work:
+                w.seq.error = f"{type(exc).__name__}: {exc}"
+                outputs.append(self._finish(w.seq, "error"))
+            return outputs
+        now = time.monotonic()
+        for w, tok in zip(work, tokens):
+            if tok is None:
+                continue
+            seq = w.seq
+            seq.output_ids.append(tok)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.metrics.on_first_token(seq, now - seq.arrival)
+            reason = self._stop_reason(seq, tok)
+            outputs.append(self._finish(seq, reason, tok) if reason else StepOutput(seq, tok, False))
+        self._maybe_refresh_buckets()
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if (tok in self.runner.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, tok: int | None = None) -> StepOutput:
+        realized = reason in ("stop", "length")
+        self.scheduler.finish(seq, reason, observe=realized)
+        seq.finished_at = time.monotonic()
+        self._live.pop(seq.request_id, None)
+        if realized:
+            if isinstance(self.predictor.predictor, RunningMedian):
+                self.predictor.predictor.observe(seq.num_generated)
+            if self.length_log is not None:
+                self.length_log.write(seq)
+        self.metrics.on_finish(seq)
+        return StepOutput(seq, tok, True)
+
+    def _drain_inbox(self) -> list[StepOutput]:
+        with self._inbox_lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        adds = [seq for kind, seq in items if kind == "add"]
+        if adds:
+            self._tag(adds)
+            for seq in adds:
+                self.scheduler.add(seq)
+        outputs = []
+        for kind, item in items:
+            if kind == "abort":
+                rid, reason = item
+                seq = self._live.get(rid)
+                if seq is not None and seq.status is not Status.FINISHED:
+                    outputs.append(self._finish(seq, reason))
+        return outputs
+
+    def _tag(self, seqs: list[Sequence]) -> None:
+        """Predict (L̂, u) for the new requests in one batch and record the bucket each selects."""
+        requests = [SimpleNamespace(prompt=s.prompt_text, prompt_tokens=len(s.prompt_ids)) for s in seqs]
+        start = time.perf_counter()
+        try:
+            preds = self.predictor.predictor.predict(requests)
+        except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: reserve for the worst case
+            log.exception("length predictor failed; these requests go to the large bucket")
+            preds = [(None, 1.0)] * len(seqs)
+        self.metrics.on_predict(time.perf_counter() - start, len(seqs))
+        buckets = getattr(self.policy, "buckets", None)
+        for seq, (length, u) in zip(seqs, preds):
+            if length is None:
+                continue
+            seq.predicted_length = seq.predicted_tokens = float(length)
+            seq.uncertainty = float(u)
+            if buckets is not None:
+                scale = getattr(self.policy, "reserve_scale", 1.0)  # tag with the bucket reserve() will pick
+                seq.bucket = buckets.select(seq.predicted_length * scale, seq.uncertainty).index
+
+    def _maybe_refresh_buckets(self) -> None:
+        buckets = getattr(self.policy, "buckets", None)
+        if buckets is not None and buckets.refresh_due():
+            if buckets.refresh():
+                log.info("bucket bounds refreshed: %s", buckets.bounds)
+
+    # -- convenience -----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Sequence]:
+        """Run prompts to completion together (continuous batching); for tests and offline use."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while any(not s.finished for s in seqs):
+            self.step()
+        return seqs
+
+    def decode(self, ids: list[int]) -> str:
+        ids = [t for t in ids if t not in self.runner.eos_ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + sum(1 for k, _ in list(self._inbox) if k == "add")
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def close(self) -> None:
+        if self.length_log is not None:
+            self.length_log.close()

@@ -1,0 +1,56 @@
+"""Runs one packed step of the model over the pool's arena and samples a token per finished prefill/decode."""
+
+from __future__ import annotations
+
+import torch
+
+from backends import Arena, Backend, KVLayout
+from odma.engine.scheduler import Work
+from odma.engine.sampling import Sampler
+from odma.models.llama import CausalLM, SeqSlot
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, backend: Backend, total_tokens: int, kv_dtype: torch.dtype | None = None) -> None:
+        c = model.config
+        self.model = model
+        self.backend = backend
+        self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype)
+        # the only KV allocation: one arena for the whole pool; a block is a view of one range of it
+        self.arena: Arena = backend.create_arena(total_tokens, self.layout)
+        self.sampler = Sampler()
+        self.eos_ids: tuple[int, ...] = tuple(c.eos_token_ids)  # end a request unless ignore_eos
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layout.bytes_per_token
+
+    @torch.inference_mode()
+    def run(self, work: list[Work]) -> list[int | None]:
+        """Feed each item's tokens [start, start+q_len) and return its next token (None: chunk of a longer
+        prefill, nothing to sample yet)."""
+        device = self.backend.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[SeqSlot] = []
+        for w in work:
+            ids += w.seq.token_ids(w.start, w.start + w.q_len)
+            positions += range(w.start, w.start + w.q_len)
+            slots.append(SeqSlot(self.arena.view(w.seq.block), w.start, w.q_len))
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            slots,
+        ).cpu()
+        for w in work:
+            w.seq.num_cached = w.start + w.q_len
+        params = [w.seq.params for w in work]
+        banned = [self._banned(w) for w in work]
+        tokens = self.sampler(logits, params, [w.seq.generator for w in work], banned)
+        return [t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(tokens, work)]
+
+    def _banned(self, w: Work) -> tuple[int, ...]:
+        p = w.seq.params
+        if w.seq.num_generated >= p.min_tokens:
+            return ()
+        return self.eos_ids + p.stop_token_ids

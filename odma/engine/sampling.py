@@ -1,0 +1,111 @@
+"""Sampling parameters of one request, and the batched sampler (greedy, temperature, top-k, top-p)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from odma.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # per-request generator: the same seed gives the same tokens
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # vLLM extension: keep going past EOS (benchmarks replaying lengths)
+    min_tokens: int = 0  # vLLM extension: EOS and stop tokens are masked until this many tokens
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.seed is not None and type(self.seed) is not int:
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Picks one token per row. Rows that sample use an inverse-CDF draw with one uniform per row,
+    taken from the request's own generator when it has a seed (so reruns repeat exactly)."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned: list[tuple[int, ...]],
+    ) -> list[int]:
+        logits = logits.float()
+        for i, ban in enumerate(banned):
+            if ban:  # min_tokens: EOS / stop ids may not end the request yet
+                logits[i, list(ban)] = -math.inf
+        out = logits.argmax(-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            picked = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+            out[rows] = picked
+        return out.tolist()
+
+    # Top-p/top-k only look at the head of the distribution: sort the CANDIDATES largest probabilities
+    # (a partial top-k, far cheaper than sorting a 50k vocabulary per row) and fully sort only the rows whose
+    # head holds less than top_p of the mass. Rows without top-p/top-k draw from the unsorted distribution.
+    # The kept set, hence the token for a given uniform draw, is the same as with a full sort.
+    CANDIDATES = 1024
+
+    @classmethod
+    def _sample(cls, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        temp = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        probs = torch.softmax(logits / temp, dim=-1)
+        u = torch.cat([torch.rand(1, generator=g) for g in gens])
+        out = torch.empty(len(params), dtype=torch.long)
+        plain = [i for i, p in enumerate(params) if p.top_p >= 1 and (p.top_k == 0 or p.top_k >= vocab)]
+        if plain:
+            out[plain] = _inverse_cdf(probs[plain], u[plain])
+        cut = [i for i in range(len(params)) if i not in set(plain)]
+        if not cut:
+            return out
+        top_p = torch.tensor([params[i].top_p for i in cut]).unsqueeze(1)
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in cut]).unsqueeze(1)
+        k = min(vocab, cls.CANDIDATES)
+        head_p, head_order = probs[cut].topk(k, dim=-1, sorted=True)
+        in_head = ((head_p.sum(-1, keepdim=True) >= top_p) | (top_k <= k)).squeeze(1).tolist()
+        for rows, full in (([j for j, ok in enumerate(in_head) if ok], False), ([j for j, ok in enumerate(in_head) if not ok], True)):
+            if not rows:
+                continue
+            if full:
+                sorted_p, order = probs[[cut[j] for j in rows]].sort(dim=-1, descending=True)
+            else:
+                sorted_p, order = head_p[rows], head_order[rows]
+            cum = sorted_p.cumsum(-1)
+            keep = (cum - sorted_p) < top_p[rows]  # the smallest prefix whose mass reaches top_p (>= 1 token)
+            keep &= torch.arange(sorted_p.shape[-1]).unsqueeze(0) < top_k[rows]
+            idx = _inverse_cdf(sorted_p * keep, u[[cut[j] for j in rows]])
+            out[[cut[j] for j in rows]] = order.gather(1, idx.unsqueeze(1)).squeeze(1)
+        return out
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row, drawn in proportion to the (unnormalized) weights with the uniform u in [0, 1)."""
+    cum = weights.cumsum(-1)
+    idx = torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(1)).squeeze(1)
+    return idx.clamp_(max=weights.shape[-1] - 1)

@@ -1,0 +1,171 @@
+"""Which requests run this step: decode all running ones (growing or migrating their blocks), then admit
+waiting ones whose blocks can be reserved. Pure bookkeeping over the KVPool; no tensors."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from odma.allocator import KVPool
+from odma.engine.sequence import Sequence, Status
+
+PREEMPT_MODES = ("wait", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    seq: Sequence
+    start: int  # tokens already cached
+    q_len: int  # tokens fed this step
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    preemptions: int = 0  # requests whose block was released and whose tokens are recomputed later
+    stalls: int = 0  # request-steps spent waiting for room to grow (wait mode)
+    migrations: int = 0  # blocks moved to a larger range mid-decode
+    admission_refusals: int = 0  # reserve() said no room now; the request stays queued
+    bucket_matched_admissions: int = 0  # admitted ahead of FIFO order into a just-freed bucket
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        max_num_seqs: int = 64,
+        max_prefill_tokens: int = 2048,
+        preempt: str = "wait",
+        lookahead: int = 16,
+        max_skips: int = 8,
+    ) -> None:
+        if preempt not in PREEMPT_MODES:
+            raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.preempt_mode = preempt
+        self.lookahead = lookahead  # waiting requests considered per admission round
+        self.max_skips = max_skips  # rounds a head-of-queue request may be bypassed before it blocks others
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+        self._freed_buckets: Counter[int] = Counter()  # buckets released since the last admission round
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> list[Work]:
+        work, stalled = self._grow_running()
+        if not stalled:  # requests waiting to grow come first: admitting others would starve them
+            work += self._admit()
+        elif not work:  # everyone is stuck and nobody finishes: free the newest block to make progress
+            self._preempt(self.running[-1])
+            work, _ = self._grow_running()
+        return work
+
+    def _grow_running(self) -> tuple[list[Work], list[Sequence]]:
+        work: list[Work] = []
+        stalled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            while True:
+                block = self.pool.extend(seq, seq.num_tokens)
+                if block is not None:
+                    if block != seq.block:
+                        seq.migrations += 1
+                        self.counters.migrations += 1
+                        seq.block = block
+                    work.append(Work(seq, seq.num_cached, seq.num_tokens - seq.num_cached))
+                    break
+                if self.preempt_mode == "wait":
+                    self.counters.stalls += 1
+                    stalled.append(seq)
+                    break
+                victim = self.running[-1]  # the newest request loses least work
+                self._preempt(victim)
+                if victim is seq:
+                    break
+        return work, stalled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.release(seq, self._realized(seq), observe=False)
+        self.running.remove(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)  # first in line when room appears
+        self.counters.preemptions += 1
+
+    def _admit(self) -> list[Work]:
+        work: list[Work] = []
+        budget = self.max_prefill_tokens
+        candidates = self._admission_order()
+        for seq in candidates:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            need = seq.num_tokens - seq.num_cached
+            if work and need > budget:
+                continue
+            block = self.pool.reserve(seq)
+            if block is None:
+                self.counters.admission_refusals += 1
+                if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
+                    break  # the head has waited long enough: hold memory for it
+                continue
+            if seq is not self.waiting[0]:
+                self.counters.bucket_matched_admissions += seq.bucket in self._freed_buckets
+            self.waiting.remove(seq)
+            seq.block = block
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            work.append(Work(seq, 0, need))
+            budget -= need
+            if budget <= 0:
+                break
+        for seq in self.waiting:
+            seq.waited_steps += 1
+        self._freed_buckets.clear()
+        return work
+
+    def _admission_order(self) -> list[Sequence]:
+        """FIFO, except that requests tagged with a bucket that just freed a block go first (they reuse
+        it from the free list); a head that has been bypassed `max_skips` times is never overtaken."""
+        window = list(self.waiting)[: self.lookahead]
+        if not window:
+            return []
+        if window[0].waited_steps >= self.max_skips or not self._freed_buckets:
+            return window
+        freed = self._freed_buckets
+        return sorted(window, key=lambda s: (0 if freed.get(s.bucket, 0) > 0 else 1))  # stable: FIFO within
+
+    # -- after the step ----------------------------------------------------------------------------
+
+    def finish(self, seq: Sequence, reason: str, *, observe: bool = True) -> None:
+        """Release the request's block (if any) and drop it from the queues. observe=False: the length is
+        not a realized one (cancelled or failed), so the bucket manager does not learn from it."""
+        if seq.block is not None:
+            # a recomputed request's block was reserved for the tail only: it reports the tail's length
+            self.pool.release(seq, self._realized(seq), observe=observe and seq.preemptions == 0)
+            if observe and seq.preemptions:
+                self.pool.policy.observe(seq.num_generated)
+            self._freed_buckets[seq.block.bucket] += 1
+            seq.block = None
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    @staticmethod
+    def _realized(seq: Sequence) -> int:
+        # tokens generated since this block was reserved (prompt_tokens counts recomputed outputs)
+        return seq.num_tokens - seq.prompt_tokens

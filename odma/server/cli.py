@@ -1,0 +1,96 @@
+"""`odma-serve`: the OpenAI-compatible server. With no arguments it serves SmolLM2-135M-Instruct on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from odma.config import BucketConfig, PoolConfig, default_cache_dir
+from odma.engine.config import POLICIES, EngineConfig
+from odma.errors import OdmaError
+
+log = logging.getLogger("odma.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="odma-serve", description=__doc__)
+    d = EngineConfig()
+    p.add_argument("--model", default=d.model, help="smollm2 (default), a HF folder, a .gguf file or a hub name")
+    p.add_argument("--served-model-name", default=None, help="the id /v1/models reports (default: from --model)")
+    p.add_argument("--device", default=d.device, help="cpu | cuda[:N] | mlu[:N]")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (default: float32 on cpu, bfloat16 elsewhere)")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES, help="KV reservation policy")
+    p.add_argument("--kv-budget", default=d.kv_budget, help="KV pool: bytes (268435456, 256MiB, 2GB) or a share of device memory (0.3, 30%%)")
+    p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
+    p.add_argument("--reserve-scale", type=float, default=d.pool.reserve_scale,
+                   help="odma reserves for reserve_scale·L̂ and grows by migration past it (replay-chosen default)")
+    p.add_argument("--large-share", type=float, default=d.pool.large_share, help="share of the pool held for the large bucket")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode batch cap")
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted (the large bucket's bound)")
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, help="max_tokens when a chat request sets none")
+    p.add_argument("--preempt", default=d.preempt, choices=["wait", "recompute"], help="under memory pressure: stall, or free and recompute later")
+    p.add_argument("--predictor", default=d.predictor, help="length predictor: default, sklearn, oracle, a folder, or median")
+    p.add_argument("--length-log", default=str(d.length_log), help="JSONL of realized lengths ('' to disable)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    dtype = args.dtype or ("float32" if args.device.startswith("cpu") else "bfloat16")
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=dtype, policy=args.policy, kv_budget=args.kv_budget,
+        max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
+        default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, predictor=args.predictor,
+        length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,
+        pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale),
+        buckets=replace(BucketConfig(), large_bound=args.max_tokens_cap),
+    )
+
+
+def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | None = None):
+    """(app, runtime): the engine, its metrics and the FastAPI app, ready for uvicorn."""
+    from odma.engine import LLMEngine
+    from odma.models.weights import model_name
+    from odma.server.app import create_app
+    from odma.server.metrics import Metrics
+    from odma.server.runtime import AsyncEngine
+
+    metrics = Metrics()
+    engine = LLMEngine(config, metrics=metrics)
+    runtime = AsyncEngine(engine, max_queue=max_queue)
+    metrics.attach(runtime)
+    name = served_name or model_name(config.model)
+    app = create_app(runtime, metrics, name, aliases=(config.model, "default"))
+    return app, runtime
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.device.startswith("mlu"):
+        log.warning("--device mlu: the MLU backend needs Cambricon's torch_mlu; without it start-up stops here")
+    try:
+        config = config_from_args(args)
+        log.info("starting odma-serve: model=%s device=%s policy=%s kv-budget=%s (cache: %s)",
+                 config.model, config.device, config.policy, config.kv_budget, default_cache_dir())
+        app, _ = build_server(config, args.max_queue, args.served_model_name)
+    except OdmaError as exc:
+        print(f"odma-serve: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

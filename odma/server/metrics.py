@@ -1,0 +1,115 @@
+"""Prometheus metrics: histograms the engine feeds through its hooks, gauges/counters read at scrape time
+from the pool and the scheduler (so they are never stale and cost nothing between scrapes)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from odma.engine.sequence import Sequence
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """One registry per server. Implements the engine's metrics hooks (on_predict / on_first_token / on_finish)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("odma_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("odma_tpot_seconds", "Time per output token after the first",
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                              registry=self.registry)
+        self.predict = Histogram("odma_predictor_latency_seconds", "Length predictor latency per batch call",
+                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                                 registry=self.registry)
+        self.finished: dict[str, int] = {}
+        self.generated_tokens = 0
+        self.http_refusals: dict[str, int] = {}  # reason -> count (queue_full, too_large, invalid)
+
+    # -- engine hooks ----------------------------------------------------------------------------
+
+    def on_predict(self, seconds: float, n: int) -> None:
+        self.predict.observe(seconds)
+
+    def on_first_token(self, seq: Sequence, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.finished[seq.finish_reason or "unknown"] = self.finished.get(seq.finish_reason or "unknown", 0) + 1
+        self.generated_tokens += seq.num_generated
+        if seq.first_token_at is not None and seq.finished_at is not None and seq.num_generated > 1:
+            self.tpot.observe((seq.finished_at - seq.first_token_at) / (seq.num_generated - 1))
+
+    def refused(self, reason: str) -> None:
+        self.http_refusals[reason] = self.http_refusals.get(reason, 0) + 1
+
+    def attach(self, runtime) -> None:
+        self.registry.register(_EngineCollector(runtime, self))
+
+
+class _EngineCollector:
+    def __init__(self, runtime, metrics: Metrics) -> None:
+        self.runtime, self.metrics = runtime, metrics
+
+    def collect(self):
+        engine = self.runtime.engine
+        pool = engine.pool.stats()
+        sched = engine.scheduler.counters
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            return c
+
+        yield gauge("odma_queue_depth", "Requests waiting for a block", engine.num_waiting)
+        yield gauge("odma_running_requests", "Requests holding a block", engine.num_running)
+        yield gauge("odma_kv_budget_bytes", "KV pool size", pool.total_tokens * pool.bytes_per_token)
+        yield gauge("odma_kv_reserved_bytes", "KV bytes reserved by live blocks", pool.reserved_bytes)
+        yield gauge("odma_kv_live_bytes", "KV bytes holding tokens", pool.live_bytes)
+        yield gauge("odma_kv_free_bytes", "KV bytes free (extents and cached blocks)", pool.free_bytes)
+        yield gauge("odma_kv_external_fragmentation", "1 - largest free extent / free", pool.external_fragmentation)
+        occ = GaugeMetricFamily("odma_bucket_live_blocks", "Live blocks per bucket (-1 = large)", labels=["bucket"])
+        for bucket, n in sorted(pool.live_blocks_per_bucket.items()):
+            occ.add_metric([str(bucket)], n)
+        yield occ
+        buckets = getattr(engine.policy, "buckets", None)
+        if buckets is not None:
+            bounds = GaugeMetricFamily("odma_bucket_bound_tokens", "Output tokens each bucket reserves", labels=["bucket"])
+            for i, b in enumerate(buckets.bounds):
+                bounds.add_metric([str(i)], b)
+            bounds.add_metric(["-1"], buckets.large_bound)
+            yield bounds
+            yield gauge("odma_bucket_bounds_version", "Bucket bound refreshes that changed the bounds", buckets.version)
+        yield counter("odma_migrations", "Blocks moved to a larger range mid-decode", pool.migrations)
+        yield counter("odma_migrated_tokens", "Tokens copied by migrations", pool.migrated_tokens)
+        yield counter("odma_migration_refusals", "Growths refused for lack of room", pool.migration_refusals)
+        yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
+        yield counter("odma_preemptions", "Requests freed under pressure and recomputed later", sched.preemptions)
+        yield counter("odma_stalls", "Request-steps spent waiting for room to grow", sched.stalls)
+        yield counter("odma_generated_tokens", "Output tokens of finished requests", self.metrics.generated_tokens)
+        fin = CounterMetricFamily("odma_requests_finished", "Finished requests by reason", labels=["reason"])
+        for reason, n in sorted(self.metrics.finished.items()):
+            fin.add_metric([reason], n)
+        yield fin
+        ref = CounterMetricFamily("odma_http_refusals", "Requests refused at the door", labels=["reason"])
+        for reason, n in sorted(self.metrics.http_refusals.items()):
+            ref.add_metric([reason], n)
+        yield ref
+        pred = engine.predictor
+        info = GaugeMetricFamily("odma_predictor_info", "The length predictor in use (fallback=1: the trained one "
+                                 "could not be loaded)", labels=["name", "fallback", "reason"])
+        info.add_metric([pred.name, "1" if pred.fallback_reason else "0", (pred.fallback_reason or "")[:200]], 1)
+        yield info
+        yield _policy(engine.config.policy)
+
+
+def _policy(name: str):
+    g = GaugeMetricFamily("odma_policy_info", "The reservation policy in use", labels=["policy"])
+    g.add_metric([name], 1)
+    return g

@@ -1,0 +1,119 @@
+"""Runs the engine's step loop in one background thread and hands each request's tokens to its asyncio
+consumer. HTTP handlers only submit, read and cancel; all engine state changes happen in the loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from odma.engine import LLMEngine, SamplingParams
+from odma.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Handle:
+    request_id: str
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    token: int | None
+    finished: bool
+    seq: Sequence
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int = 256) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.loop_errors = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="odma-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def queue_full(self) -> bool:
+        return self.engine.num_waiting >= self.max_queue
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # noqa: BLE001 - a scheduler bug must not hang every client: fail them all
+                log.exception("engine loop failed; failing the live requests")
+                self.loop_errors += 1
+                outputs = self.engine.fail_all("engine loop error")
+            for out in outputs:
+                self._dispatch(Event(out.token, out.finished, out.seq))
+
+    def _dispatch(self, event: Event) -> None:
+        with self._lock:
+            entry = self._queues.get(event.seq.request_id)
+            if entry is not None and event.finished:
+                del self._queues[event.seq.request_id]
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, *, prompt_text: str | None = None) -> "Handle":
+        """Queue a request. Validation errors (InvalidRequestError...) raise here, with nothing queued."""
+        rid = f"req-{uuid.uuid4().hex}"
+        handle = Handle(rid, asyncio.Queue())
+        with self._lock:
+            self._queues[rid] = (asyncio.get_running_loop(), handle.queue)
+        try:
+            self.engine.add_request(prompt, params, request_id=rid, prompt_text=prompt_text)
+        except BaseException:
+            with self._lock:
+                self._queues.pop(rid, None)
+            raise
+        self._wake.set()
+        return handle
+
+    async def events(self, handle: "Handle") -> AsyncIterator[Event]:
+        """The request's events until it finishes; leaving early (client gone) cancels it and frees its block."""
+        try:
+            while not handle.finished:
+                event = await handle.queue.get()
+                handle.finished = event.finished
+                yield event
+        finally:
+            if not handle.finished:
+                self.cancel(handle)
+
+    def cancel(self, handle: "Handle") -> None:
+        with self._lock:
+            self._queues.pop(handle.request_id, None)
+        self.engine.abort(handle.request_id)
+        self._wake.set()
+
+    def finish_early(self, request_id: str) -> None:
+        """A stop string matched: end the request as a normal completion (its length is realized)."""
+        self.engine.abort(request_id, reason="stop")
+        self._wake.set()

