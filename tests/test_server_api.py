@@ -181,7 +181,8 @@ def test_metrics_expose_the_engine(server, client):
     for name in ("odma_queue_depth", "odma_running_requests", "odma_kv_reserved_bytes", "odma_kv_live_bytes",
                  "odma_bucket_bound_tokens", "odma_migrations_total", "odma_reservation_refusals_total",
                  "odma_preemptions_total", "odma_predictor_latency_seconds_bucket", "odma_ttft_seconds_bucket",
-                 "odma_tpot_seconds_bucket", "odma_predictor_info", "odma_http_refusals_total"):
+                 "odma_tpot_seconds_bucket", "odma_predictor_info", "odma_http_refusals_total", "odma_engine_steps_total",
+                 "odma_engine_busy_seconds_total", "odma_engine_decode_tokens_total", "odma_engine_prefill_tokens_total"):
         assert name in text, name
     assert 'odma_predictor_info{fallback="0",name="running-median"' in text
 

@@ -3,7 +3,7 @@
 Each request is a streaming chat completion of a trace prompt (same sampling for every policy, a per-request
 seed so every run generates the same tokens). Reports throughput (completion tokens / makespan), TTFT and
 TPOT percentiles, completed / errors / lost, the server's migrations and preemptions, and the peak number
-of running requests. `--start-server` starts odma-serve in-process (`--policy`, `--kv-budget`...);
+of running requests. `--start-server` starts odma-serve as a separate process (`--policy`, `--kv-budget`...);
 `--baseline hf` instead runs transformers `generate` in static batches over the same prompts.
 """
 
@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
 import random
 import re
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--preempt", default="wait", choices=["wait", "recompute"])
     p.add_argument("--predictor", default="default")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (server: its default, all cores but one; HF baseline: all cores)")
     p.add_argument("--length-log", default="", help="JSONL of realized lengths for the started server ('' = none)")
     p.add_argument("--baseline", default=None, choices=["hf"], help="run transformers generate instead of a server")
     p.add_argument("--hf-batch", type=int, default=48)
@@ -119,7 +125,8 @@ async def _poll(client, url: str, stop: asyncio.Event, peak: dict) -> None:
 def _server_counters(text: str) -> dict:
     out = {}
     for name in ("odma_migrations_total", "odma_preemptions_total", "odma_stalls_total", "odma_reservation_refusals_total",
-                 "odma_migration_refusals_total", "odma_kv_budget_bytes"):
+                 "odma_migration_refusals_total", "odma_kv_budget_bytes", "odma_engine_steps_total",
+                 "odma_engine_busy_seconds_total", "odma_engine_decode_tokens_total", "odma_engine_prefill_tokens_total"):
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
         if m:
             out[name.removeprefix("odma_").removesuffix("_total")] = float(m.group(1))
@@ -180,7 +187,8 @@ def _hf_baseline(records: list, args) -> dict:
 
     from odma.models import resolve_model
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    threads = torch.get_num_threads()
     folder = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(folder))
     tok.padding_side = "left"
@@ -203,30 +211,60 @@ def _hf_baseline(records: list, args) -> dict:
             useful += row.index(eos) + 1 if eos in row else len(row)
     wall = time.perf_counter() - t0
     return {"baseline": "hf-generate", "throughput_tps": useful / wall, "useful_tokens": useful,
-            "generated_tokens_incl_padding": generated, "batch": args.hf_batch, "num": len(records),
+            "generated_tokens_incl_padding": generated, "batch": args.hf_batch, "threads": threads, "num": len(records),
             "makespan_s": wall, "completed": len(records), "errors": 0, "lost": 0}
+
+
+@contextlib.contextmanager
+def _server_process(args):
+    """odma-serve in its own process (as a user runs it): the client's work never competes with the engine
+    for one interpreter lock. Yields the base URL once /health answers; stops the server afterwards."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "odma.server.cli", "--port", str(port), "--log-level", "warning",
+           "--model", args.model, "--policy", args.policy, "--kv-budget", args.kv_budget, "--max-num-seqs",
+           str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor,
+           *(["--threads", str(args.threads)] if args.threads else []), "--length-log", args.length_log, "--max-tokens-cap", str(max(args.max_tokens, 16)),
+           "--default-max-tokens", str(max(args.max_tokens, 16)), "--max-queue", str(args.num + 1)]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # a first start converts the model and builds the predictor
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"odma-serve exited with code {proc.returncode} before it was ready")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("odma-serve did not become ready within 600 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def run(args: argparse.Namespace) -> dict:
     records = _pick(args.trace, args.num, args.seed)
-    common = {"trace": args.trace, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "threads": args.threads}
-    if args.baseline == "hf":
-        result = {**_hf_baseline(records, args), **common}
-    elif args.start_server:
-        from odma.server.cli import build_parser, build_server, config_from_args
-        from odma.server.threaded import ThreadedServer
+    from odma.engine.config import default_threads
 
-        serve_args = build_parser().parse_args([
-            "--model", args.model, "--policy", args.policy, "--kv-budget", args.kv_budget, "--max-num-seqs",
-            str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor, "--threads",
-            str(args.threads), "--length-log", args.length_log, "--max-tokens-cap", str(max(args.max_tokens, 16)),
-            "--max-queue", str(args.num + 1),
-        ])
-        app, runtime = build_server(config_from_args(serve_args), max_queue=args.num + 1)
-        with ThreadedServer(app) as srv:
-            result = asyncio.run(_replay(srv.url, records, args))
-        result.update(policy=args.policy, kv_budget=args.kv_budget, **common)
+    common = {"trace": args.trace, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "threads": args.threads or default_threads(), "cores": len(os.sched_getaffinity(0))}
+    if args.baseline == "hf":
+        result = {**common, **_hf_baseline(records, args)}
+    elif args.start_server:
+        with _server_process(args) as url:
+            result = asyncio.run(_replay(url, records, args))
+        result.update(policy=args.policy, kv_budget=args.kv_budget, preempt=args.preempt, **common)
     elif args.url:
         result = {**asyncio.run(_replay(args.url.rstrip("/"), records, args)), **common}
     else:

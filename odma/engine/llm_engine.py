@@ -102,6 +102,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.steps = 0
         self.errors = 0
+        self.busy_seconds = 0.0  # time inside model steps (the rest of wall time: idle, scheduling, HTTP)
+        self.decode_tokens = 0  # Σ decode batch sizes over steps
+        self.prefill_tokens = 0  # prompt (and recomputed) tokens fed
         log.info(
             "engine: policy=%s kv budget %.1f MiB = %d tokens (%d B/token), predictor=%s%s",
             config.policy, budget / 2**20, self.pool.total_tokens, bytes_per_token, self.predictor.name,
@@ -187,6 +190,7 @@ class LLMEngine:
         if not work:
             return outputs
         self.steps += 1
+        started = time.perf_counter()
         try:
             tokens = self.runner.run(work)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never leaks their blocks
@@ -196,6 +200,12 @@ class LLMEngine:
                 w.seq.error = f"{type(exc).__name__}: {exc}"
                 outputs.append(self._finish(w.seq, "error"))
             return outputs
+        self.busy_seconds += time.perf_counter() - started
+        for w in work:
+            if w.q_len == 1:
+                self.decode_tokens += 1
+            else:
+                self.prefill_tokens += w.q_len
         now = time.monotonic()
         for w, tok in zip(work, tokens):
             if tok is None:

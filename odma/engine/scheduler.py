@@ -78,10 +78,10 @@ class Scheduler:
             while True:
                 block = self.pool.extend(seq, seq.num_tokens)
                 if block is not None:
-                    if block != seq.block:
+                    if block.offset != seq.block.offset:  # moved (a block grown in place keeps its offset)
                         seq.migrations += 1
                         self.counters.migrations += 1
-                        seq.block = block
+                    seq.block = block
                     work.append(Work(seq, seq.num_cached, seq.num_tokens - seq.num_cached))
                     break
                 if self.preempt_mode == "wait":

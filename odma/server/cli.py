@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor", default=d.predictor, help="length predictor: default, sklearn, oracle, a folder, or median")
     p.add_argument("--length-log", default=str(d.length_log), help="JSONL of realized lengths ('' to disable)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch CPU threads (default: all cores but one, which the HTTP side and the predictor need)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")

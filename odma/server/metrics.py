@@ -92,6 +92,10 @@ class _EngineCollector:
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
         yield counter("odma_preemptions", "Requests freed under pressure and recomputed later", sched.preemptions)
         yield counter("odma_stalls", "Request-steps spent waiting for room to grow", sched.stalls)
+        yield counter("odma_engine_steps", "Model steps run", engine.steps)
+        yield counter("odma_engine_busy_seconds", "Seconds spent inside model steps", engine.busy_seconds)
+        yield counter("odma_engine_decode_tokens", "Decode tokens computed (Σ decode batch sizes)", engine.decode_tokens)
+        yield counter("odma_engine_prefill_tokens", "Prompt tokens computed, recomputations included", engine.prefill_tokens)
         yield counter("odma_generated_tokens", "Output tokens of finished requests", self.metrics.generated_tokens)
         fin = CounterMetricFamily("odma_requests_finished", "Finished requests by reason", labels=["reason"])
         for reason, n in sorted(self.metrics.finished.items()):

@@ -30,6 +30,11 @@ class Event:
     seq: Sequence
 
 
+def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int = 256) -> None:
         self.engine = engine
@@ -69,17 +74,25 @@ class AsyncEngine:
                 log.exception("engine loop failed; failing the live requests")
                 self.loop_errors += 1
                 outputs = self.engine.fail_all("engine loop error")
-            for out in outputs:
-                self._dispatch(Event(out.token, out.finished, out.seq))
+            self._dispatch([Event(out.token, out.finished, out.seq) for out in outputs])
 
-    def _dispatch(self, event: Event) -> None:
+    def _dispatch(self, events: list[Event]) -> None:
+        # one wake-up of each event loop per step, not one per token: the loop thread and the HTTP side
+        # share one interpreter lock, and per-token callbacks cost the engine a visible share of it
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
         with self._lock:
-            entry = self._queues.get(event.seq.request_id)
-            if entry is not None and event.finished:
-                del self._queues[event.seq.request_id]
-        if entry is not None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            for event in events:
+                entry = self._queues.get(event.seq.request_id)
+                if entry is None:
+                    continue
+                if event.finished:
+                    del self._queues[event.seq.request_id]
+                by_loop.setdefault(entry[0], []).append((entry[1], event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: its clients are gone
+                pass
 
     def submit(self, prompt: str | list[int], params: SamplingParams, *, prompt_text: str | None = None) -> "Handle":
         """Queue a request. Validation errors (InvalidRequestError...) raise here, with nothing queued."""

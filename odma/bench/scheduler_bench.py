@@ -1,0 +1,116 @@
+"""`odma-bench scheduler`: the serving engine's own Scheduler and KVPool driven without a model.
+
+Each request of a trace is tagged by the predictor (L̂, u) and generates exactly its realized length; a step
+costs a measured decode time for its batch size (interpolated) plus a per-token prefill time. This isolates
+the scheduling and memory policy (wait vs recompute, odma vs s3 vs static) from the noise of a shared CPU:
+the model's speed enters only through the step-time table, which `--step-ms` takes from a measurement
+(the default was measured on this project's CPU for SmolLM2-135M fp32 with one thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import replace
+
+DEFAULT_STEP_MS = "1:62,6:103,16:148,32:243,64:592"  # decode batch size : ms per step (SmolLM2, 1 CPU thread)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default="nq")
+    p.add_argument("--num", type=int, default=96, help="requests, all arriving at t=0 (saturation)")
+    p.add_argument("--seed", type=int, default=0, help="selects the requests (same selection as odma-bench serve)")
+    p.add_argument("--kv-budget", default="160MiB", help="KV budget in bytes (256MiB, 2GB, ...)")
+    p.add_argument("--bytes-per-token", type=int, default=46080, help="KV bytes per token (SmolLM2 fp32: 46080)")
+    p.add_argument("--max-tokens", type=int, default=512, help="max_tokens of every request; longer lengths are cut")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--predictor", default="default")
+    p.add_argument("--policies", default="static,odma,s3")
+    p.add_argument("--preempt", default="wait,recompute")
+    p.add_argument("--reserve-scale", type=float, default=None, help="odma reserve_scale (default: the config's)")
+    p.add_argument("--step-ms", default=DEFAULT_STEP_MS, help="decode batch:ms pairs, interpolated linearly")
+    p.add_argument("--prefill-ms-per-token", type=float, default=3.5)
+
+
+def _step_table(spec: str) -> tuple[list[float], list[float]]:
+    pairs = sorted((float(b), float(ms) / 1000) for b, ms in (item.split(":") for item in spec.split(",")))
+    return [0.0] + [b for b, _ in pairs], [0.0] + [s for _, s in pairs]
+
+
+def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: int, max_tokens: int,
+             max_num_seqs: int, step_table, prefill_s_per_token: float, reserve_scale: float | None = None) -> dict:
+    import numpy as np
+
+    from odma.allocator import KVPool
+    from odma.config import BucketConfig, PoolConfig
+    from odma.engine.config import EngineConfig
+    from odma.engine.memory import build_policy
+    from odma.engine.sampling import SamplingParams
+    from odma.engine.scheduler import Scheduler
+    from odma.engine.sequence import Sequence
+
+    pool_cfg = PoolConfig() if reserve_scale is None else replace(PoolConfig(), reserve_scale=reserve_scale)
+    cfg = EngineConfig(policy=policy, preempt=preempt, max_tokens_cap=max_tokens, default_max_tokens=max_tokens,
+                       length_log=None, pool=pool_cfg, buckets=replace(BucketConfig(), large_bound=max_tokens))
+    kv_policy = build_policy(cfg, [])
+    pool = KVPool(budget_tokens, kv_policy, large_share=0.0, align=cfg.pool.align)
+    scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens, preempt=preempt)
+    target: dict[str, int] = {}
+    for i, (rec, (length, u)) in enumerate(zip(records, predictions)):
+        seq = Sequence(f"r{i}", [0] * rec.prompt_tokens, SamplingParams(max_tokens=max_tokens))
+        if policy != "static":
+            seq.predicted_length = seq.predicted_tokens = float(length)
+            seq.uncertainty = float(u)
+        target[seq.request_id] = max(1, min(max_tokens, rec.output_tokens))
+        scheduler.add(seq)
+    xs, ys = step_table
+    clock = 0.0
+    steps = peak = prefill_tokens = 0
+    while scheduler.has_work():
+        work = scheduler.schedule()
+        decode = sum(1 for w in work if w.q_len == 1)
+        prefill = sum(w.q_len for w in work if w.q_len > 1)
+        clock += float(np.interp(decode, xs, ys)) + prefill_s_per_token * prefill
+        steps += 1
+        prefill_tokens += prefill
+        peak = max(peak, len(scheduler.running))
+        for w in work:
+            seq = w.seq
+            seq.num_cached = w.start + w.q_len
+            seq.output_ids.append(0)
+            if seq.num_generated >= target[seq.request_id]:
+                scheduler.finish(seq, "stop")
+        buckets = getattr(kv_policy, "buckets", None)
+        if buckets is not None and buckets.refresh_due():
+            buckets.refresh()
+        if steps > 10_000_000:
+            raise RuntimeError("the scheduler made no progress")
+    pool.check_invariants()
+    c = scheduler.counters
+    useful = sum(target.values())
+    return {"policy": policy, "preempt": preempt, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
+            "peak_running": peak, "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
+            "prefill_tokens": prefill_tokens, "completion_tokens": useful}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from odma.bench.serve_bench import _pick
+    from odma.engine.config import parse_kv_budget
+    from predictor import load_predictor
+
+    records = _pick(args.trace, args.num, args.seed)
+    predictions = [(p.length, p.uncertainty) for p in load_predictor(args.predictor).predict(records)]
+    budget_tokens = parse_kv_budget(args.kv_budget, 1) // args.bytes_per_token
+    runs = []
+    for policy in args.policies.split(","):
+        for preempt in args.preempt.split(",") if policy != "static" else ["wait"]:
+            runs.append(simulate(records, predictions, policy=policy, preempt=preempt, budget_tokens=budget_tokens,
+                                 max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
+                                 step_table=_step_table(args.step_ms), prefill_s_per_token=args.prefill_ms_per_token / 1000,
+                                 reserve_scale=args.reserve_scale))
+    static = next((r["throughput_tps"] for r in runs if r["policy"] == "static"), None)
+    for r in runs:
+        r["x_static"] = r["throughput_tps"] / static if static else None
+    return {"trace": args.trace, "num": args.num, "kv_budget": args.kv_budget, "budget_tokens": budget_tokens,
+            "max_tokens": args.max_tokens, "predictor": args.predictor, "step_ms": args.step_ms,
+            "prefill_ms_per_token": args.prefill_ms_per_token, "runs": runs}
