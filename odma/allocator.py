@@ -183,6 +183,10 @@ class KVPool(SegmentHooks):
 
     def _largest_range_units(self, region: str | None = None) -> int:
         """Largest contiguous address range (of `region`, or any), segments being drained excluded."""
+        if not self._segments:  # the common case, on the reserve hot path: no ballooned segments
+            if region == MAIN:
+                return self._main_units
+            return self._large_units if region == LARGE_REGION else max(self._main_units, self._large_units)
         ranges = [] if region == LARGE_REGION else [self._main_units]
         if region != MAIN:
             ranges.append(self._large_units)
