@@ -102,7 +102,7 @@ class BucketPolicy(ReservationPolicy):
     def initial(self, req: SizedRequest) -> Reservation:
         if req.predicted_tokens is None:  # no prediction: only the large bucket is safe
             return Reservation(req.max_new_tokens, LARGE)
-        choice = self.buckets.select(req.predicted_tokens * self.reserve_scale, req.uncertainty)
+        choice = self.select(req.predicted_tokens, req.uncertainty)
         if choice.bound <= req.max_new_tokens:  # the common case: one shared object per bucket choice
             res = self._reservations.get(choice)
             if res is None:
@@ -111,6 +111,10 @@ class BucketPolicy(ReservationPolicy):
                     self._reservations.clear()
             return res
         return Reservation(req.max_new_tokens, choice.index)
+
+    def select(self, predicted_tokens: float, uncertainty: float) -> BucketChoice:
+        """The bucket a prediction reserves (reserve_scale applied): what `initial` uses, and a scheduling tag."""
+        return self.buckets.select(predicted_tokens * self.reserve_scale, uncertainty)
 
     def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
         return _grow_by(self.growth, req, needed_output, current, self.buckets)

@@ -18,7 +18,6 @@ import math
 import random
 import re
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -221,9 +220,9 @@ def _server_process(args):
     for one interpreter lock. Yields the base URL once /health answers; stops the server afterwards."""
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from odma.server.threaded import free_port
+
+    port = free_port()
     cmd = [sys.executable, "-m", "odma.server.cli", "--port", str(port), "--log-level", "warning",
            "--model", args.model, "--policy", args.policy, "--kv-budget", args.kv_budget, "--max-num-seqs",
            str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor,

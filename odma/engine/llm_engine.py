@@ -269,15 +269,14 @@ class LLMEngine:
             log.exception("length predictor failed; these requests go to the large bucket")
             preds = [(None, 1.0)] * len(seqs)
         self.metrics.on_predict(time.perf_counter() - start, len(seqs))
-        buckets = getattr(self.policy, "buckets", None)
+        select = getattr(self.policy, "select", None)  # bucketed policies: the bucket reserve() will pick
         for seq, (length, u) in zip(seqs, preds):
             if length is None:
                 continue
             seq.predicted_length = seq.predicted_tokens = float(length)
             seq.uncertainty = float(u)
-            if buckets is not None:
-                scale = getattr(self.policy, "reserve_scale", 1.0)  # tag with the bucket reserve() will pick
-                seq.bucket = buckets.select(seq.predicted_length * scale, seq.uncertainty).index
+            if select is not None:
+                seq.bucket = select(seq.predicted_length, seq.uncertainty).index
 
     def _maybe_refresh_buckets(self) -> None:
         buckets = getattr(self.policy, "buckets", None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from odma.buckets import BucketManager, equal_width_bounds
 from odma.engine.config import EngineConfig
 from odma.policy import BucketPolicy, ReservationPolicy, StaticPolicy
@@ -16,11 +18,7 @@ def build_policy(config: EngineConfig, bootstrap: list[int] | None = None) -> Re
     if config.policy == "s3":
         buckets = BucketManager.fixed(equal_width_bounds(cap, config.s3_buckets), cap)
         return BucketPolicy(buckets, growth=config.pool.growth, name="s3")
-    bcfg = config.buckets
-    if bcfg.large_bound != cap:
-        from dataclasses import replace
-
-        bcfg = replace(bcfg, large_bound=cap)
+    bcfg = replace(config.buckets, large_bound=cap)  # the large bucket holds the largest max_tokens
     return BucketPolicy(
         BucketManager(bcfg, bootstrap=bootstrap or None), growth=config.pool.growth, name="odma",
         reserve_scale=config.pool.reserve_scale,

@@ -81,7 +81,8 @@ class Sampler:
         plain = [i for i, p in enumerate(params) if p.top_p >= 1 and (p.top_k == 0 or p.top_k >= vocab)]
         if plain:
             out[plain] = _inverse_cdf(probs[plain], u[plain])
-        cut = [i for i in range(len(params)) if i not in set(plain)]
+        plain_rows = set(plain)
+        cut = [i for i in range(len(params)) if i not in plain_rows]
         if not cut:
             return out
         top_p = torch.tensor([params[i].top_p for i in cut]).unsqueeze(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
+from itertools import islice
 
 from odma.allocator import KVPool
 from odma.engine.sequence import Sequence, Status
@@ -135,7 +136,7 @@ class Scheduler:
     def _admission_order(self) -> list[Sequence]:
         """FIFO, except that requests tagged with a bucket that just freed a block go first (they reuse
         it from the free list); a head that has been bypassed `max_skips` times is never overtaken."""
-        window = list(self.waiting)[: self.lookahead]
+        window = list(islice(self.waiting, self.lookahead))
         if not window:
             return []
         if window[0].waited_steps >= self.max_skips or not self._freed_buckets:

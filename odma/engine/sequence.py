@@ -65,7 +65,9 @@ class Sequence:
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n:  # decoding: only generated tokens (never copy the whole sequence per step)
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     def reset_for_recompute(self) -> None:
         """After preemption: the block is gone, so every token so far is recomputed as a prompt."""

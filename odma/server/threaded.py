@@ -9,12 +9,15 @@ import time
 import uvicorn
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class ThreadedServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
+        port = port or free_port(host)
         self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="odma-uvicorn", daemon=True)
