@@ -8,7 +8,6 @@ gap between segments so that free extents never coalesce across them). Implement
 from __future__ import annotations
 
 import bisect
-import dataclasses
 
 import torch
 
@@ -61,7 +60,7 @@ class SegmentedArena:
         if i < 0 or block.end > self._end(self._bases[i]):
             raise ConfigError(f"block {block} does not lie inside one mapped segment")
         base = self._bases[i]
-        return self._arenas[base], dataclasses.replace(block, offset=block.offset - base)
+        return self._arenas[base], block._replace(offset=block.offset - base)
 
     def view(self, block: Block) -> torch.Tensor:
         arena, local = self.locate(block)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 from odma.buckets import LARGE
 from odma.errors import (
@@ -37,8 +37,9 @@ from odma.pool_segments import SegmentHooks
 MAIN, LARGE_REGION = "main", "large"
 
 
-@dataclass(frozen=True, slots=True)
-class Block:
+class Block(NamedTuple):
+    """An immutable block handle (a named tuple: created on every reservation, so it must be cheap)."""
+
     offset: int  # first token slot
     capacity: int  # token slots, a multiple of the pool's alignment
     bucket: int  # bucket index at reservation, LARGE for the large bucket
@@ -133,7 +134,7 @@ class KVPool(SegmentHooks):
         bytes_per_token: int = 1,
         mover: BlockMover | None = None,
         on_release: Callable[[SizedRequest, int, Block], None] | None = None,
-        free_list_limit: int = 64,
+        free_list_limit: int = 1024,
     ) -> None:
         if align < 1 or total_tokens < align:
             raise InvalidRequestError(f"pool of {total_tokens} tokens cannot hold one {align}-token unit")
@@ -149,6 +150,7 @@ class KVPool(SegmentHooks):
         self._large_units = int(units * large_share)
         self._main_units = units - self._large_units
         self._units = units
+        self._max_plain_units = max(self._main_units, self._large_units)  # largest range without segments
         self._regions = {MAIN: ExtentMap(), LARGE_REGION: ExtentMap()}
         self._regions[MAIN].add_range(0, self._main_units)
         self._regions[LARGE_REGION].add_range(self._main_units, self._large_units)
@@ -186,7 +188,7 @@ class KVPool(SegmentHooks):
         if not self._segments:  # the common case, on the reserve hot path: no ballooned segments
             if region == MAIN:
                 return self._main_units
-            return self._large_units if region == LARGE_REGION else max(self._main_units, self._large_units)
+            return self._large_units if region == LARGE_REGION else self._max_plain_units
         ranges = [] if region == LARGE_REGION else [self._main_units]
         if region != MAIN:
             ranges.append(self._large_units)
@@ -204,28 +206,31 @@ class KVPool(SegmentHooks):
     def reserve(self, req: SizedRequest) -> Block | None:
         """A block for the prompt plus the policy's output reservation; None when there is no room now."""
         validate_request(req)
+        rid, prompt, align = req.request_id, req.prompt_tokens, self.align
         with self._lock:
-            if req.request_id in self._live:
-                raise DuplicateRequestError(f"request {req.request_id} already holds a block")
+            if rid in self._live:
+                raise DuplicateRequestError(f"request {rid} already holds a block")
             res = self.policy.initial(req)
-            units = self._units_for(req.prompt_tokens + res.output_tokens)
-            if res.bucket != LARGE and units > self._largest_range_units(MAIN):
+            units = -(-(prompt + res.output_tokens) // align)
+            segmented = bool(self._segments)
+            if res.bucket != LARGE and units > (self._largest_range_units(MAIN) if segmented else self._main_units):
                 res = Reservation(res.output_tokens, LARGE)  # only the large bucket can hold it
             # Admit only what can always finish: prompt + max_new_tokens must fit one block of the pool.
-            worst = req.prompt_tokens + req.max_new_tokens
-            if self._units_for(worst) * self.align > self.max_request_tokens:
+            largest = self._largest_range_units() if segmented else self._max_plain_units
+            if -(-(prompt + req.max_new_tokens) // align) > largest:
                 raise RequestTooLargeError(
-                    f"request {req.request_id} may need {req.prompt_tokens} prompt + {req.max_new_tokens} new "
-                    f"tokens, more than the largest block this pool can hold ({self.max_request_tokens} tokens); "
+                    f"request {rid} may need {prompt} prompt + {req.max_new_tokens} new "
+                    f"tokens, more than the largest block this pool can hold ({largest * align} tokens); "
                     "lower max_new_tokens or enlarge the pool"
                 )
-            block = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=res.bucket == LARGE)
+            large = res.bucket == LARGE
+            block = self._carve(units, res.bucket, prefer_large=large, allow_large=large)
             if block is None:
                 self._n.refusals += 1
                 return None
-            self._live[req.request_id] = _Live(req, block, res, req.prompt_tokens)
+            self._live[rid] = _Live(req, block, res, prompt)
             self._reserved_units += units
-            self._live_tokens += req.prompt_tokens
+            self._live_tokens += prompt
             self._n.reservations += 1
             return block
 
@@ -276,7 +281,7 @@ class KVPool(SegmentHooks):
         with self._lock:
             live = self._lookup(req)
             r = live.request
-            if isinstance(realized_len, bool) or not isinstance(realized_len, int) or not 0 <= realized_len <= r.max_new_tokens:
+            if type(realized_len) is not int or not 0 <= realized_len <= r.max_new_tokens:  # bool is rejected too
                 raise InvalidRequestError(
                     f"request {r.request_id}: realized length must be an integer in [0, {r.max_new_tokens}], "
                     f"got {realized_len!r}"
@@ -289,8 +294,8 @@ class KVPool(SegmentHooks):
             self._recycle(block)
         if observe:
             self.policy.observe(realized_len)
-        if observe and self.on_release is not None:
-            self.on_release(r, realized_len, block)
+            if self.on_release is not None:
+                self.on_release(r, realized_len, block)
         return block
 
     def block_of(self, req: SizedRequest | str) -> Block:
@@ -315,8 +320,8 @@ class KVPool(SegmentHooks):
     # -- internals ---------------------------------------------------------------------------------
 
     def _lookup(self, req: SizedRequest | str) -> _Live:
-        rid = req if isinstance(req, str) else getattr(req, "request_id", None)
-        live = self._live.get(rid)  # type: ignore[arg-type]
+        rid = req if type(req) is str else getattr(req, "request_id", None)
+        live = self._live.get(rid) if type(rid) is str else None
         if live is None:
             raise UnknownRequestError(f"request {rid!r} holds no block in this pool (never reserved or already released)")
         return live
@@ -325,9 +330,18 @@ class KVPool(SegmentHooks):
         if self.policy.version != self._free_version:
             self._flush()  # free-list sizes belong to the old bounds
             self._free_version = self.policy.version
-        block = self._from_free_list(units, bucket, allow_large)
-        if block is not None:
-            return block
+        # The bucket's free list first: its top block, when large enough (O(1), the common case).
+        stack = self._free.lists.get(bucket)
+        if stack:
+            top = stack[-1]
+            have = top.capacity // self.align
+            if have >= units and (allow_large or top.region != LARGE_REGION):
+                stack.pop()
+                self._free.units -= have
+                self._n.free_list_hits += 1
+                if have > units:  # split: the tail goes back to the extents (and coalesces there)
+                    self._regions[top.region].free(top.offset // self.align + units, have - units)
+                return Block(top.offset, units * self.align, bucket, top.region)
         order = (LARGE_REGION, MAIN) if prefer_large else (MAIN, LARGE_REGION) if allow_large else (MAIN,)
         for attempt in range(2):
             for region in order:
@@ -339,21 +353,6 @@ class KVPool(SegmentHooks):
             else:
                 break
         return None
-
-    def _from_free_list(self, units: int, bucket: int, allow_large: bool) -> Block | None:
-        stack = self._free.lists.get(bucket)
-        if not stack:
-            return None
-        top = stack[-1]
-        have = top.capacity // self.align
-        if have < units or (top.region == LARGE_REGION and not allow_large):
-            return None
-        stack.pop()
-        self._free.units -= have
-        self._n.free_list_hits += 1
-        if have > units:  # split: the tail goes back to the extents (and coalesces there)
-            self._regions[top.region].free(top.offset // self.align + units, have - units)
-        return Block(top.offset, units * self.align, bucket, top.region)
 
     def _recycle(self, block: Block) -> None:
         if self._fences and self._withhold_if_fenced(block):

@@ -28,6 +28,13 @@ def class_floor(c: int) -> int:
     return (c % _SUB + _SUB) << (fl - _SL)
 
 
+# Hot-path tables for sizes below _TABLE units (blocks are rarely larger): the class of a size, and the
+# first class whose every extent fits it.
+_TABLE = 1 << 12
+_CLASS_OF = [size_class(n) for n in range(_TABLE)]
+_FIT_CLASS = [c if class_floor(c) >= n else c + 1 for n, c in enumerate(_CLASS_OF)]
+
+
 class ExtentMap:
     """Free extents inside ranges added with `add_range`; callers guarantee they never free twice."""
 
@@ -43,7 +50,7 @@ class ExtentMap:
     def _insert(self, start: int, size: int) -> None:
         self._by_start[start] = size
         self._by_end[start + size] = start
-        c = size_class(size)
+        c = _CLASS_OF[size] if size < _TABLE else size_class(size)
         b = self._bins.get(c)
         if b is None:
             b = self._bins[c] = {}
@@ -53,7 +60,7 @@ class ExtentMap:
     def _remove(self, start: int, size: int) -> None:
         del self._by_start[start]
         del self._by_end[start + size]
-        c = size_class(size)
+        c = _CLASS_OF[size] if size < _TABLE else size_class(size)
         b = self._bins[c]
         del b[start]
         if not b:
@@ -70,9 +77,12 @@ class ExtentMap:
         """Start of a `size`-unit range carved from the front of a fitting extent, or None."""
         if size <= 0 or size > self.free_units:
             return None
-        c = size_class(size)
-        if class_floor(c) < size:
-            c += 1  # every extent in class c+1 or above fits
+        if size < _TABLE:
+            c = _FIT_CLASS[size]
+        else:
+            c = size_class(size)
+            if class_floor(c) < size:
+                c += 1  # every extent in class c+1 or above fits
         m = self._bitmap >> c
         if m:
             c += (m & -m).bit_length() - 1
