@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -230,6 +230,24 @@ class Backend(ABC):
         return stream is not None and self.capabilities.pinned_host
 
     # -- observability -------------------------------------------------------------------------------
+
+    def activation_peak_bytes(self, fn: Callable[[], Any]) -> int:
+        """Peak bytes allocated by torch on this device while `fn` runs, above what was allocated before
+        (the activation profile of a prefill). Here: torch's profiler replays the allocation events."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and e.device_type() == self._profiler_device_type())
+        now = peak = 0
+        for _, nbytes in events:
+            now += nbytes
+            peak = max(peak, now)
+        return peak
+
+    def _profiler_device_type(self) -> Any:
+        return torch.autograd.DeviceType.CPU
 
     @abstractmethod
     def memory_info(self) -> MemoryInfo:

@@ -40,6 +40,11 @@ class EngineConfig:
     length_log: Path | None = field(default_factory=lambda: default_cache_dir() / "logs" / "lengths.jsonl")
     bootstrap_from_log: bool = True  # seed the bucket bounds with the log's last realized lengths
     threads: int = field(default_factory=default_threads)  # torch CPU threads
+    # KV ↔ activation ballooning (eLLM): the room kept for the activation peak of a max_prefill_tokens step
+    # is lent to the KV pool in segments while requests wait for KV memory, and taken back before a prefill
+    balloon: bool = False
+    balloon_segment_tokens: int = 512  # KV tokens per lent segment
+    balloon_keep_tokens: int = 512  # the activation room of a prefill this long is never lent
     pool: PoolConfig = field(default_factory=PoolConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
 
@@ -48,7 +53,8 @@ class EngineConfig:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_prefill_tokens", "max_tokens_cap", "default_max_tokens", "threads", "s3_buckets"):
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_tokens_cap", "default_max_tokens", "threads", "s3_buckets",
+                     "balloon_segment_tokens", "balloon_keep_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_cap:

@@ -89,9 +89,10 @@ class LLMEngine:
             total_tokens, self.policy, large_share=large_share, align=config.pool.align,
             bytes_per_token=bytes_per_token, mover=self.runner.arena,
         )
+        self.elastic = self._build_elastic() if config.balloon else None
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-            preempt=config.preempt,
+            preempt=config.preempt, elastic=self.elastic,
         )
         self.predictor = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.metrics = metrics or NullMetrics()
@@ -110,6 +111,29 @@ class LLMEngine:
             config.policy, budget / 2**20, self.pool.total_tokens, bytes_per_token, self.predictor.name,
             f" (fallback: {self.predictor.fallback_reason})" if self.predictor.fallback_reason else "",
         )
+
+    def _build_elastic(self):
+        """Ballooning between the activation reserve and the KV pool: profile the activation peak of a
+        prefill (as vLLM does before sizing its cache), keep room for a max_prefill_tokens step, lend the
+        rest to the pool in segments. Segments are real arenas of the backend, viewed through one
+        SegmentedArena (the runner's arena from now on)."""
+        from odma.balloon import ActivationProfile, BalloonPool
+        from odma.elastic import ElasticKV
+
+        c = self.config
+        if c.balloon_segment_tokens % c.pool.align:
+            raise ConfigError(f"balloon_segment_tokens must be a multiple of the pool's align ({c.pool.align})")
+        m = c.max_prefill_tokens
+        points = sorted({max(1, min(64, m // 4)), min(256, m)})  # two sizes; linear beyond (flash-style SDPA)
+        profile = ActivationProfile(self.runner.profile_activations(points))
+        reserve = profile.peak_bytes(c.max_prefill_tokens)
+        balloon = BalloonPool(self.pool, c.balloon_segment_tokens, backend=self.backend,
+                              base_arena=self.runner.arena, layout=self.runner.layout)
+        self.runner.arena = balloon.arena
+        log.info("ballooning: activation reserve %.1f MiB (a %d-token prefill; %s B/token measured), segments of "
+                 "%d tokens", reserve / 2**20, c.max_prefill_tokens,
+                 {t: profile.peak_bytes(t) // t for t in points}, c.balloon_segment_tokens)
+        return ElasticKV(balloon, profile, reserve, keep_tokens=c.balloon_keep_tokens)
 
     # -- requests in -----------------------------------------------------------------------------
 

@@ -49,6 +49,24 @@ class ModelRunner:
         tokens = self.sampler(logits, params, [w.seq.generator for w in work], banned)
         return [t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(tokens, work)]
 
+    @torch.inference_mode()
+    def profile_activations(self, token_counts: list[int]) -> dict[int, int]:
+        """Peak activation bytes of a prefill of each token count (a throwaway arena holds its KV)."""
+        from odma.allocator import Block
+
+        out = {}
+        device = self.backend.device
+        for n in token_counts:
+            arena = self.backend.create_arena(n, self.layout)
+            try:
+                ids = torch.zeros(n, dtype=torch.long, device=device)
+                positions = torch.arange(n, dtype=torch.long, device=device)
+                slot = [SeqSlot(arena.view(Block(0, n, 0)), 0, n)]
+                out[n] = self.backend.activation_peak_bytes(lambda: self.model(ids, positions, slot))
+            finally:
+                self.backend.free_arena(arena)
+        return out
+
     def _banned(self, w: Work) -> tuple[int, ...]:
         p = w.seq.params
         if w.seq.num_generated >= p.min_tokens:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from odma.allocator import KVPool
+from odma.elastic import ElasticKV
 from odma.engine.sequence import Sequence, Status
 
 PREEMPT_MODES = ("wait", "recompute")
@@ -26,6 +27,7 @@ class SchedulerCounters:
     stalls: int = 0  # request-steps spent waiting for room to grow (wait mode)
     migrations: int = 0  # blocks moved to a larger range mid-decode
     admission_refusals: int = 0  # reserve() said no room now; the request stays queued
+    activation_refusals: int = 0  # ballooning: the prefill's activation room could not be freed yet
     bucket_matched_admissions: int = 0  # admitted ahead of FIFO order into a just-freed bucket
 
 
@@ -39,6 +41,7 @@ class Scheduler:
         preempt: str = "wait",
         lookahead: int = 16,
         max_skips: int = 8,
+        elastic: ElasticKV | None = None,
     ) -> None:
         if preempt not in PREEMPT_MODES:
             raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
@@ -48,6 +51,7 @@ class Scheduler:
         self.preempt_mode = preempt
         self.lookahead = lookahead  # waiting requests considered per admission round
         self.max_skips = max_skips  # rounds a head-of-queue request may be bypassed before it blocks others
+        self.elastic = elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -62,12 +66,19 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------------
 
     def schedule(self) -> list[Work]:
+        refusals = self.counters.admission_refusals
         work, stalled = self._grow_running()
         if not stalled:  # requests waiting to grow come first: admitting others would starve them
             work += self._admit()
         elif not work:  # everyone is stuck and nobody finishes: free the newest block to make progress
             self._preempt(self.running[-1])
             work, _ = self._grow_running()
+        if self.elastic is not None and (stalled or self.counters.admission_refusals > refusals):
+            # short of KV: borrow idle activation room for the next step, never what this step's prefill or
+            # the next waiting prefill needs (lending it would only be taken back at once)
+            step_prefill = sum(w.q_len for w in work if w.q_len > 1)
+            head = self.waiting[0].num_tokens - self.waiting[0].num_cached if self.waiting else 0
+            self.elastic.lend(prefill_tokens=max(step_prefill, head))
         return work
 
     def _grow_running(self) -> tuple[list[Work], list[Sequence]]:
@@ -105,12 +116,19 @@ class Scheduler:
     def _admit(self) -> list[Work]:
         work: list[Work] = []
         budget = self.max_prefill_tokens
+        prefill = 0
         candidates = self._admission_order()
+        if self.elastic is not None:
+            self.elastic.begin_round()
         for seq in candidates:
             if len(self.running) >= self.max_num_seqs:
                 break
             need = seq.num_tokens - seq.num_cached
             if work and need > budget:
+                continue
+            if self.elastic is not None and not self._activation_room(prefill + need):
+                if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
+                    break
                 continue
             block = self.pool.reserve(seq)
             if block is None:
@@ -126,12 +144,24 @@ class Scheduler:
             self.running.append(seq)
             work.append(Work(seq, 0, need))
             budget -= need
+            prefill += need
             if budget <= 0:
                 break
         for seq in self.waiting:
             seq.waited_steps += 1
         self._freed_buckets.clear()
         return work
+
+    def _activation_room(self, prefill_tokens: int) -> bool:
+        """Ballooning: free the activation room of this step's prefill (segments lent to the KV pool are
+        taken back; their blocks migrate, so running requests pick up their new blocks)."""
+        ok, moved = self.elastic.make_room(prefill_tokens)
+        if moved:
+            for seq in self.running:
+                seq.block = self.pool.block_of(seq)
+        if not ok:
+            self.counters.activation_refusals += 1
+        return ok
 
     def _admission_order(self) -> list[Sequence]:
         """FIFO, except that requests tagged with a bucket that just freed a block go first (they reuse

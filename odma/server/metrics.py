@@ -92,6 +92,17 @@ class _EngineCollector:
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
         yield counter("odma_preemptions", "Requests freed under pressure and recomputed later", sched.preemptions)
         yield counter("odma_stalls", "Request-steps spent waiting for room to grow", sched.stalls)
+        yield counter("odma_activation_refusals", "Prefills deferred until their activation room was freed",
+                      sched.activation_refusals)
+        if engine.elastic is not None:
+            e = engine.elastic.snapshot()
+            yield gauge("odma_balloon_reserve_bytes", "Activation room kept for a max_prefill_tokens prefill", e["reserve_bytes"])
+            yield gauge("odma_balloon_lent_bytes", "Activation room lent to the KV pool now", e["lent_bytes"])
+            yield counter("odma_balloon_inflations", "Segments lent to the KV pool", e["balloon_inflations"])
+            yield counter("odma_balloon_deflations", "Segments taken back for a prefill", e["balloon_deflations"])
+            yield counter("odma_balloon_rollbacks", "Deflations rolled back (a block had nowhere to go)",
+                          e["balloon_deflate_rollbacks"])
+            yield counter("odma_balloon_moved_bytes", "Live KV bytes copied out of deflated segments", e["balloon_moved_bytes"])
         yield counter("odma_engine_steps", "Model steps run", engine.steps)
         yield counter("odma_engine_busy_seconds", "Seconds spent inside model steps", engine.busy_seconds)
         yield counter("odma_engine_decode_tokens", "Decode tokens computed (Σ decode batch sizes)", engine.decode_tokens)
