@@ -78,7 +78,7 @@ class ElasticKV:
         """An admission round starts: forget what the last round's refused prefills needed."""
         self._waiting_need = 0
 
-    def lend(self, *, prefill_tokens: int = 0, max_segments: int = 1) -> int:
+    def lend(self, *, prefill_tokens: int = 0, max_segments: int = 4) -> int:
         """Inflate up to `max_segments` segments from idle activation room (call when requests wait for KV
         memory), keeping the room of a prefill of `prefill_tokens` (the step about to run). Returns the
         segments added."""

@@ -1,0 +1,297 @@
+"""`odma-bench balloon`: a long-context workload with KV ↔ activation ballooning off and on, same memory.
+
+Memory: a KV pool of `--kv-budget` plus the activation reserve an engine must keep for its largest prefill
+step (`--max-prefill-tokens` × the measured activation bytes per token). Without ballooning the reserve
+only ever holds activations; with it, idle reserve is lent to the KV pool in segments and taken back
+(live blocks migrate out) before a prefill needs it. Both runs use the engine's own Scheduler, KVPool,
+BalloonPool and ElasticKV; the model is replaced by a step-time model measured on this CPU:
+
+    step = decode_ms(batch) + kv_ms_per_1k × (context tokens read by decoding requests) / 1000
+           + Σ over prefills of q × (prefill_ms_per_token + prefill_ms_per_1k_context × (start + q) / 1000)
+
+(the last term is attention over a long prompt; all four constants were measured on this CPU).
+
+Workload: short chat requests from a trace (its prompt and realized lengths) mixed with long requests
+whose prompts are uniform in [--long-min, --long-max] tokens; Poisson arrivals at `--rate` per second.
+Every step checks lent bytes + the step's activation peak <= the reserve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass, replace
+
+from odma.bench.scheduler_bench import DEFAULT_STEP_MS, _step_table
+
+# SmolLM2-135M fp32 on this CPU, 1 thread (docs/BENCHMARKS.md, "Ballooning"): activation peak per prefill
+# token (Backend.activation_peak_bytes: 31.2 KiB at 64, 512 and 2048 tokens); decode at context 512 / 4096 /
+# 8192: 65 / 117 / 220 ms (20.2 ms per 1K context); prefill 3.01 / 4.71 / 6.85 ms per token at 512 / 4096 /
+# 8192 tokens (2.55 ms + 0.525 ms per 1K of context).
+ACTIVATION_BYTES_PER_TOKEN = 32000
+KV_MS_PER_1K_CONTEXT = 20.2
+PREFILL_MS_PER_TOKEN = 2.55
+PREFILL_MS_PER_1K_CONTEXT = 0.525
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default="nq", help="where the short requests come from")
+    p.add_argument("--num-short", type=int, default=96)
+    p.add_argument("--num-long", type=int, default=8)
+    p.add_argument("--long-min", type=int, default=2048)
+    p.add_argument("--long-max", type=int, default=8192)
+    p.add_argument("--rate", type=float, default=0.5, help="arrivals per second (Poisson)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-budget", default="512MiB", help="the KV pool without ballooning")
+    p.add_argument("--bytes-per-token", type=int, default=46080, help="KV bytes per token (SmolLM2 fp32)")
+    p.add_argument("--activation-bytes-per-token", type=int, default=ACTIVATION_BYTES_PER_TOKEN)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="the largest prefill step (sizes the reserve)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--segment-tokens", type=int, default=512)
+    p.add_argument("--keep-tokens", type=int, default=512)
+    p.add_argument("--predictor", default="default")
+    p.add_argument("--step-ms", default=DEFAULT_STEP_MS)
+    p.add_argument("--kv-ms-per-1k", type=float, default=KV_MS_PER_1K_CONTEXT)
+    p.add_argument("--engine", action="store_true",
+                   help="run the real engine (SmolLM2 on this machine) instead of the step-time model; slow: scale "
+                        "the workload down (e.g. --long-min 1024 --long-max 2048 --max-prefill-tokens 2048)")
+    p.add_argument("--model", default="smollm2", help="--engine: the model to serve")
+    p.add_argument("--prefill-ms-per-token", type=float, default=PREFILL_MS_PER_TOKEN)
+    p.add_argument("--prefill-ms-per-1k-context", type=float, default=PREFILL_MS_PER_1K_CONTEXT)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    long: bool
+    prompt: str | None = None
+
+
+def workload(args: argparse.Namespace) -> list[Job]:
+    from odma.bench.serve_bench import _pick
+
+    rng = random.Random(args.seed)
+    short = _pick(args.trace, args.num_short, args.seed)
+    jobs = [Job(0.0, r.prompt_tokens, max(1, min(args.max_tokens, r.output_tokens)), False, r.prompt) for r in short]
+    outs = [j.output_tokens for j in jobs]
+    jobs += [Job(0.0, rng.randint(args.long_min, args.long_max), rng.choice(outs), True) for _ in range(args.num_long)]
+    rng.shuffle(jobs)
+    t = 0.0
+    timed = []
+    for j in jobs:
+        t += rng.expovariate(args.rate)
+        timed.append(replace(j, arrival_s=t))
+    return timed
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon: bool) -> dict:
+    import numpy as np
+
+    from odma.allocator import KVPool
+    from odma.balloon import ActivationProfile, BalloonPool
+    from odma.config import BucketConfig, PoolConfig
+    from odma.elastic import ElasticKV
+    from odma.engine.config import EngineConfig, parse_kv_budget
+    from odma.engine.memory import build_policy
+    from odma.engine.sampling import SamplingParams
+    from odma.engine.scheduler import Scheduler
+    from odma.engine.sequence import Sequence
+
+    cap = args.max_tokens
+    cfg = EngineConfig(policy="odma", max_tokens_cap=cap, default_max_tokens=cap, length_log=None,
+                       pool=PoolConfig(), buckets=replace(BucketConfig(), large_bound=cap))
+    policy = build_policy(cfg, [])
+    budget_tokens = parse_kv_budget(args.kv_budget, 1) // args.bytes_per_token
+    pool = KVPool(budget_tokens, policy, large_share=0.0, align=cfg.pool.align, bytes_per_token=args.bytes_per_token)
+    act = args.activation_bytes_per_token
+    profile = ActivationProfile({1: act, args.max_prefill_tokens: act * args.max_prefill_tokens})
+    reserve = profile.peak_bytes(args.max_prefill_tokens)
+    elastic = None
+    if balloon:
+        elastic = ElasticKV(BalloonPool(pool, args.segment_tokens), profile, reserve, keep_tokens=args.keep_tokens)
+    scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+                          elastic=elastic)
+    xs, ys = _step_table(args.step_ms)
+    seqs: dict[str, tuple[Sequence, Job, float]] = {}
+    pending = sorted(enumerate(zip(jobs, predictions)), key=lambda x: x[1][0].arrival_s)
+    clock = 0.0
+    i = steps = peak = idle = 0
+    running_time = 0.0  # ∫ running requests dt
+    ttft: dict[bool, list[float]] = {False: [], True: []}
+    done = 0
+    while done < len(jobs):
+        while i < len(pending) and pending[i][1][0].arrival_s <= clock:
+            n, (job, (length, u)) = pending[i]
+            seq = Sequence(f"r{n}", [0] * job.prompt_tokens, SamplingParams(max_tokens=cap))
+            seq.predicted_length = seq.predicted_tokens = float(length)
+            seq.uncertainty = float(u)
+            seqs[seq.request_id] = (seq, job, job.arrival_s)
+            scheduler.add(seq)
+            i += 1
+        work = scheduler.schedule()
+        if not work:
+            if scheduler.has_work() and idle < 3:  # a preemption frees room: the next round admits again
+                idle += 1
+                continue
+            if i < len(pending):
+                clock = max(clock, pending[i][1][0].arrival_s)
+                continue
+            raise RuntimeError(f"requests remain but nothing can be scheduled: {len(scheduler.running)} running, "
+                               f"{len(scheduler.waiting)} waiting, {pool.stats()}")
+        idle = 0
+        decode = [w for w in work if w.q_len == 1]
+        prefills = [w for w in work if w.q_len > 1]
+        prefill = sum(w.q_len for w in prefills)
+        if elastic is not None:
+            elastic.check(prefill)
+        context = sum(w.start for w in decode)
+        prefill_ms = sum(w.q_len * (args.prefill_ms_per_token + args.prefill_ms_per_1k_context * (w.start + w.q_len) / 1e3)
+                         for w in prefills)
+        dt = float(np.interp(len(decode), xs, ys)) + (args.kv_ms_per_1k * context / 1e3 + prefill_ms) / 1e3
+        running_time += len(scheduler.running) * dt
+        clock += dt
+        steps += 1
+        peak = max(peak, len(scheduler.running))
+        for w in work:
+            seq = w.seq
+            seq.num_cached = w.start + w.q_len
+            seq.output_ids.append(0)
+            _, job, arrival = seqs[seq.request_id]
+            if seq.num_generated == 1:
+                ttft[job.long].append(clock - arrival)
+            if seq.num_generated >= job.output_tokens:
+                scheduler.finish(seq, "stop")
+                done += 1
+        buckets = getattr(policy, "buckets", None)
+        if buckets is not None and buckets.refresh_due():
+            buckets.refresh()
+        if steps % 100 == 0:
+            pool.check_invariants()
+    pool.check_invariants()
+    assert pool.stats().live_blocks == 0
+    useful = sum(j.output_tokens for j in jobs)
+    c = scheduler.counters
+    out = {
+        "balloon": balloon, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
+        "peak_running": peak, "mean_running": running_time / clock,
+        "ttft_short_p50_s": _percentile(ttft[False], 0.5), "ttft_short_p99_s": _percentile(ttft[False], 0.99),
+        "ttft_long_p50_s": _percentile(ttft[True], 0.5), "ttft_long_max_s": max(ttft[True], default=float("nan")),
+        "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls, "admission_refusals": c.admission_refusals,
+        "activation_refusals": c.activation_refusals, "completed": done,
+    }
+    if elastic is not None:
+        e = elastic.snapshot()
+        out.update({k: e[k] for k in ("lends", "reclaims", "reclaim_failures", "peak_lent_bytes",
+                                      "balloon_moved_blocks", "balloon_moved_bytes", "balloon_deflate_rollbacks")})
+    return out
+
+
+def run_engine(jobs: list[Job], args: argparse.Namespace, *, balloon: bool, long_ids: list[int]) -> dict:
+    """The same workload through the real LLMEngine in wall-clock time (arrivals, TTFT and throughput are
+    measured, not modelled). Each request generates exactly its realized length (ignore_eos)."""
+    import time
+
+    from odma.engine import LLMEngine, SamplingParams
+    from odma.engine.config import EngineConfig
+
+    cfg = EngineConfig(model=args.model, kv_budget=args.kv_budget, balloon=balloon, max_prefill_tokens=args.max_prefill_tokens,
+                       max_tokens_cap=args.max_tokens, default_max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
+                       balloon_segment_tokens=args.segment_tokens, balloon_keep_tokens=args.keep_tokens,
+                       length_log=None, predictor=args.predictor)
+    engine = LLMEngine(cfg)
+    tok = engine.tokenizer
+    pending = sorted(jobs, key=lambda j: j.arrival_s)
+    live: list[tuple[object, Job, float]] = []
+    i = peak = 0
+    running_time = 0.0
+    t0 = time.monotonic()
+    while i < len(pending) or engine.has_work():
+        now = time.monotonic() - t0
+        while i < len(pending) and pending[i].arrival_s <= now:
+            job = pending[i]
+            ids = long_ids[: job.prompt_tokens] if job.long else tok.encode(job.prompt, add_special_tokens=False)
+            params = SamplingParams(max_tokens=job.output_tokens, temperature=0, ignore_eos=True)
+            live.append((engine.add_request(ids, params), job, t0 + job.arrival_s))
+            i += 1
+        if not engine.has_work():
+            time.sleep(min(0.05, max(0.0, pending[i].arrival_s - now)))
+            continue
+        started = time.monotonic()
+        engine.step()
+        running_time += engine.num_running * (time.monotonic() - started)
+        peak = max(peak, engine.num_running)
+    makespan = time.monotonic() - t0
+    engine.pool.check_invariants()
+    ttft = {False: [], True: []}
+    for seq, job, arrival in live:
+        ttft[job.long].append(seq.first_token_at - arrival)
+    useful = sum(len(seq.output_ids) for seq, _, _ in live)
+    c = engine.scheduler.counters
+    out = {"balloon": balloon, "throughput_tps": useful / makespan, "makespan_s": makespan, "steps": engine.steps,
+           "peak_running": peak, "mean_running": running_time / makespan,
+           "ttft_short_p50_s": _percentile(ttft[False], 0.5), "ttft_short_p99_s": _percentile(ttft[False], 0.99),
+           "ttft_long_p50_s": _percentile(ttft[True], 0.5), "ttft_long_max_s": max(ttft[True], default=float("nan")),
+           "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
+           "admission_refusals": c.admission_refusals, "activation_refusals": c.activation_refusals,
+           "completed": sum(1 for seq, _, _ in live if seq.finish_reason == "length"), "errors": engine.errors,
+           "activation_reserve_bytes": engine.elastic.reserve_bytes if engine.elastic else None}
+    if engine.elastic is not None:
+        e = engine.elastic.snapshot()
+        out.update({k: e[k] for k in ("lends", "reclaims", "reclaim_failures", "peak_lent_bytes",
+                                      "balloon_moved_blocks", "balloon_moved_bytes", "balloon_deflate_rollbacks")})
+    engine.close()
+    return out
+
+
+def _long_prompt_ids(jobs: list[Job], args: argparse.Namespace) -> list[int]:
+    """Token ids of real text (the short prompts, repeated) long enough for the longest long prompt."""
+    from transformers import AutoTokenizer
+
+    from odma.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
+    text = "\n\n".join(j.prompt for j in jobs if j.prompt)
+    ids = tok.encode(text, add_special_tokens=False)
+    need = max((j.prompt_tokens for j in jobs if j.long), default=0)
+    return (ids * (need // max(1, len(ids)) + 1))[:need]
+
+
+def run(args: argparse.Namespace) -> dict:
+    from odma.engine.config import parse_kv_budget
+    from predictor import load_predictor
+
+    jobs = workload(args)
+    records = [type("R", (), {"prompt": j.prompt, "prompt_tokens": j.prompt_tokens})() for j in jobs]
+    predictions = [(p.length, p.uncertainty) for p in load_predictor(args.predictor).predict(records)]
+    kv = parse_kv_budget(args.kv_budget, 1)
+    if args.engine:
+        long_ids = _long_prompt_ids(jobs, args)
+        runs = [run_engine(jobs, args, balloon=b, long_ids=long_ids) for b in (False, True)]
+        reserve = runs[1]["activation_reserve_bytes"]  # profiled by the engine
+    else:
+        runs = [simulate(jobs, predictions, args, balloon=b) for b in (False, True)]
+        reserve = args.activation_bytes_per_token * args.max_prefill_tokens
+    off, on = runs
+    return {
+        "trace": args.trace, "num_short": args.num_short, "num_long": args.num_long,
+        "long_prompt_tokens": [args.long_min, args.long_max], "rate": args.rate,
+        "mode": "engine" if args.engine else "step-time model",
+        "kv_budget_bytes": kv, "activation_reserve_bytes": reserve, "total_memory_bytes": kv + reserve,
+        "max_prefill_tokens": args.max_prefill_tokens, "segment_tokens": args.segment_tokens,
+        "step_ms": args.step_ms, "kv_ms_per_1k": args.kv_ms_per_1k, "prefill_ms_per_token": args.prefill_ms_per_token,
+        "prefill_ms_per_1k_context": args.prefill_ms_per_1k_context,
+        "runs": runs,
+        "peak_batch_ratio": on["peak_running"] / off["peak_running"],
+        "mean_batch_ratio": on["mean_running"] / off["mean_running"],
+        "throughput_ratio": on["throughput_tps"] / off["throughput_tps"],
+        "ttft_short_p50_ratio": on["ttft_short_p50_s"] / off["ttft_short_p50_s"],
+        "ttft_long_p50_ratio": on["ttft_long_p50_s"] / off["ttft_long_p50_s"],
+    }
