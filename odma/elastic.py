@@ -53,16 +53,10 @@ class ElasticKV:
         """Activation bytes free now."""
         return self.reserve_bytes - self.lent_bytes
 
-    def fits(self, prefill_tokens: int) -> bool:
-        """Whether a prefill step of this many tokens can ever run (its peak is within the reserve)."""
-        return self.profile.peak_bytes(prefill_tokens) <= self.reserve_bytes
-
     def make_room(self, prefill_tokens: int) -> tuple[bool, int]:
         """Free the activation room a prefill step of `prefill_tokens` needs, deflating segments (their blocks
         migrate). Returns (ok, blocks moved): the caller refreshes the blocks of moved requests."""
-        need = self.profile.peak_bytes(prefill_tokens)
-        if need > self.reserve_bytes:
-            return False, 0
+        need = self._need(prefill_tokens)
         moved = 0
         if need > self.room_bytes:
             for result in self.balloon.deflate_bytes(need - self.room_bytes):
@@ -74,6 +68,11 @@ class ElasticKV:
             return False, moved
         return True, moved
 
+    def _need(self, prefill_tokens: int) -> int:
+        # A prefill longer than the reserve was sized for (a recomputed request, or one prompt longer than
+        # max_prefill_tokens) needs all of it: it runs with nothing lent, as it would without ballooning.
+        return min(self.reserve_bytes, self.profile.peak_bytes(prefill_tokens)) if prefill_tokens > 0 else 0
+
     def begin_round(self) -> None:
         """An admission round starts: forget what the last round's refused prefills needed."""
         self._waiting_need = 0
@@ -83,7 +82,7 @@ class ElasticKV:
         memory), keeping the room of a prefill of `prefill_tokens` (the step about to run). Returns the
         segments added."""
         added = 0
-        floor = max(self.keep_bytes, self._waiting_need, self.profile.peak_bytes(prefill_tokens) if prefill_tokens else 0)
+        floor = max(self.keep_bytes, self._waiting_need, self._need(prefill_tokens))
         while added < max_segments and self.room_bytes - self.segment_bytes >= floor:
             self.balloon.inflate()
             added += 1
@@ -93,7 +92,7 @@ class ElasticKV:
 
     def check(self, prefill_tokens: int) -> None:
         """The invariant of a step that prefills `prefill_tokens` tokens (AssertionError if broken)."""
-        peak = self.profile.peak_bytes(prefill_tokens) if prefill_tokens else 0
+        peak = self._need(prefill_tokens)
         assert self.lent_bytes + peak <= self.reserve_bytes, (
             f"lent {self.lent_bytes} B + activation peak {peak} B > reserve {self.reserve_bytes} B")
 

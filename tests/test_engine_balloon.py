@@ -28,10 +28,10 @@ def reference(folder):
     return [s.output_ids for s in engine.generate(SHORT + [LONG], GREEDY)]
 
 
-def _engine(folder, balloon: bool):
+def _engine(folder, balloon: bool, preempt: str = "wait"):
     # 64 KiB at 512 B/token = 128 slots; the reserve for a 64-token prefill is ~180 KiB of activations
     return tiny_engine(folder, kv_budget="64KiB", align=4, max_prefill_tokens=64, balloon=balloon,
-                       balloon_segment_tokens=64, balloon_keep_tokens=8)
+                       balloon_segment_tokens=64, balloon_keep_tokens=8, preempt=preempt)
 
 
 def _run(engine, prompts, *, late: list | None = None, after: int = 0):
@@ -72,8 +72,9 @@ def test_ballooning_raises_concurrency_and_keeps_tokens(folder, reference):
     assert stats.live_blocks == 0 and stats.reserved_tokens == 0
 
 
-def test_a_long_prefill_takes_its_room_back(folder, reference):
-    engine = _engine(folder, True)
+@pytest.mark.parametrize("preempt", ["wait", "recompute"])
+def test_a_long_prefill_takes_its_room_back(folder, reference, preempt):
+    engine = _engine(folder, True, preempt)
     seqs, _ = _run(engine, SHORT, late=[LONG], after=6)
     assert [s.output_ids for s in seqs] == reference  # blocks moved out of segments arrive intact
     e = engine.elastic

@@ -1,0 +1,78 @@
+"""ElasticKV (torch-free): lending idle activation room to the KV pool and taking it back for prefills."""
+
+from __future__ import annotations
+
+import pytest
+
+from odma.allocator import KVPool
+from odma.balloon import ActivationProfile, BalloonPool
+from odma.elastic import ElasticKV
+from odma.errors import ConfigError
+from odma.policy import KVRequest, StaticPolicy
+
+PER_TOKEN = 10  # activation bytes per prefill token; KV is 1 byte per token
+
+
+def _elastic(keep_tokens=8, reserve_tokens=100):
+    pool = KVPool(256, StaticPolicy(), large_share=0.0, align=16)
+    profile = ActivationProfile({1: PER_TOKEN, reserve_tokens: PER_TOKEN * reserve_tokens})
+    return pool, ElasticKV(BalloonPool(pool, 160), profile, PER_TOKEN * reserve_tokens, keep_tokens=keep_tokens)
+
+
+def test_lends_only_what_no_prefill_needs():
+    pool, e = _elastic()
+    assert e.lend(max_segments=10) == 5  # 1000 B of room, 80 B kept, segments of 160 B
+    assert e.lent_bytes == 800 and pool.capacity_tokens == 256 + 800
+    e.check(prefill_tokens=8)
+    with pytest.raises(AssertionError):
+        e.check(prefill_tokens=50)  # 500 B of activations would not fit beside 800 B lent
+    _, e2 = _elastic()
+    assert e2.lend(prefill_tokens=50, max_segments=10) == 3  # keeps the room of the prefill about to run
+
+
+def test_make_room_deflates_and_moves_blocks_out():
+    pool, e = _elastic()
+    e.lend(max_segments=10)
+    # fill the base range so the next blocks land in segments, then free the base
+    base = [KVRequest(f"b{i}", 100, 28) for i in range(2)]
+    assert all(pool.reserve(r) is not None for r in base)
+    inside = KVRequest("s", 100, 28)
+    block = pool.reserve(inside)
+    assert block is not None and block.offset >= 256  # in a lent segment
+    for r in base:
+        pool.release(r, 0)
+    ok, moved = e.make_room(prefill_tokens=100)  # the whole reserve
+    assert ok and moved == 1 and e.lent_bytes == 0
+    assert pool.block_of("s").offset < 256  # evacuated by migration into the base range
+    e.check(prefill_tokens=100)
+    pool.check_invariants()
+
+
+def test_a_prefill_that_cannot_get_its_room_is_refused_and_blocks_lending():
+    pool, e = _elastic()
+    e.lend(max_segments=10)
+    held = [KVRequest(f"r{i}", 100, 28) for i in range(6)]
+    placed = [r for r in held if pool.reserve(r) is not None]
+    assert len(placed) >= 3  # the base range is full, the rest sit in segments
+    e.begin_round()
+    ok, _ = e.make_room(prefill_tokens=100)
+    assert not ok and e.counters.reclaim_failures == 1
+    assert e.lend(max_segments=10) == 0  # nothing lent out of the room the refused prefill waits for
+    pool.check_invariants()
+
+
+def test_prefill_longer_than_the_reserve_runs_with_nothing_lent():
+    pool, e = _elastic()
+    e.lend(max_segments=1)
+    ok, _ = e.make_room(prefill_tokens=400)  # e.g. a recomputed request: needs all of the reserve, not more
+    assert ok and e.lent_bytes == 0
+    e.check(prefill_tokens=400)
+
+
+def test_bad_configuration_is_refused():
+    pool = KVPool(256, StaticPolicy(), align=16)
+    profile = ActivationProfile({1: 1})
+    with pytest.raises(ConfigError):
+        ElasticKV(BalloonPool(pool, 16), profile, -1)
+    with pytest.raises(ConfigError):
+        ElasticKV(BalloonPool(pool, 16), profile, 100, keep_tokens=0)
