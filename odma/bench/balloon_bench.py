@@ -21,17 +21,18 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 from odma.bench.scheduler_bench import DEFAULT_STEP_MS, _step_table
 
-# SmolLM2-135M fp32 on this CPU, 1 thread (docs/BENCHMARKS.md, "Ballooning"): activation peak per prefill
-# token (Backend.activation_peak_bytes: 31.2 KiB at 64, 512 and 2048 tokens); decode at context 512 / 4096 /
-# 8192: 65 / 117 / 220 ms (20.2 ms per 1K context); prefill 3.01 / 4.71 / 6.85 ms per token at 512 / 4096 /
-# 8192 tokens (2.55 ms + 0.525 ms per 1K of context).
+# SmolLM2-135M fp32 on this CPU, 1 thread, from `odma-bench balloon --calibrate` (docs/BENCHMARKS.md,
+# "Ballooning"): activation peak per prefill token (flat from 512 to 8192 tokens); decode at context
+# 512 / 4096 / 8192: 70 / 131 / 232 ms (21.1 ms per 1K context); prefill 3.52 / 4.89 / 6.95 ms per token
+# at 512 / 4096 / 8192 tokens (3.29 ms + 0.448 ms per 1K of context).
 ACTIVATION_BYTES_PER_TOKEN = 32000
-KV_MS_PER_1K_CONTEXT = 20.2
-PREFILL_MS_PER_TOKEN = 2.55
-PREFILL_MS_PER_1K_CONTEXT = 0.525
+KV_MS_PER_1K_CONTEXT = 21.1
+PREFILL_MS_PER_TOKEN = 3.29
+PREFILL_MS_PER_1K_CONTEXT = 0.448
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,9 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-long", type=int, default=8)
     p.add_argument("--long-min", type=int, default=2048)
     p.add_argument("--long-max", type=int, default=8192)
-    p.add_argument("--rate", type=float, default=0.5, help="arrivals per second (Poisson)")
+    p.add_argument("--rate", type=float, default=4.0, help="arrivals per second (Poisson)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-budget", default="512MiB", help="the KV pool without ballooning")
+    p.add_argument("--kv-budget", default="416MiB", help="the KV pool without ballooning (must hold the longest request)")
     p.add_argument("--bytes-per-token", type=int, default=46080, help="KV bytes per token (SmolLM2 fp32)")
     p.add_argument("--activation-bytes-per-token", type=int, default=ACTIVATION_BYTES_PER_TOKEN)
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="the largest prefill step (sizes the reserve)")
@@ -56,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="store_true",
                    help="run the real engine (SmolLM2 on this machine) instead of the step-time model; slow: scale "
                         "the workload down (e.g. --long-min 1024 --long-max 2048 --max-prefill-tokens 2048)")
-    p.add_argument("--model", default="smollm2", help="--engine: the model to serve")
+    p.add_argument("--model", default="smollm2", help="--engine / --calibrate: the model")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the step-time model's constants on this machine (the model at 512/4096/8192 tokens) and exit")
     p.add_argument("--prefill-ms-per-token", type=float, default=PREFILL_MS_PER_TOKEN)
     p.add_argument("--prefill-ms-per-1k-context", type=float, default=PREFILL_MS_PER_1K_CONTEXT)
 
@@ -251,6 +254,51 @@ def run_engine(jobs: list[Job], args: argparse.Namespace, *, balloon: bool, long
     return out
 
 
+def calibrate(args: argparse.Namespace) -> dict:
+    """The constants of the step-time model, measured with the real model (one thread): activation peak per
+    prefill token (Backend.activation_peak_bytes), prefill ms per token and decode ms at several contexts."""
+    import time
+
+    import torch
+
+    from backends import KVLayout, get_backend
+    from odma.allocator import Block
+    from odma.models import load_model, resolve_model
+    from odma.models.llama import SeqSlot
+
+    torch.set_num_threads(1)
+    model = load_model(resolve_model(args.model))
+    c = model.config
+    backend = get_backend("cpu")
+    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
+    sizes = (512, 4096, 8192)
+    arena = backend.create_arena(max(sizes) + 16, layout)
+    kv = SeqSlot(arena.view(Block(0, max(sizes) + 16, 0)), 0, 0)
+    out: dict = {"model": args.model, "kv_bytes_per_token": layout.bytes_per_token, "threads": 1}
+    with torch.inference_mode():
+        for n in sizes:
+            ids, pos = torch.zeros(n, dtype=torch.long), torch.arange(n)
+            peak = backend.activation_peak_bytes(lambda: model(ids, pos, [SeqSlot(kv.kv, 0, n)]))
+            t = time.perf_counter()
+            model(ids, pos, [SeqSlot(kv.kv, 0, n)])
+            prefill = time.perf_counter() - t
+            decode = []
+            for _ in range(5):
+                t = time.perf_counter()
+                model(torch.tensor([5]), torch.tensor([n]), [SeqSlot(kv.kv, n, 1)])
+                decode.append(time.perf_counter() - t)
+            out[f"activation_bytes_per_token_{n}"] = round(peak / n)
+            out[f"prefill_ms_per_token_{n}"] = round(prefill / n * 1e3, 3)
+            out[f"decode_ms_context_{n}"] = round(sorted(decode)[2] * 1e3, 1)
+    lo, hi = sizes[0], sizes[-1]
+    out["kv_ms_per_1k"] = round((out[f"decode_ms_context_{hi}"] - out[f"decode_ms_context_{lo}"]) / ((hi - lo) / 1e3), 2)
+    slope = (out[f"prefill_ms_per_token_{hi}"] - out[f"prefill_ms_per_token_{lo}"]) / ((hi - lo) / 1e3)
+    out["prefill_ms_per_1k_context"] = round(slope, 3)
+    out["prefill_ms_per_token"] = round(out[f"prefill_ms_per_token_{lo}"] - slope * lo / 1e3, 3)
+    backend.free_arena(arena)
+    return out
+
+
 def _long_prompt_ids(jobs: list[Job], args: argparse.Namespace) -> list[int]:
     """Token ids of real text (the short prompts, repeated) long enough for the longest long prompt."""
     from transformers import AutoTokenizer
@@ -268,8 +316,10 @@ def run(args: argparse.Namespace) -> dict:
     from odma.engine.config import parse_kv_budget
     from predictor import load_predictor
 
+    if args.calibrate:
+        return calibrate(args)
     jobs = workload(args)
-    records = [type("R", (), {"prompt": j.prompt, "prompt_tokens": j.prompt_tokens})() for j in jobs]
+    records = [SimpleNamespace(prompt=j.prompt, prompt_tokens=j.prompt_tokens, output_tokens=j.output_tokens) for j in jobs]
     predictions = [(p.length, p.uncertainty) for p in load_predictor(args.predictor).predict(records)]
     kv = parse_kv_budget(args.kv_budget, 1)
     if args.engine:
