@@ -136,6 +136,11 @@ class OffloadController:
         self.metrics.fetched_bytes += nbytes
         return nbytes
 
+    def discard(self, request_id: str) -> int:
+        """Forget a request's host KV without fetching it (the request ended while offloaded)."""
+        self._lookup(request_id)
+        return self._host.pop(request_id)
+
     def _lookup(self, request_id: str) -> int:
         if request_id not in self._host:
             raise UnknownRequestError(f"request {request_id!r} has no KV in the host buffer")

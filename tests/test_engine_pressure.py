@@ -26,7 +26,7 @@ def reference(folder):
 
 
 # 64 KiB at 512 B/token = 128 token slots: room for two or three 50-token requests at a time
-@pytest.mark.parametrize("preempt", ["wait", "recompute"])
+@pytest.mark.parametrize("preempt", ["wait", "recompute", "swap"])
 @pytest.mark.parametrize("policy,predicted", [("static", None), ("s3", 1), ("odma", 8)])
 def test_every_request_completes_under_pressure(folder, reference, preempt, policy, predicted):
     engine = tiny_engine(folder, kv_budget="64KiB", policy=policy, predicted=predicted, preempt=preempt, align=4)
@@ -43,6 +43,35 @@ def test_every_request_completes_under_pressure(folder, reference, preempt, poli
     assert stats.live_blocks == 0 and stats.reserved_tokens == 0
     if policy == "s3":  # L̂ = 1: every request outgrows its 16-token bucket
         assert engine.scheduler.counters.preemptions + stats.migrations > 0
+    if preempt == "swap":
+        c = engine.scheduler.counters
+        assert c.swap_outs == c.swap_ins and engine.swap.held_bytes == 0  # every swapped K/V came back
+        assert c.swap_outs == c.preemptions  # the 1 GiB host buffer took every preempted request
+        if policy == "s3":
+            assert c.swap_outs > 0
+
+
+def test_swap_falls_back_to_recompute_when_the_host_buffer_is_full(folder, reference):
+    engine = tiny_engine(folder, kv_budget="64KiB", policy="s3", predicted=1, preempt="swap", swap_space="1KiB", align=4)
+    seqs = engine.generate(PROMPTS, GREEDY)
+    c = engine.scheduler.counters
+    assert [s.output_ids for s in seqs] == reference
+    assert c.preemptions > 0 and c.swap_outs == 0  # 1 KiB holds no request's K/V (512 B per token)
+
+
+def test_a_request_cancelled_while_swapped_out_frees_its_host_copy(folder):
+    engine = tiny_engine(folder, kv_budget="64KiB", policy="s3", predicted=1, preempt="swap", align=4)
+    seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    swapped = None
+    while engine.has_work() and swapped is None:
+        engine.step()
+        swapped = next((s for s in seqs if s.swapped), None)
+    assert swapped is not None and engine.swap.held_bytes > 0
+    engine.abort(swapped.request_id)
+    while engine.has_work():
+        engine.step()
+    assert swapped.finish_reason == "abort" and engine.swap.held_bytes == 0
+    assert engine.pool.stats().live_blocks == 0
 
 
 def test_prompt_that_can_never_fit_is_refused_up_front(folder):

@@ -26,7 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--predictor", default="default")
     p.add_argument("--policies", default="static,odma,s3")
-    p.add_argument("--preempt", default="wait,recompute")
+    p.add_argument("--preempt", default="wait,recompute", help="any of wait, recompute, swap")
+    p.add_argument("--swap-gbps", type=float, default=10.0,
+                   help="swap copy bandwidth, payload GB/s (memcpy measured 20.1 GB/s read + write)")
     p.add_argument("--reserve-scale", type=float, default=None, help="odma reserve_scale (default: the config's)")
     p.add_argument("--step-ms", default=DEFAULT_STEP_MS, help="decode batch:ms pairs, interpolated linearly")
     p.add_argument("--prefill-ms-per-token", type=float, default=3.5)
@@ -37,8 +39,30 @@ def _step_table(spec: str) -> tuple[list[float], list[float]]:
     return [0.0] + [b for b, _ in pairs], [0.0] + [s for _, s in pairs]
 
 
+class _CountingSwap:
+    """The sim's host buffer: unlimited, costs a copy at `gbps` each way."""
+
+    def __init__(self, bytes_per_token: int) -> None:
+        self.bytes_per_token = bytes_per_token
+        self.copied_bytes = 0
+        self.held: set[str] = set()
+
+    def swap_out(self, seq) -> bool:
+        self.held.add(seq.request_id)
+        self.copied_bytes += seq.num_cached * self.bytes_per_token
+        return True
+
+    def swap_in(self, seq) -> None:
+        self.held.remove(seq.request_id)
+        self.copied_bytes += seq.num_cached * self.bytes_per_token
+
+    def drop(self, seq) -> None:
+        self.held.discard(seq.request_id)
+
+
 def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: int, max_tokens: int,
-             max_num_seqs: int, step_table, prefill_s_per_token: float, reserve_scale: float | None = None) -> dict:
+             max_num_seqs: int, step_table, prefill_s_per_token: float, reserve_scale: float | None = None,
+             bytes_per_token: int = 46080, swap_gbps: float = 10.0) -> dict:
     import numpy as np
 
     from odma.allocator import KVPool
@@ -54,7 +78,9 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
                        length_log=None, pool=pool_cfg, buckets=replace(BucketConfig(), large_bound=max_tokens))
     kv_policy = build_policy(cfg, [])
     pool = KVPool(budget_tokens, kv_policy, large_share=0.0, align=cfg.pool.align)
-    scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens, preempt=preempt)
+    swap = _CountingSwap(bytes_per_token) if preempt == "swap" else None
+    scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens, preempt=preempt,
+                          swapper=swap)
     target: dict[str, int] = {}
     for i, (rec, (length, u)) in enumerate(zip(records, predictions)):
         seq = Sequence(f"r{i}", [0] * rec.prompt_tokens, SamplingParams(max_tokens=max_tokens))
@@ -67,7 +93,10 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
     clock = 0.0
     steps = peak = prefill_tokens = 0
     while scheduler.has_work():
+        copied = swap.copied_bytes if swap else 0
         work = scheduler.schedule()
+        if swap is not None:
+            clock += (swap.copied_bytes - copied) / (swap_gbps * 1e9)
         decode = sum(1 for w in work if w.q_len == 1)
         prefill = sum(w.q_len for w in work if w.q_len > 1)
         clock += float(np.interp(decode, xs, ys)) + prefill_s_per_token * prefill
@@ -90,6 +119,7 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
     useful = sum(target.values())
     return {"policy": policy, "preempt": preempt, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
             "peak_running": peak, "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
+            "swap_outs": c.swap_outs, "swapped_bytes": swap.copied_bytes if swap else 0,
             "prefill_tokens": prefill_tokens, "completion_tokens": useful}
 
 
@@ -107,7 +137,8 @@ def run(args: argparse.Namespace) -> dict:
             runs.append(simulate(records, predictions, policy=policy, preempt=preempt, budget_tokens=budget_tokens,
                                  max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
                                  step_table=_step_table(args.step_ms), prefill_s_per_token=args.prefill_ms_per_token / 1000,
-                                 reserve_scale=args.reserve_scale))
+                                 reserve_scale=args.reserve_scale, bytes_per_token=args.bytes_per_token,
+                                 swap_gbps=args.swap_gbps))
     static = next((r["throughput_tps"] for r in runs if r["policy"] == "static"), None)
     for r in runs:
         r["x_static"] = r["throughput_tps"] / static if static else None

@@ -34,7 +34,8 @@ class EngineConfig:
     default_max_tokens: int = 256
     # under memory pressure: "wait" (stall until a block can grow) or "recompute" (free the newest block and
     # redo it later); recompute thrashed on CPU, where a re-prefill costs as much as decoding (docs/serving.md)
-    preempt: str = "wait"
+    preempt: str = "wait"  # or "swap": the preempted request's K/V goes to a host buffer and comes back
+    swap_space: str = "1GiB"  # host buffer for --preempt swap (bytes, like --kv-budget)
     predictor: str | None = "default"  # predictor spec; falls back to a running median if it cannot load
     s3_buckets: int = 8  # equal-width buckets of the s3 baseline
     length_log: Path | None = field(default_factory=lambda: default_cache_dir() / "logs" / "lengths.jsonl")
@@ -59,8 +60,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
-        if self.preempt not in ("wait", "recompute"):
-            raise ConfigError(f"preempt must be 'wait' or 'recompute', got {self.preempt!r}")
+        if self.preempt not in ("wait", "recompute", "swap"):
+            raise ConfigError(f"preempt must be 'wait', 'recompute' or 'swap', got {self.preempt!r}")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,

@@ -90,9 +90,16 @@ class LLMEngine:
             bytes_per_token=bytes_per_token, mover=self.runner.arena,
         )
         self.elastic = self._build_elastic() if config.balloon else None
+        self.swap = None
+        if config.preempt == "swap":
+            from odma.engine.swap import HostSwap
+            from odma.offload import OffloadConfig, OffloadController
+
+            capacity = parse_kv_budget(config.swap_space, self.backend.memory_info().total_bytes)
+            self.swap = HostSwap(self.backend, self.runner, OffloadController(OffloadConfig(capacity_bytes=capacity)))
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-            preempt=config.preempt, elastic=self.elastic,
+            preempt=config.preempt, elastic=self.elastic, swapper=self.swap,
         )
         self.predictor = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.metrics = metrics or NullMetrics()

@@ -6,12 +6,26 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 from itertools import islice
+from typing import Protocol
 
 from odma.allocator import KVPool
 from odma.elastic import ElasticKV
 from odma.engine.sequence import Sequence, Status
 
-PREEMPT_MODES = ("wait", "recompute")
+PREEMPT_MODES = ("wait", "recompute", "swap")
+
+
+class Swapper(Protocol):
+    """Moves a preempted request's cached K/V to the host and back (the engine's `HostSwap`)."""
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Copy the first seq.num_cached tokens of seq.block to the host; False = no host room."""
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Copy them back into seq.block (just reserved) and drop the host copy."""
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget the host copy (the request ended while swapped out)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +37,9 @@ class Work:
 
 @dataclass(slots=True)
 class SchedulerCounters:
-    preemptions: int = 0  # requests whose block was released and whose tokens are recomputed later
+    preemptions: int = 0  # requests whose block was released (their K/V swapped out, or recomputed later)
+    swap_outs: int = 0  # preemptions whose K/V went to the host buffer
+    swap_ins: int = 0
     stalls: int = 0  # request-steps spent waiting for room to grow (wait mode)
     migrations: int = 0  # blocks moved to a larger range mid-decode
     admission_refusals: int = 0  # reserve() said no room now; the request stays queued
@@ -42,9 +58,12 @@ class Scheduler:
         lookahead: int = 16,
         max_skips: int = 8,
         elastic: ElasticKV | None = None,
+        swapper: Swapper | None = None,
     ) -> None:
         if preempt not in PREEMPT_MODES:
             raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
+        if preempt == "swap" and swapper is None:
+            raise ValueError("preempt='swap' needs a swapper (the engine's host buffer)")
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
@@ -52,6 +71,7 @@ class Scheduler:
         self.lookahead = lookahead  # waiting requests considered per admission round
         self.max_skips = max_skips  # rounds a head-of-queue request may be bypassed before it blocks others
         self.elastic = elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
+        self.swapper = swapper
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -107,11 +127,16 @@ class Scheduler:
         return work, stalled
 
     def _preempt(self, seq: Sequence) -> None:
+        # swap mode: keep the cached K/V in the host buffer (a copy) instead of recomputing it; when the
+        # buffer is full the request is recomputed as in recompute mode
+        swapped = self.preempt_mode == "swap" and seq.num_cached > 0 and self.swapper.swap_out(seq)
+        kept = seq.num_cached if swapped else 0
         self.pool.release(seq, self._realized(seq), observe=False)
         self.running.remove(seq)
-        seq.reset_for_recompute()
+        seq.reset_for_recompute(kept)
         self.waiting.appendleft(seq)  # first in line when room appears
         self.counters.preemptions += 1
+        self.counters.swap_outs += swapped
 
     def _admit(self) -> list[Work]:
         work: list[Work] = []
@@ -142,7 +167,11 @@ class Scheduler:
             seq.block = block
             seq.status = Status.RUNNING
             self.running.append(seq)
-            work.append(Work(seq, 0, need))
+            if seq.swapped:  # its K/V comes back from the host: only the uncached tail is computed
+                self.swapper.swap_in(seq)
+                seq.swapped = False
+                self.counters.swap_ins += 1
+            work.append(Work(seq, seq.num_cached, need))
             budget -= need
             prefill += need
             if budget <= 0:
@@ -186,6 +215,9 @@ class Scheduler:
                 self.pool.policy.observe(seq.num_generated)
             self._freed_buckets[seq.block.bucket] += 1
             seq.block = None
+        if seq.swapped:
+            self.swapper.drop(seq)
+            seq.swapped = False
         if seq in self.running:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:

@@ -40,6 +40,7 @@ class Sequence:
     prompt_tokens: int = 0  # pool view, see the class docstring
     max_new_tokens: int = 0
     preemptions: int = 0
+    swapped: bool = False  # its cached K/V wait in the host buffer (preempted by swap)
     migrations: int = 0
     waited_steps: int = 0  # scheduling rounds skipped while waiting (starvation guard)
     arrival: float = field(default_factory=time.monotonic)
@@ -69,10 +70,12 @@ class Sequence:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
-    def reset_for_recompute(self) -> None:
-        """After preemption: the block is gone, so every token so far is recomputed as a prompt."""
+    def reset_for_recompute(self, kept: int = 0) -> None:
+        """After preemption: the block is gone, so every token so far counts as prompt for the next block;
+        `kept` tokens of K/V were swapped to the host and come back instead of being recomputed."""
         self.block = None
-        self.num_cached = 0
+        self.num_cached = kept
+        self.swapped = kept > 0
         self.prompt_tokens = self.num_tokens
         self.max_new_tokens = self.params.max_tokens - self.num_generated
         if self.predicted_length is not None:

@@ -92,6 +92,10 @@ class _EngineCollector:
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
         yield counter("odma_preemptions", "Requests freed under pressure and recomputed later", sched.preemptions)
         yield counter("odma_stalls", "Request-steps spent waiting for room to grow", sched.stalls)
+        yield counter("odma_swap_outs", "Preempted requests whose K/V went to the host buffer", sched.swap_outs)
+        yield counter("odma_swap_ins", "Swapped requests whose K/V came back", sched.swap_ins)
+        if engine.swap is not None:
+            yield gauge("odma_swap_held_bytes", "K/V bytes in the host buffer now", engine.swap.held_bytes)
         yield counter("odma_activation_refusals", "Prefills deferred until their activation room was freed",
                       sched.activation_refusals)
         if engine.elastic is not None:
