@@ -16,7 +16,8 @@ def _args(**kw) -> argparse.Namespace:
 def test_every_policy_completes_the_same_tokens_and_static_never_grows():
     result = scheduler_bench.run(_args(num=40, kv_budget="32MiB", predictor="oracle"))
     runs = {(r["policy"], r["preempt"]): r for r in result["runs"]}
-    assert set(runs) == {("static", "wait"), ("odma", "wait"), ("odma", "recompute"), ("s3", "wait"), ("s3", "recompute")}
+    assert set(runs) == {("static", "wait"), ("odma", "wait"), ("odma", "recompute"), ("odma", "swap"),
+                         ("s3", "wait"), ("s3", "recompute"), ("s3", "swap")}
     tokens = {r["completion_tokens"] for r in runs.values()}
     assert len(tokens) == 1  # nothing lost, nothing cut short
     static = runs["static", "wait"]
@@ -29,3 +30,15 @@ def test_every_policy_completes_the_same_tokens_and_static_never_grows():
 def test_step_time_table_is_interpolated():
     xs, ys = scheduler_bench._step_table("1:10,11:110")
     assert xs == [0.0, 1.0, 11.0] and ys == [0.0, 0.01, 0.11]
+
+
+def test_swap_keeps_the_cached_tokens_instead_of_recomputing_them():
+    result = scheduler_bench.run(_args(num=40, kv_budget="32MiB", predictor="oracle", policies="odma",
+                                       preempt="recompute,swap"))
+    runs = {r["preempt"]: r for r in result["runs"]}
+    assert runs["swap"]["completion_tokens"] == runs["recompute"]["completion_tokens"]
+    swap = runs["swap"]
+    assert swap["preemptions"] > 0 and swap["swap_outs"] == swap["preemptions"]
+    assert swap["swapped_bytes"] > 0 and swap["peak_host_bytes"] > 0
+    # recomputation re-prefills what swapping copies back: strictly fewer prefill tokens with swap
+    assert swap["prefill_tokens"] < runs["recompute"]["prefill_tokens"]

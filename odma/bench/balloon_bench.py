@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segment-tokens", type=int, default=512)
     p.add_argument("--keep-tokens", type=int, default=512)
     p.add_argument("--predictor", default="default")
+    p.add_argument("--preempt", default="wait", choices=["wait", "recompute", "swap"],
+                   help="the engine's preemption mode in both runs (docs/BENCHMARKS.md used wait)")
     p.add_argument("--step-ms", default=DEFAULT_STEP_MS)
     p.add_argument("--kv-ms-per-1k", type=float, default=KV_MS_PER_1K_CONTEXT)
     p.add_argument("--engine", action="store_true",
@@ -120,8 +122,11 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
     elastic = None
     if balloon:
         elastic = ElasticKV(BalloonPool(pool, args.segment_tokens), profile, reserve, keep_tokens=args.keep_tokens)
+    from odma.bench.scheduler_bench import _CountingSwap
+
+    swap = _CountingSwap(args.bytes_per_token) if args.preempt == "swap" else None
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                          elastic=elastic)
+                          elastic=elastic, preempt=args.preempt, swapper=swap)
     xs, ys = _step_table(args.step_ms)
     seqs: dict[str, tuple[Sequence, Job, float]] = {}
     pending = sorted(enumerate(zip(jobs, predictions)), key=lambda x: x[1][0].arrival_s)
@@ -139,7 +144,10 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
             seqs[seq.request_id] = (seq, job, job.arrival_s)
             scheduler.add(seq)
             i += 1
+        copied = swap.copied_bytes if swap else 0
         work = scheduler.schedule()
+        if swap is not None:
+            clock += (swap.copied_bytes - copied) / 10e9  # swap copies at memcpy speed (10 GB/s payload)
         if not work:
             if scheduler.has_work() and idle < 3:  # a preemption frees room: the next round admits again
                 idle += 1
@@ -208,7 +216,7 @@ def run_engine(jobs: list[Job], args: argparse.Namespace, *, balloon: bool, long
     cfg = EngineConfig(model=args.model, kv_budget=args.kv_budget, balloon=balloon, max_prefill_tokens=args.max_prefill_tokens,
                        max_tokens_cap=args.max_tokens, default_max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
                        balloon_segment_tokens=args.segment_tokens, balloon_keep_tokens=args.keep_tokens,
-                       length_log=None, predictor=args.predictor)
+                       length_log=None, predictor=args.predictor, preempt=args.preempt)
     engine = LLMEngine(cfg)
     tok = engine.tokenizer
     pending = sorted(jobs, key=lambda j: j.arrival_s)

@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--predictor", default="default")
     p.add_argument("--policies", default="static,odma,s3")
-    p.add_argument("--preempt", default="wait,recompute", help="any of wait, recompute, swap")
+    p.add_argument("--preempt", default="wait,recompute,swap", help="any of wait, recompute, swap")
     p.add_argument("--swap-gbps", type=float, default=10.0,
                    help="swap copy bandwidth, payload GB/s (memcpy measured 20.1 GB/s read + write)")
     p.add_argument("--reserve-scale", type=float, default=None, help="odma reserve_scale (default: the config's)")
@@ -45,19 +45,20 @@ class _CountingSwap:
     def __init__(self, bytes_per_token: int) -> None:
         self.bytes_per_token = bytes_per_token
         self.copied_bytes = 0
-        self.held: set[str] = set()
+        self.held: dict[str, int] = {}
+        self.peak_held_bytes = 0
 
     def swap_out(self, seq) -> bool:
-        self.held.add(seq.request_id)
-        self.copied_bytes += seq.num_cached * self.bytes_per_token
+        self.held[seq.request_id] = nbytes = seq.num_cached * self.bytes_per_token
+        self.copied_bytes += nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, sum(self.held.values()))
         return True
 
     def swap_in(self, seq) -> None:
-        self.held.remove(seq.request_id)
-        self.copied_bytes += seq.num_cached * self.bytes_per_token
+        self.copied_bytes += self.held.pop(seq.request_id)
 
     def drop(self, seq) -> None:
-        self.held.discard(seq.request_id)
+        self.held.pop(seq.request_id, None)
 
 
 def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: int, max_tokens: int,
@@ -120,6 +121,7 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
     return {"policy": policy, "preempt": preempt, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
             "peak_running": peak, "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
             "swap_outs": c.swap_outs, "swapped_bytes": swap.copied_bytes if swap else 0,
+            "peak_host_bytes": swap.peak_held_bytes if swap else 0,
             "prefill_tokens": prefill_tokens, "completion_tokens": useful}
 
 

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="odma", choices=["odma", "static", "s3"])
     p.add_argument("--kv-budget", default="160MiB")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--preempt", default="wait", choices=["wait", "recompute", "swap"])
+    p.add_argument("--preempt", default="swap", choices=["wait", "recompute", "swap"])
     p.add_argument("--predictor", default="default")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (server: its default, all cores but one; HF baseline: all cores)")

@@ -32,9 +32,10 @@ class EngineConfig:
     max_tokens_cap: int = 2048  # the largest max_tokens a request may ask; the large bucket's bound
     max_model_len: int | None = None  # prompt + output limit; None = the model's max_position_embeddings
     default_max_tokens: int = 256
-    # under memory pressure: "wait" (stall until a block can grow) or "recompute" (free the newest block and
-    # redo it later); recompute thrashed on CPU, where a re-prefill costs as much as decoding (docs/serving.md)
-    preempt: str = "wait"  # or "swap": the preempted request's K/V goes to a host buffer and comes back
+    # under memory pressure: "wait" (stall until a block can grow), "recompute" (free the newest block and
+    # redo it later) or "swap" (free it, keeping its K/V in a host buffer): swap won on CPU, recompute
+    # thrashed (a re-prefill costs as much as decoding), wait stalls (docs/serving.md, docs/BENCHMARKS.md)
+    preempt: str = "swap"
     swap_space: str = "1GiB"  # host buffer for --preempt swap (bytes, like --kv-budget)
     predictor: str | None = "default"  # predictor spec; falls back to a running median if it cannot load
     s3_buckets: int = 8  # equal-width buckets of the s3 baseline
