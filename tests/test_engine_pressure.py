@@ -160,3 +160,23 @@ def test_bucket_bounds_are_bootstrapped_from_this_models_log(folder, tmp_path):
     buckets = engine.policy.buckets
     assert buckets.bounds != default_bounds(buckets.config)
     assert max(buckets.bounds) <= 32  # learned from this model's 20-24 token answers, not the other's 120
+
+
+def test_tpot_violations_shrink_the_swap_buffer_and_tokens_stay(folder, reference):
+    # every decode step is slower than a 1 ns TPOT SLO: eLLM Algorithm 2 shrinks the buffer by α each
+    # 3 violations in a window of 5 steps; new swaps stop once it is too small, tokens are unchanged
+    engine = tiny_engine(folder, kv_budget="64KiB", policy="s3", predicted=1, preempt="swap", align=4,
+                         slo_tpot_s=1e-9)
+    capacity = engine.swap.controller.config.capacity_bytes
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert [s.output_ids for s in seqs] == reference
+    m = engine.swap.controller.metrics
+    assert m.buffer_shrinks > 0 and engine.swap.controller.logical_bytes < capacity
+    assert engine.swap.held_bytes == 0
+
+
+def test_slo_must_be_positive(folder):
+    from odma.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="slo_tpot_s"):
+        tiny_engine(folder, slo_tpot_s=0.0)

@@ -37,6 +37,10 @@ class EngineConfig:
     # thrashed (a re-prefill costs as much as decoding), wait stalls (docs/serving.md, docs/BENCHMARKS.md)
     preempt: str = "swap"
     swap_space: str = "1GiB"  # host buffer for --preempt swap (bytes, like --kv-budget)
+    # SLOs that scale the swap buffer's logical size (eLLM Algorithm 2): TPOT violations shrink it (fetches
+    # slow decoding), TTFT violations grow it (swapping lets new requests in sooner); None = fixed size
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
     predictor: str | None = "default"  # predictor spec; falls back to a running median if it cannot load
     s3_buckets: int = 8  # equal-width buckets of the s3 baseline
     length_log: Path | None = field(default_factory=lambda: default_cache_dir() / "logs" / "lengths.jsonl")
@@ -61,6 +65,10 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
         if self.preempt not in ("wait", "recompute", "swap"):
             raise ConfigError(f"preempt must be 'wait', 'recompute' or 'swap', got {self.preempt!r}")
 

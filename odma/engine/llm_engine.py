@@ -231,13 +231,15 @@ class LLMEngine:
                 w.seq.error = f"{type(exc).__name__}: {exc}"
                 outputs.append(self._finish(w.seq, "error"))
             return outputs
-        self.busy_seconds += time.perf_counter() - started
+        step_seconds = time.perf_counter() - started
+        self.busy_seconds += step_seconds
         for w in work:
             if w.q_len == 1:
                 self.decode_tokens += 1
             else:
                 self.prefill_tokens += w.q_len
         now = time.monotonic()
+        slowest_first_token = 0.0
         for w, tok in zip(work, tokens):
             if tok is None:
                 continue
@@ -245,11 +247,23 @@ class LLMEngine:
             seq.output_ids.append(tok)
             if seq.first_token_at is None:
                 seq.first_token_at = now
+                slowest_first_token = max(slowest_first_token, now - seq.arrival)
                 self.metrics.on_first_token(seq, now - seq.arrival)
             reason = self._stop_reason(seq, tok)
             outputs.append(self._finish(seq, reason, tok) if reason else StepOutput(seq, tok, False))
         self._maybe_refresh_buckets()
+        self._scale_swap_buffer(step_seconds, slowest_first_token, any(w.q_len == 1 for w in work))
         return outputs
+
+    def _scale_swap_buffer(self, step_seconds: float, slowest_first_token: float, decoded: bool) -> None:
+        """eLLM Algorithm 2 on the swap buffer: one SLO outcome per step (a decode step slower than the TPOT
+        SLO; a first token later than the TTFT SLO)."""
+        c = self.config
+        if self.swap is None or (c.slo_ttft_s is None and c.slo_tpot_s is None):
+            return
+        tpot_violated = c.slo_tpot_s is not None and decoded and step_seconds > c.slo_tpot_s
+        ttft_violated = c.slo_ttft_s is not None and slowest_first_token > c.slo_ttft_s
+        self.swap.controller.end_iteration(ttft_violated, tpot_violated)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preempt", default=d.preempt, choices=["wait", "recompute", "swap"],
                    help="under memory pressure: stall, free and recompute later, or swap the K/V to a host buffer")
     p.add_argument("--swap-space", default=d.swap_space, help="host KV buffer for --preempt swap (bytes: 1GiB, ...)")
+    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s): violations grow the swap buffer (eLLM Alg. 2)")
+    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO (s): violations shrink the swap buffer (eLLM Alg. 2)")
     p.add_argument("--balloon", action="store_true",
                    help="lend the activation reserve (a max-prefill-tokens prefill's peak) to the KV pool while requests wait")
     p.add_argument("--balloon-segment-tokens", type=int, default=d.balloon_segment_tokens, help="KV tokens per lent segment")
@@ -56,6 +58,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=dtype, policy=args.policy, kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, swap_space=args.swap_space, predictor=args.predictor,
+        slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,
         balloon=args.balloon, balloon_segment_tokens=args.balloon_segment_tokens,
         pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale),

@@ -96,6 +96,8 @@ class _EngineCollector:
         yield counter("odma_swap_ins", "Swapped requests whose K/V came back", sched.swap_ins)
         if engine.swap is not None:
             yield gauge("odma_swap_held_bytes", "K/V bytes in the host buffer now", engine.swap.held_bytes)
+            yield gauge("odma_swap_buffer_bytes", "Logical size of the host buffer (eLLM Alg. 2 scales it)",
+                        engine.swap.controller.logical_bytes)
         yield counter("odma_activation_refusals", "Prefills deferred until their activation room was freed",
                       sched.activation_refusals)
         if engine.elastic is not None:
