@@ -239,15 +239,12 @@ class Backend(ABC):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
         events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type() == self._profiler_device_type())
+                        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
         now = peak = 0
         for _, nbytes in events:
             now += nbytes
             peak = max(peak, now)
         return peak
-
-    def _profiler_device_type(self) -> Any:
-        return torch.autograd.DeviceType.CPU
 
     @abstractmethod
     def memory_info(self) -> MemoryInfo:

@@ -212,7 +212,7 @@ class KVPool(SegmentHooks):
                 raise DuplicateRequestError(f"request {rid} already holds a block")
             res = self.policy.initial(req)
             units = -(-(prompt + res.output_tokens) // align)
-            segmented = bool(self._segments)
+            segmented = bool(self._segments)  # no segments: the fast path of _largest_range_units, without the calls
             if res.bucket != LARGE and units > (self._largest_range_units(MAIN) if segmented else self._main_units):
                 res = Reservation(res.output_tokens, LARGE)  # only the large bucket can hold it
             # Admit only what can always finish: prompt + max_new_tokens must fit one block of the pool.

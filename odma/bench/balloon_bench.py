@@ -93,61 +93,69 @@ def workload(args: argparse.Namespace) -> list[Job]:
 
 
 def _percentile(xs: list[float], q: float) -> float:
+    # the upper of two middles for a median (serve_bench's `_pct` takes the lower); the recorded results use this
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def _result(balloon: bool, *, clock: float, useful: int, steps: int, peak: int, running_time: float,
+            ttft: dict[bool, list[float]], counters, elastic, **extra) -> dict:
+    """One run's summary; the same keys for the step-time model and the real engine."""
+    c = counters
+    out = {
+        "balloon": balloon, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
+        "peak_running": peak, "mean_running": running_time / clock,
+        "ttft_short_p50_s": _percentile(ttft[False], 0.5), "ttft_short_p99_s": _percentile(ttft[False], 0.99),
+        "ttft_long_p50_s": _percentile(ttft[True], 0.5), "ttft_long_max_s": max(ttft[True], default=float("nan")),
+        "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
+        "admission_refusals": c.admission_refusals, "activation_refusals": c.activation_refusals, **extra,
+    }
+    if elastic is not None:
+        e = elastic.snapshot()
+        out.update({k: e[k] for k in ("lends", "reclaims", "reclaim_failures", "peak_lent_bytes",
+                                      "balloon_moved_blocks", "balloon_moved_bytes", "balloon_deflate_rollbacks")})
+    return out
 
 
 def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon: bool) -> dict:
     import numpy as np
 
-    from odma.allocator import KVPool
     from odma.balloon import ActivationProfile, BalloonPool
-    from odma.config import BucketConfig, PoolConfig
+    from odma.bench.scheduler_bench import CountingSwap, sim_advance, sim_pool, sim_sequence
     from odma.elastic import ElasticKV
-    from odma.engine.config import EngineConfig, parse_kv_budget
-    from odma.engine.memory import build_policy
-    from odma.engine.sampling import SamplingParams
+    from odma.engine.config import parse_kv_budget
     from odma.engine.scheduler import Scheduler
-    from odma.engine.sequence import Sequence
 
     cap = args.max_tokens
-    cfg = EngineConfig(policy="odma", max_tokens_cap=cap, default_max_tokens=cap, length_log=None,
-                       pool=PoolConfig(), buckets=replace(BucketConfig(), large_bound=cap))
-    policy = build_policy(cfg, [])
     budget_tokens = parse_kv_budget(args.kv_budget, 1) // args.bytes_per_token
-    pool = KVPool(budget_tokens, policy, large_share=0.0, align=cfg.pool.align, bytes_per_token=args.bytes_per_token)
+    policy, pool = sim_pool("odma", cap, budget_tokens, bytes_per_token=args.bytes_per_token)
     act = args.activation_bytes_per_token
     profile = ActivationProfile({1: act, args.max_prefill_tokens: act * args.max_prefill_tokens})
     reserve = profile.peak_bytes(args.max_prefill_tokens)
     elastic = None
     if balloon:
         elastic = ElasticKV(BalloonPool(pool, args.segment_tokens), profile, reserve, keep_tokens=args.keep_tokens)
-    from odma.bench.scheduler_bench import _CountingSwap
-
-    swap = _CountingSwap(args.bytes_per_token) if args.preempt == "swap" else None
+    swap = CountingSwap(args.bytes_per_token) if args.preempt == "swap" else None
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                           elastic=elastic, preempt=args.preempt, swapper=swap)
     xs, ys = _step_table(args.step_ms)
-    seqs: dict[str, tuple[Sequence, Job, float]] = {}
+    jobs_of: dict[str, Job] = {}
+    target: dict[str, int] = {}
     pending = sorted(enumerate(zip(jobs, predictions)), key=lambda x: x[1][0].arrival_s)
     clock = 0.0
-    i = steps = peak = idle = 0
+    i = steps = peak = idle = done = 0
     running_time = 0.0  # ∫ running requests dt
     ttft: dict[bool, list[float]] = {False: [], True: []}
-    done = 0
     while done < len(jobs):
         while i < len(pending) and pending[i][1][0].arrival_s <= clock:
-            n, (job, (length, u)) = pending[i]
-            seq = Sequence(f"r{n}", [0] * job.prompt_tokens, SamplingParams(max_tokens=cap))
-            seq.predicted_length = seq.predicted_tokens = float(length)
-            seq.uncertainty = float(u)
-            seqs[seq.request_id] = (seq, job, job.arrival_s)
+            n, (job, pred) = pending[i]
+            seq = sim_sequence(f"r{n}", job.prompt_tokens, cap, pred)
+            jobs_of[seq.request_id], target[seq.request_id] = job, job.output_tokens
             scheduler.add(seq)
             i += 1
-        copied = swap.copied_bytes if swap else 0
         work = scheduler.schedule()
         if swap is not None:
-            clock += (swap.copied_bytes - copied) / 10e9  # swap copies at memcpy speed (10 GB/s payload)
+            clock += swap.take_seconds()
         if not work:
             if scheduler.has_work() and idle < 3:  # a preemption frees room: the next round admits again
                 idle += 1
@@ -160,9 +168,8 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
         idle = 0
         decode = [w for w in work if w.q_len == 1]
         prefills = [w for w in work if w.q_len > 1]
-        prefill = sum(w.q_len for w in prefills)
         if elastic is not None:
-            elastic.check(prefill)
+            elastic.check(sum(w.q_len for w in prefills))
         context = sum(w.start for w in decode)
         prefill_ms = sum(w.q_len * (args.prefill_ms_per_token + args.prefill_ms_per_1k_context * (w.start + w.q_len) / 1e3)
                          for w in prefills)
@@ -172,37 +179,16 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
         steps += 1
         peak = max(peak, len(scheduler.running))
         for w in work:
-            seq = w.seq
-            seq.num_cached = w.start + w.q_len
-            seq.output_ids.append(0)
-            _, job, arrival = seqs[seq.request_id]
-            if seq.num_generated == 1:
-                ttft[job.long].append(clock - arrival)
-            if seq.num_generated >= job.output_tokens:
-                scheduler.finish(seq, "stop")
-                done += 1
-        buckets = getattr(policy, "buckets", None)
-        if buckets is not None and buckets.refresh_due():
-            buckets.refresh()
+            if w.seq.num_generated == 0:  # the token this step emits is its first
+                job = jobs_of[w.seq.request_id]
+                ttft[job.long].append(clock - job.arrival_s)
+        done += len(sim_advance(scheduler, work, policy, target))
         if steps % 100 == 0:
             pool.check_invariants()
     pool.check_invariants()
     assert pool.stats().live_blocks == 0
-    useful = sum(j.output_tokens for j in jobs)
-    c = scheduler.counters
-    out = {
-        "balloon": balloon, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
-        "peak_running": peak, "mean_running": running_time / clock,
-        "ttft_short_p50_s": _percentile(ttft[False], 0.5), "ttft_short_p99_s": _percentile(ttft[False], 0.99),
-        "ttft_long_p50_s": _percentile(ttft[True], 0.5), "ttft_long_max_s": max(ttft[True], default=float("nan")),
-        "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls, "admission_refusals": c.admission_refusals,
-        "activation_refusals": c.activation_refusals, "completed": done,
-    }
-    if elastic is not None:
-        e = elastic.snapshot()
-        out.update({k: e[k] for k in ("lends", "reclaims", "reclaim_failures", "peak_lent_bytes",
-                                      "balloon_moved_blocks", "balloon_moved_bytes", "balloon_deflate_rollbacks")})
-    return out
+    return _result(balloon, clock=clock, useful=sum(j.output_tokens for j in jobs), steps=steps, peak=peak,
+                   running_time=running_time, ttft=ttft, counters=scheduler.counters, elastic=elastic, completed=done)
 
 
 def run_engine(jobs: list[Job], args: argparse.Namespace, *, balloon: bool, long_ids: list[int]) -> dict:
@@ -244,20 +230,11 @@ def run_engine(jobs: list[Job], args: argparse.Namespace, *, balloon: bool, long
     ttft = {False: [], True: []}
     for seq, job, arrival in live:
         ttft[job.long].append(seq.first_token_at - arrival)
-    useful = sum(len(seq.output_ids) for seq, _, _ in live)
-    c = engine.scheduler.counters
-    out = {"balloon": balloon, "throughput_tps": useful / makespan, "makespan_s": makespan, "steps": engine.steps,
-           "peak_running": peak, "mean_running": running_time / makespan,
-           "ttft_short_p50_s": _percentile(ttft[False], 0.5), "ttft_short_p99_s": _percentile(ttft[False], 0.99),
-           "ttft_long_p50_s": _percentile(ttft[True], 0.5), "ttft_long_max_s": max(ttft[True], default=float("nan")),
-           "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
-           "admission_refusals": c.admission_refusals, "activation_refusals": c.activation_refusals,
-           "completed": sum(1 for seq, _, _ in live if seq.finish_reason == "length"), "errors": engine.errors,
-           "activation_reserve_bytes": engine.elastic.reserve_bytes if engine.elastic else None}
-    if engine.elastic is not None:
-        e = engine.elastic.snapshot()
-        out.update({k: e[k] for k in ("lends", "reclaims", "reclaim_failures", "peak_lent_bytes",
-                                      "balloon_moved_blocks", "balloon_moved_bytes", "balloon_deflate_rollbacks")})
+    out = _result(balloon, clock=makespan, useful=sum(len(seq.output_ids) for seq, _, _ in live), steps=engine.steps,
+                  peak=peak, running_time=running_time, ttft=ttft, counters=engine.scheduler.counters,
+                  elastic=engine.elastic,
+                  completed=sum(1 for seq, _, _ in live if seq.finish_reason == "length"), errors=engine.errors,
+                  activation_reserve_bytes=engine.elastic.reserve_bytes if engine.elastic else None)
     engine.close()
     return out
 
@@ -269,33 +246,31 @@ def calibrate(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from backends import KVLayout, get_backend
+    from backends import get_backend
     from odma.allocator import Block
+    from odma.engine.model_runner import ModelRunner
     from odma.models import load_model, resolve_model
     from odma.models.llama import SeqSlot
 
     torch.set_num_threads(1)
     model = load_model(resolve_model(args.model))
-    c = model.config
-    backend = get_backend("cpu")
-    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
     sizes = (512, 4096, 8192)
-    arena = backend.create_arena(max(sizes) + 16, layout)
-    kv = SeqSlot(arena.view(Block(0, max(sizes) + 16, 0)), 0, 0)
-    out: dict = {"model": args.model, "kv_bytes_per_token": layout.bytes_per_token, "threads": 1}
+    runner = ModelRunner(model, get_backend("cpu"), max(sizes) + 16)  # its arena holds the decode contexts
+    peaks = runner.profile_activations(list(sizes))  # what the engine profiles at start-up
+    kv = runner.arena.view(Block(0, max(sizes) + 16, 0))
+    out: dict = {"model": args.model, "kv_bytes_per_token": runner.bytes_per_token, "threads": 1}
     with torch.inference_mode():
         for n in sizes:
             ids, pos = torch.zeros(n, dtype=torch.long), torch.arange(n)
-            peak = backend.activation_peak_bytes(lambda: model(ids, pos, [SeqSlot(kv.kv, 0, n)]))
             t = time.perf_counter()
-            model(ids, pos, [SeqSlot(kv.kv, 0, n)])
+            model(ids, pos, [SeqSlot(kv, 0, n)])
             prefill = time.perf_counter() - t
             decode = []
             for _ in range(5):
                 t = time.perf_counter()
-                model(torch.tensor([5]), torch.tensor([n]), [SeqSlot(kv.kv, n, 1)])
+                model(torch.tensor([5]), torch.tensor([n]), [SeqSlot(kv, n, 1)])
                 decode.append(time.perf_counter() - t)
-            out[f"activation_bytes_per_token_{n}"] = round(peak / n)
+            out[f"activation_bytes_per_token_{n}"] = round(peaks[n] / n)
             out[f"prefill_ms_per_token_{n}"] = round(prefill / n * 1e3, 3)
             out[f"decode_ms_context_{n}"] = round(sorted(decode)[2] * 1e3, 1)
     lo, hi = sizes[0], sizes[-1]
@@ -303,7 +278,6 @@ def calibrate(args: argparse.Namespace) -> dict:
     slope = (out[f"prefill_ms_per_token_{hi}"] - out[f"prefill_ms_per_token_{lo}"]) / ((hi - lo) / 1e3)
     out["prefill_ms_per_1k_context"] = round(slope, 3)
     out["prefill_ms_per_token"] = round(out[f"prefill_ms_per_token_{lo}"] - slope * lo / 1e3, 3)
-    backend.free_arena(arena)
     return out
 
 

@@ -39,14 +39,16 @@ def _step_table(spec: str) -> tuple[list[float], list[float]]:
     return [0.0] + [b for b, _ in pairs], [0.0] + [s for _, s in pairs]
 
 
-class _CountingSwap:
-    """The sim's host buffer: unlimited, costs a copy at `gbps` each way."""
+class CountingSwap:
+    """A modelled host buffer for swap preemption: unlimited; its copies cost time at `gbps` (payload)."""
 
-    def __init__(self, bytes_per_token: int) -> None:
+    def __init__(self, bytes_per_token: int, gbps: float = 10.0) -> None:
         self.bytes_per_token = bytes_per_token
+        self.gbps = gbps
         self.copied_bytes = 0
         self.held: dict[str, int] = {}
         self.peak_held_bytes = 0
+        self._charged = 0
 
     def swap_out(self, seq) -> bool:
         self.held[seq.request_id] = nbytes = seq.num_cached * self.bytes_per_token
@@ -60,59 +62,89 @@ class _CountingSwap:
     def drop(self, seq) -> None:
         self.held.pop(seq.request_id, None)
 
+    def take_seconds(self) -> float:
+        """Copy time of the bytes moved since the last call."""
+        new, self._charged = self.copied_bytes - self._charged, self.copied_bytes
+        return new / (self.gbps * 1e9)
+
+
+def sim_pool(policy: str, max_tokens: int, budget_tokens: int, *, reserve_scale: float | None = None,
+             bytes_per_token: int = 1):
+    """The engine's reservation policy for `policy` and a bookkeeping-only pool over `budget_tokens`."""
+    from odma.allocator import KVPool
+    from odma.config import BucketConfig, PoolConfig
+    from odma.engine.config import EngineConfig
+    from odma.engine.memory import build_policy
+
+    pool_cfg = PoolConfig() if reserve_scale is None else replace(PoolConfig(), reserve_scale=reserve_scale)
+    cfg = EngineConfig(policy=policy, max_tokens_cap=max_tokens, default_max_tokens=max_tokens, length_log=None,
+                       pool=pool_cfg, buckets=replace(BucketConfig(), large_bound=max_tokens))
+    kv_policy = build_policy(cfg, [])
+    return kv_policy, KVPool(budget_tokens, kv_policy, large_share=0.0, align=cfg.pool.align,
+                             bytes_per_token=bytes_per_token)
+
+
+def sim_sequence(request_id: str, prompt_tokens: int, max_tokens: int, prediction: tuple | None):
+    """A sequence of placeholder tokens, tagged with the predictor's (L̂, u) unless `prediction` is None."""
+    from odma.engine.sampling import SamplingParams
+    from odma.engine.sequence import Sequence
+
+    seq = Sequence(request_id, [0] * prompt_tokens, SamplingParams(max_tokens=max_tokens))
+    if prediction is not None:
+        length, u = prediction
+        seq.predicted_length = seq.predicted_tokens = float(length)
+        seq.uncertainty = float(u)
+    return seq
+
+
+def sim_advance(scheduler, work, kv_policy, target: dict[str, int]) -> list:
+    """What a model step does to the bookkeeping: every item's tokens are cached and it emits one token;
+    requests that reached their target length finish (their blocks are released). Returns those."""
+    finished = []
+    for w in work:
+        seq = w.seq
+        seq.num_cached = w.start + w.q_len
+        seq.output_ids.append(0)
+        if seq.num_generated >= target[seq.request_id]:
+            scheduler.finish(seq, "stop")
+            finished.append(seq)
+    buckets = getattr(kv_policy, "buckets", None)
+    if buckets is not None and buckets.refresh_due():
+        buckets.refresh()
+    return finished
+
 
 def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: int, max_tokens: int,
              max_num_seqs: int, step_table, prefill_s_per_token: float, reserve_scale: float | None = None,
              bytes_per_token: int = 46080, swap_gbps: float = 10.0) -> dict:
     import numpy as np
 
-    from odma.allocator import KVPool
-    from odma.config import BucketConfig, PoolConfig
     from odma.engine.config import EngineConfig
-    from odma.engine.memory import build_policy
-    from odma.engine.sampling import SamplingParams
     from odma.engine.scheduler import Scheduler
-    from odma.engine.sequence import Sequence
 
-    pool_cfg = PoolConfig() if reserve_scale is None else replace(PoolConfig(), reserve_scale=reserve_scale)
-    cfg = EngineConfig(policy=policy, preempt=preempt, max_tokens_cap=max_tokens, default_max_tokens=max_tokens,
-                       length_log=None, pool=pool_cfg, buckets=replace(BucketConfig(), large_bound=max_tokens))
-    kv_policy = build_policy(cfg, [])
-    pool = KVPool(budget_tokens, kv_policy, large_share=0.0, align=cfg.pool.align)
-    swap = _CountingSwap(bytes_per_token) if preempt == "swap" else None
-    scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens, preempt=preempt,
-                          swapper=swap)
+    kv_policy, pool = sim_pool(policy, max_tokens, budget_tokens, reserve_scale=reserve_scale)
+    swap = CountingSwap(bytes_per_token, swap_gbps) if preempt == "swap" else None
+    scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_prefill_tokens=EngineConfig().max_prefill_tokens,
+                          preempt=preempt, swapper=swap)
     target: dict[str, int] = {}
-    for i, (rec, (length, u)) in enumerate(zip(records, predictions)):
-        seq = Sequence(f"r{i}", [0] * rec.prompt_tokens, SamplingParams(max_tokens=max_tokens))
-        if policy != "static":
-            seq.predicted_length = seq.predicted_tokens = float(length)
-            seq.uncertainty = float(u)
+    for i, (rec, pred) in enumerate(zip(records, predictions)):
+        seq = sim_sequence(f"r{i}", rec.prompt_tokens, max_tokens, pred if policy != "static" else None)
         target[seq.request_id] = max(1, min(max_tokens, rec.output_tokens))
         scheduler.add(seq)
     xs, ys = step_table
     clock = 0.0
     steps = peak = prefill_tokens = 0
     while scheduler.has_work():
-        copied = swap.copied_bytes if swap else 0
         work = scheduler.schedule()
         if swap is not None:
-            clock += (swap.copied_bytes - copied) / (swap_gbps * 1e9)
+            clock += swap.take_seconds()
         decode = sum(1 for w in work if w.q_len == 1)
         prefill = sum(w.q_len for w in work if w.q_len > 1)
         clock += float(np.interp(decode, xs, ys)) + prefill_s_per_token * prefill
         steps += 1
         prefill_tokens += prefill
         peak = max(peak, len(scheduler.running))
-        for w in work:
-            seq = w.seq
-            seq.num_cached = w.start + w.q_len
-            seq.output_ids.append(0)
-            if seq.num_generated >= target[seq.request_id]:
-                scheduler.finish(seq, "stop")
-        buckets = getattr(kv_policy, "buckets", None)
-        if buckets is not None and buckets.refresh_due():
-            buckets.refresh()
+        sim_advance(scheduler, work, kv_policy, target)
         if steps > 10_000_000:
             raise RuntimeError("the scheduler made no progress")
     pool.check_invariants()

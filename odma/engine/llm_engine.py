@@ -252,15 +252,16 @@ class LLMEngine:
             reason = self._stop_reason(seq, tok)
             outputs.append(self._finish(seq, reason, tok) if reason else StepOutput(seq, tok, False))
         self._maybe_refresh_buckets()
-        self._scale_swap_buffer(step_seconds, slowest_first_token, any(w.q_len == 1 for w in work))
+        self._scale_swap_buffer(step_seconds, slowest_first_token, work)
         return outputs
 
-    def _scale_swap_buffer(self, step_seconds: float, slowest_first_token: float, decoded: bool) -> None:
+    def _scale_swap_buffer(self, step_seconds: float, slowest_first_token: float, work: list) -> None:
         """eLLM Algorithm 2 on the swap buffer: one SLO outcome per step (a decode step slower than the TPOT
         SLO; a first token later than the TTFT SLO)."""
         c = self.config
         if self.swap is None or (c.slo_ttft_s is None and c.slo_tpot_s is None):
             return
+        decoded = any(w.q_len == 1 for w in work)
         tpot_violated = c.slo_tpot_s is not None and decoded and step_seconds > c.slo_tpot_s
         ttft_violated = c.slo_ttft_s is not None and slowest_first_token > c.slo_ttft_s
         self.swap.controller.end_iteration(ttft_violated, tpot_violated)
