@@ -48,3 +48,18 @@ def test_bucket_index_and_stats():
     s = stats()
     assert s.s3_bounds[0] == 205 and len(s.s3_bounds) == 10
     assert TrainStats.from_json(s.to_json()) == s
+
+
+def test_ranking_bound_rewards_ranking_and_meets_its_target():
+    from training.metrics import ranking_bound
+
+    rng = np.random.default_rng(0)
+    cal_y, test_y = (rng.lognormal(5, 1, 4000).round() + 1 for _ in range(2))
+    perfect = ranking_bound(cal_y, cal_y, test_y, test_y, target=0.05, cap=100_000)
+    blind = ranking_bound(np.ones(4000), cal_y, np.ones(4000), test_y, target=0.05, cap=100_000)
+    assert blind["groups"] == 1  # one group: the constant (1 − target) quantile
+    assert abs(blind["underprediction_rate"] - 0.05) < 0.015  # conformal: at most the target, here about it
+    assert perfect["underprediction_rate"] < 0.05 + 0.015
+    assert perfect["mean_overreservation"] < 0.6 * blind["mean_overreservation"]
+    tiny = ranking_bound(cal_y[:10], cal_y[:10], test_y, test_y, target=0.02, cap=5000)
+    assert tiny["mean_overreservation"] == round(len(test_y) * 5000 / test_y.sum(), 4)  # too few to calibrate

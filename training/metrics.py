@@ -68,3 +68,27 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
     }
     return report
 
+
+
+def ranking_bound(cal_length: np.ndarray, cal_realized: np.ndarray, length: np.ndarray, realized: np.ndarray,
+                  target: float, cap: int, groups: int = 10) -> dict:
+    """What reservation L̂'s ranking can buy at all: requests fall into `groups` by L̂ (edges from the
+    calibration split), each group reserves its calibration split's (1 − target) quantile (split-conformal rank;
+    the cap when a group is too small; small splits get fewer groups), off the bucket grid and without u. Not what the allocator runs: a
+    yardstick on the test split. When it misses a reservation target, no α, τ or bucket grid on top of this L̂
+    can meet it; only a better predictor can."""
+    cal_length, cal_realized = np.asarray(cal_length, float), np.asarray(cal_realized, float)
+    length, realized = np.asarray(length, float), np.asarray(realized, float)
+    # a group needs (1 − ε)/ε requests before its conformal quantile is below the cap: fewer, larger groups
+    groups = max(1, min(groups, int(len(cal_length) * target / (1.0 - target))))
+    edges = np.unique(np.quantile(cal_length, np.linspace(0, 1, groups + 1)[1:-1]))
+    cal_group, group = np.searchsorted(edges, cal_length, side="right"), np.searchsorted(edges, length, side="right")
+    reserve = np.full(len(edges) + 1, float(cap))
+    for g in range(len(edges) + 1):
+        ys = np.sort(cal_realized[cal_group == g])
+        rank = math.ceil((len(ys) + 1) * (1.0 - target))
+        if 0 < rank <= len(ys):
+            reserve[g] = min(float(cap), ys[rank - 1])
+    reserved = reserve[group]
+    return {"groups": int(len(np.unique(cal_group))), "underprediction_rate": round(float(np.mean(realized > reserved)), 4),
+            "mean_overreservation": round(float(reserved.sum() / max(realized.sum(), 1.0)), 4)}

@@ -16,7 +16,7 @@ from predictor.base import Calibration, Manifest, Predictor, load_predictor
 from predictor.calibration import calibrate
 from predictor.features import MetadataEncoder
 from training import data
-from training.metrics import evaluate
+from training.metrics import evaluate, ranking_bound
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,10 @@ def train(opts: TrainOptions) -> dict:
                f"(calibration split: under-prediction {point.underprediction_rate:.3f}, "
                f"over-reservation {point.overreservation:.2f})")
     predictor.calibration = calibration
-    report = evaluate(predictor.predict(test_t.records), y_test, calibration, stats, s3_test_buckets)
+    test_pred = predictor.predict(test_t.records)
+    report = evaluate(test_pred, y_test, calibration, stats, s3_test_buckets)
+    report["ranking_bound"] = ranking_bound([p.length for p in val_pred], y_val, [p.length for p in test_pred], y_test,
+                                            opts.target, cap)
     from predictor.latency import measure
 
     lat = measure(predictor, test_t.records, n_single=opts.latency_requests)
