@@ -378,6 +378,11 @@ class KVPool(SegmentHooks):
 
     # -- observability -----------------------------------------------------------------------------
 
+    @property
+    def reserved_tokens(self) -> int:
+        """Σ capacity of live blocks (what stats() reports, without building the record)."""
+        return self._reserved_units * self.align
+
     def stats(self) -> PoolStats:
         with self._lock:
             per_bucket: dict[int, int] = defaultdict(int)

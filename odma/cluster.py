@@ -35,6 +35,17 @@ class DeviceLoad:
     live_blocks: int
 
 
+def rank_devices(loads: Sequence[DeviceLoad], need: int, w_memory: float = 1.0, w_compute: float = 1.0) -> list[str]:
+    """Devices best first for a request that will reserve `need` tokens (the score in the module docstring)."""
+    busiest = max(1, max(l.live_tokens for l in loads))
+
+    def score(l: DeviceLoad) -> tuple[float, str]:
+        memory = (l.reserved_tokens + need) / max(1, l.capacity_tokens)
+        return w_memory * memory + w_compute * l.live_tokens / busiest, l.device
+
+    return [l.device for l in sorted(loads, key=score)]
+
+
 class ClusterManager:
     def __init__(self, devices: Sequence[str], buckets: BucketManager,
                  make_pool: Callable[[str, ReservationPolicy], KVPool], *, growth: str = "next",
@@ -68,13 +79,8 @@ class ClusterManager:
         return out
 
     def _ranked(self, req: SizedRequest) -> list[str]:
-        loads = self.loads()
         need = req.prompt_tokens + self.policy.initial(req).output_tokens
-        busiest = max(1, max(l.live_tokens for l in loads))
-        def score(l: DeviceLoad) -> tuple[float, str]:
-            memory = (l.reserved_tokens + need) / max(1, l.capacity_tokens)
-            return self.w_memory * memory + self.w_compute * l.live_tokens / busiest, l.device
-        return [l.device for l in sorted(loads, key=score)]
+        return rank_devices(self.loads(), need, self.w_memory, self.w_compute)
 
     def place(self, req: SizedRequest) -> Placement | None:
         """Reserve on the best device that has room now; None when no device has."""

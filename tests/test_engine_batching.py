@@ -81,3 +81,17 @@ def test_seeded_sampling_repeats_and_differs_by_seed(folder):
     a, b, c = engine.generate([[9, 8, 7]] * 3, p)
     assert a.output_ids == b.output_ids
     assert a.output_ids != c.output_ids
+
+
+def test_bf16_weights_keep_an_fp32_cache_on_cpu_and_batching_changes_no_token(folder):
+    """--dtype bfloat16 on CPU: the KV pool stays float32 (sized as such) unless --kv-dtype says otherwise,
+    and a request decoded among others gets the tokens it gets alone."""
+    engine = tiny_engine(folder, dtype="bfloat16")
+    assert engine.model.dtype == torch.bfloat16 and engine.runner.layout.dtype == torch.float32
+    assert engine.pool.bytes_per_token == engine.model.kv_bytes_per_token(torch.float32)
+    together = engine.generate(PROMPTS, GREEDY)
+    for prompt, seq in zip(PROMPTS, together):
+        assert seq.output_ids == tiny_engine(folder, dtype="bfloat16").generate([prompt], GREEDY)[0].output_ids
+    narrow = tiny_engine(folder, dtype="bfloat16", kv_dtype="bfloat16")
+    assert narrow.runner.layout.dtype == torch.bfloat16
+    assert narrow.pool.bytes_per_token * 2 == engine.pool.bytes_per_token

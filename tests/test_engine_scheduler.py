@@ -63,3 +63,25 @@ def test_a_bypassed_head_of_queue_stops_being_overtaken():
     sched.finish(holder, "stop")
     assert _admitted(sched)[0] == "r1"
     sched.pool.check_invariants()
+
+
+def test_admission_theta_keeps_headroom_for_growth_but_never_blocks_an_idle_pool():
+    """eLLM Algorithm 1: with θ = 0.5 of a 48-slot pool, admissions stop once reservations would pass 24
+    slots; an empty engine still admits a request bigger than that (no deadlock), and without θ the same
+    queue fills the pool."""
+    sched = _scheduler(max_num_seqs=8, admission_theta=0.5)
+    big = _seq(0, 2)  # 40 slots > 24: admitted anyway, nothing is running
+    sched.add(big)
+    assert _admitted(sched) == ["r0"]
+    sched.add(_seq(1, 0))  # 16 more would make 56 > 24
+    assert _admitted(sched) == [] and sched.counters.theta_refusals == 1
+    sched.finish(big, "stop")
+    for i in (2, 3):
+        sched.add(_seq(i, 0))
+    assert _admitted(sched) == ["r1"]  # 16 ≤ 24; a second 16 would make 32 > 24
+    assert sched.pool.reserved_tokens == 16
+    free = _scheduler(max_num_seqs=8)
+    for i in range(3):
+        free.add(_seq(i, 0))
+    assert _admitted(free) == ["r0", "r1", "r2"]  # 48 slots: the whole pool
+    sched.pool.check_invariants()

@@ -73,3 +73,25 @@ def test_missing_weights_are_a_clear_error(tmp_path):
     (folder / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="safetensors"):
         load_model(folder)
+
+
+def test_bf16_weights_over_fp32_kv_are_no_less_accurate_than_bf16_throughout(tiny):
+    """The CPU mix (bf16 weights, fp32 KV and attention) against transformers' fp32 logits: its error must
+    not exceed that of transformers' own all-bf16 model, over a prefill and decode steps."""
+    ours32, hf = tiny
+    from transformers import AutoModelForCausalLM
+
+    hf16 = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=torch.bfloat16).eval()
+    ours = load_model(hf.name_or_path, dtype=torch.bfloat16)
+    ids = torch.randint(3, 250, (24,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref, ref16 = hf(ids[None]).logits[0], hf16(ids[None]).logits[0].float()
+    kv = _block(ours32, 32)  # float32
+    rows = [ours(ids[:16], torch.arange(16), [SeqSlot(kv, 0, 16)])[0]]
+    for i in range(16, 24):
+        rows.append(ours(ids[i : i + 1], torch.tensor([i]), [SeqSlot(kv, i, 1)])[0])
+    assert kv.dtype == torch.float32 and rows[0].dtype == torch.float32
+    positions = [15, *range(16, 24)]
+    ours_err = max((r - ref[p]).abs().max().item() for r, p in zip(rows, positions))
+    hf16_err = max((ref16[p] - ref[p]).abs().max().item() for p in positions)
+    assert 0 < ours_err <= 1.5 * hf16_err, (ours_err, hf16_err)

@@ -23,7 +23,6 @@ import argparse
 import math
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable

@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "allocator": ("odma.bench.allocator_bench", "reserve/release latency of the contiguous pool"),
     "predictor": ("odma.bench.predictor_bench", "batch-1 latency and batched throughput of the default predictor"),
     "attention": ("odma.bench.attention_bench", "decode attention: contiguous blocks vs 16-token pages"),
+    "step": ("odma.bench.step_bench", "one decode step of the served model per precision mix (weights/KV dtype)"),
     "scheduler": ("odma.bench.scheduler_bench", "the engine's scheduler and pool on a trace, with a measured step-time model"),
     "balloon": ("odma.bench.balloon_bench", "long-context workload, KV <-> activation ballooning off vs on, same memory"),
     "serve": ("odma.bench.serve_bench", "replay a trace against odma-serve over HTTP (or HF generate as a baseline)"),

@@ -10,7 +10,6 @@ the model's speed enters only through the step-time table, which `--step-ms` tak
 from __future__ import annotations
 
 import argparse
-import random
 from dataclasses import replace
 
 DEFAULT_STEP_MS = "1:62,6:103,16:148,32:243,64:592"  # decode batch size : ms per step (SmolLM2, 1 CPU thread)
@@ -29,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preempt", default="wait,recompute,swap", help="any of wait, recompute, swap")
     p.add_argument("--swap-gbps", type=float, default=10.0,
                    help="swap copy bandwidth, payload GB/s (memcpy measured 20.1 GB/s read + write)")
+    p.add_argument("--admission-theta", default="1.0",
+                   help="eLLM Algorithm 1 θ for odma/s3, comma-separated to compare (1.0: off)")
     p.add_argument("--reserve-scale", type=float, default=None, help="odma reserve_scale (default: the config's)")
     p.add_argument("--step-ms", default=DEFAULT_STEP_MS, help="decode batch:ms pairs, interpolated linearly")
     p.add_argument("--prefill-ms-per-token", type=float, default=3.5)
@@ -116,7 +117,7 @@ def sim_advance(scheduler, work, kv_policy, target: dict[str, int]) -> list:
 
 def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: int, max_tokens: int,
              max_num_seqs: int, step_table, prefill_s_per_token: float, reserve_scale: float | None = None,
-             bytes_per_token: int = 46080, swap_gbps: float = 10.0) -> dict:
+             bytes_per_token: int = 46080, swap_gbps: float = 10.0, admission_theta: float = 1.0) -> dict:
     import numpy as np
 
     from odma.engine.config import EngineConfig
@@ -125,7 +126,7 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
     kv_policy, pool = sim_pool(policy, max_tokens, budget_tokens, reserve_scale=reserve_scale)
     swap = CountingSwap(bytes_per_token, swap_gbps) if preempt == "swap" else None
     scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_prefill_tokens=EngineConfig().max_prefill_tokens,
-                          preempt=preempt, swapper=swap)
+                          preempt=preempt, swapper=swap, admission_theta=admission_theta)
     target: dict[str, int] = {}
     for i, (rec, pred) in enumerate(zip(records, predictions)):
         seq = sim_sequence(f"r{i}", rec.prompt_tokens, max_tokens, pred if policy != "static" else None)
@@ -150,7 +151,8 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
     pool.check_invariants()
     c = scheduler.counters
     useful = sum(target.values())
-    return {"policy": policy, "preempt": preempt, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
+    return {"policy": policy, "preempt": preempt, "admission_theta": admission_theta,
+            "theta_refusals": c.theta_refusals, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
             "peak_running": peak, "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
             "swap_outs": c.swap_outs, "swapped_bytes": swap.copied_bytes if swap else 0,
             "peak_host_bytes": swap.peak_held_bytes if swap else 0,
@@ -167,12 +169,15 @@ def run(args: argparse.Namespace) -> dict:
     budget_tokens = parse_kv_budget(args.kv_budget, 1) // args.bytes_per_token
     runs = []
     for policy in args.policies.split(","):
+        thetas = [float(t) for t in args.admission_theta.split(",")] if policy != "static" else [1.0]
         for preempt in args.preempt.split(",") if policy != "static" else ["wait"]:
-            runs.append(simulate(records, predictions, policy=policy, preempt=preempt, budget_tokens=budget_tokens,
-                                 max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
-                                 step_table=_step_table(args.step_ms), prefill_s_per_token=args.prefill_ms_per_token / 1000,
-                                 reserve_scale=args.reserve_scale, bytes_per_token=args.bytes_per_token,
-                                 swap_gbps=args.swap_gbps))
+            for theta in thetas:
+                runs.append(simulate(records, predictions, policy=policy, preempt=preempt, budget_tokens=budget_tokens,
+                                     max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
+                                     step_table=_step_table(args.step_ms),
+                                     prefill_s_per_token=args.prefill_ms_per_token / 1000,
+                                     reserve_scale=args.reserve_scale, bytes_per_token=args.bytes_per_token,
+                                     swap_gbps=args.swap_gbps, admission_theta=theta))
     static = next((r["throughput_tps"] for r in runs if r["policy"] == "static"), None)
     for r in runs:
         r["x_static"] = r["throughput_tps"] / static if static else None

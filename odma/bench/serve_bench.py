@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--preempt", default="swap", choices=["wait", "recompute", "swap"])
     p.add_argument("--predictor", default="default")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype of the started server and of the HF baseline")
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="KV dtype of the started server (default: the server's)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (server: its default, all cores but one; HF baseline: all cores)")
     p.add_argument("--length-log", default="", help="JSONL of realized lengths for the started server ('' = none)")
@@ -191,7 +195,7 @@ def _hf_baseline(records: list, args) -> dict:
     folder = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(folder))
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, args.dtype)).eval()
     eos = model.generation_config.eos_token_id
     useful = generated = 0
     t0 = time.perf_counter()
@@ -210,7 +214,7 @@ def _hf_baseline(records: list, args) -> dict:
             useful += row.index(eos) + 1 if eos in row else len(row)
     wall = time.perf_counter() - t0
     return {"baseline": "hf-generate", "throughput_tps": useful / wall, "useful_tokens": useful,
-            "generated_tokens_incl_padding": generated, "batch": args.hf_batch, "threads": threads, "num": len(records),
+            "generated_tokens_incl_padding": generated, "batch": args.hf_batch, "threads": threads, "dtype": args.dtype, "num": len(records),
             "makespan_s": wall, "completed": len(records), "errors": 0, "lost": 0}
 
 
@@ -226,6 +230,7 @@ def _server_process(args):
     cmd = [sys.executable, "-m", "odma.server.cli", "--port", str(port), "--log-level", "warning",
            "--model", args.model, "--policy", args.policy, "--kv-budget", args.kv_budget, "--max-num-seqs",
            str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor,
+           "--dtype", args.dtype, *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []),
            *(["--threads", str(args.threads)] if args.threads else []), "--length-log", args.length_log, "--max-tokens-cap", str(max(args.max_tokens, 16)),
            "--default-max-tokens", str(max(args.max_tokens, 16)), "--max-queue", str(args.num + 1)]
     proc = subprocess.Popen(cmd)
@@ -263,7 +268,8 @@ def run(args: argparse.Namespace) -> dict:
     elif args.start_server:
         with _server_process(args) as url:
             result = asyncio.run(_replay(url, records, args))
-        result.update(policy=args.policy, kv_budget=args.kv_budget, preempt=args.preempt, **common)
+        result.update(policy=args.policy, kv_budget=args.kv_budget, preempt=args.preempt, dtype=args.dtype,
+                      kv_dtype=args.kv_dtype or "server default", **common)
     elif args.url:
         result = {**asyncio.run(_replay(args.url.rstrip("/"), records, args)), **common}
     else:

@@ -24,7 +24,14 @@ def default_threads() -> int:
 class EngineConfig:
     model: str = "smollm2"  # "smollm2", a HF folder, a .gguf file or a hub name
     device: str = "cpu"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # several devices, one pool each (kv_budget per device), one set of bucket bounds; requests are placed by
+    # memory pressure and compute load (odma.cluster). Empty: just `device`. On CPU, "cpu:0,cpu:1" are two
+    # pools over the same cores and weights: a test bed for placement, not a speed-up.
+    devices: tuple[str, ...] = ()
+    dtype: str = "float32"  # float32 | bfloat16 | float16: weights and activations
+    # KV cache dtype; None = float32 on CPU (torch's CPU attention is 2-6x slower in bf16/fp16 than fp32,
+    # measured in docs/BENCHMARKS.md, so bf16 weights + fp32 KV is the fast CPU mix), the weights' dtype elsewhere
+    kv_dtype: str | None = None
     policy: str = "odma"  # odma | static | s3 (compared on the same KV budget)
     kv_budget: str = "256MiB"  # bytes ("268435456", "256MiB", "2GB") or a share of device memory ("0.3", "30%")
     max_num_seqs: int = 64  # decode batch cap
@@ -36,6 +43,8 @@ class EngineConfig:
     # redo it later) or "swap" (free it, keeping its K/V in a host buffer): swap won on CPU, recompute
     # thrashed (a re-prefill costs as much as decoding), wait stalls (docs/serving.md, docs/BENCHMARKS.md)
     preempt: str = "swap"
+    # eLLM Algorithm 1: admit a new request only while reservations stay within θ of the pool (1.0: off)
+    admission_theta: float = 1.0
     swap_space: str = "1GiB"  # host buffer for --preempt swap (bytes, like --kv-budget)
     # SLOs that scale the swap buffer's logical size (eLLM Algorithm 2): TPOT violations shrink it (fetches
     # slow decoding), TTFT violations grow it (swapping lets new requests in sooner); None = fixed size
@@ -54,17 +63,35 @@ class EngineConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
 
+    @property
+    def device_list(self) -> tuple[str, ...]:
+        return self.devices or (self.device,)
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        if self.kv_dtype:
+            return self.kv_dtype
+        return "float32" if self.device_list[0].startswith("cpu") else self.dtype
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if len(set(self.devices)) != len(self.devices):
+            raise ConfigError(f"devices must be distinct, got {list(self.devices)} (two CPU pools: cpu:0,cpu:1)")
+        if len({d.split(":")[0] for d in self.device_list}) > 1:
+            raise ConfigError(f"devices must be of one kind (one dtype, one set of kernels), got {list(self.devices)}")
+        for name in ("dtype", "kv_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"{name} must be float32, bfloat16 or float16, got {value!r}")
         for name in ("max_num_seqs", "max_prefill_tokens", "max_tokens_cap", "default_max_tokens", "threads", "s3_buckets",
                      "balloon_segment_tokens", "balloon_keep_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
+        if not 0 < self.admission_theta <= 1:
+            raise ConfigError(f"admission_theta must be in (0, 1], got {self.admission_theta}")
         for name in ("slo_ttft_s", "slo_tpot_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from odma.allocator import KVPool
+from odma.cluster import rank_devices
 from odma.engine.config import EngineConfig, parse_kv_budget
 from odma.engine.length_log import LengthLog, read_realized_lengths
 from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor
@@ -23,7 +24,8 @@ from odma.engine.model_runner import ModelRunner
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
 from odma.engine.sequence import Sequence, Status
-from odma.errors import ConfigError, InvalidRequestError, RequestTooLargeError
+from odma.engine.worker import DeviceWorker, build_worker
+from odma.errors import InvalidRequestError, RequestTooLargeError
 from odma.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -59,13 +61,16 @@ class LLMEngine:
 
         self.config = config
         torch.set_num_threads(config.threads)
-        self.backend = get_backend(config.device)  # ConfigError when the device is absent or not supported yet
-        budget = parse_kv_budget(config.kv_budget, self.backend.memory_info().total_bytes)  # fail before loading
+        devices = config.device_list
+        backends = [get_backend(d) for d in devices]  # ConfigError when a device is absent or not supported yet
+        for b in backends:  # fail on a bad budget before loading anything
+            parse_kv_budget(config.kv_budget, b.memory_info().total_bytes)
+        folder = None
         if model is None:
             from odma.models import load_model, resolve_model
 
             folder = resolve_model(config.model)
-            model = load_model(folder, dtype=DTYPES[config.dtype], device=str(self.backend.device))
+            model = load_model(folder, dtype=DTYPES[config.dtype], device=str(backends[0].device))
             if tokenizer is None:
                 from transformers import AutoTokenizer
 
@@ -73,34 +78,23 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-
-        bytes_per_token = model.kv_bytes_per_token()
-        total_tokens = budget // bytes_per_token
-        if total_tokens < config.pool.align:
-            raise ConfigError(f"kv budget {config.kv_budget!r} holds {total_tokens} tokens of {bytes_per_token} B each")
-        self.runner = ModelRunner(model, self.backend, total_tokens)
         bootstrap = []
         if config.length_log and config.bootstrap_from_log:
             bootstrap = read_realized_lengths(config.length_log, model=config.model)
+        # one policy object for every device: one set of bucket bounds, one window of realized lengths
         self.policy = build_policy(config, bootstrap)
-        # static blocks never grow and never use the large bucket: give it the whole budget as one region
-        large_share = 0.0 if config.policy == "static" else config.pool.large_share
-        self.pool = KVPool(
-            total_tokens, self.policy, large_share=large_share, align=config.pool.align,
-            bytes_per_token=bytes_per_token, mover=self.runner.arena,
-        )
-        self.elastic = self._build_elastic() if config.balloon else None
-        self.swap = None
-        if config.preempt == "swap":
-            from odma.engine.swap import HostSwap
-            from odma.offload import OffloadConfig, OffloadController
+        kv_dtype = DTYPES[config.resolved_kv_dtype]
+        models = {str(model.device): model}  # devices that are the same torch device share the weights
+        self.workers: list[DeviceWorker] = []
+        for device, backend in zip(devices, backends):
+            here = models.get(str(backend.device))
+            if here is None:
+                from odma.models import load_model, resolve_model
 
-            capacity = parse_kv_budget(config.swap_space, self.backend.memory_info().total_bytes)
-            self.swap = HostSwap(self.backend, self.runner, OffloadController(OffloadConfig(capacity_bytes=capacity)))
-        self.scheduler = Scheduler(
-            self.pool, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-            preempt=config.preempt, elastic=self.elastic, swapper=self.swap,
-        )
+                here = models[str(backend.device)] = load_model(folder or resolve_model(config.model),
+                                                                dtype=model.dtype, device=str(backend.device))
+            self.workers.append(build_worker(config, device, backend, here, self.policy, kv_dtype))
+        self._worker_of: dict[str, DeviceWorker] = {}
         self.predictor = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.metrics = metrics or NullMetrics()
         self.length_log = LengthLog(config.length_log, config.policy, config.model) if config.length_log else None
@@ -114,33 +108,35 @@ class LLMEngine:
         self.decode_tokens = 0  # Σ decode batch sizes over steps
         self.prefill_tokens = 0  # prompt (and recomputed) tokens fed
         log.info(
-            "engine: policy=%s kv budget %.1f MiB = %d tokens (%d B/token), predictor=%s%s",
-            config.policy, budget / 2**20, self.pool.total_tokens, bytes_per_token, self.predictor.name,
+            "engine: policy=%s on %s, kv %s per device, predictor=%s%s", config.policy, ", ".join(devices),
+            config.kv_budget, self.predictor.name,
             f" (fallback: {self.predictor.fallback_reason})" if self.predictor.fallback_reason else "",
         )
 
-    def _build_elastic(self):
-        """Ballooning between the activation reserve and the KV pool: profile the activation peak of a
-        prefill (as vLLM does before sizing its cache), keep room for a max_prefill_tokens step, lend the
-        rest to the pool in segments. Segments are real arenas of the backend, viewed through one
-        SegmentedArena (the runner's arena from now on)."""
-        from odma.balloon import ActivationProfile, BalloonPool
-        from odma.elastic import ElasticKV
+    # The first device's parts (the only device's, unless --devices names several).
+    @property
+    def backend(self):
+        return self.workers[0].backend
 
-        c = self.config
-        if c.balloon_segment_tokens % c.pool.align:
-            raise ConfigError(f"balloon_segment_tokens must be a multiple of the pool's align ({c.pool.align})")
-        m = c.max_prefill_tokens
-        points = sorted({max(1, min(64, m // 4)), min(256, m)})  # two sizes; linear beyond (flash-style SDPA)
-        profile = ActivationProfile(self.runner.profile_activations(points))
-        reserve = profile.peak_bytes(c.max_prefill_tokens)
-        balloon = BalloonPool(self.pool, c.balloon_segment_tokens, backend=self.backend,
-                              base_arena=self.runner.arena, layout=self.runner.layout)
-        self.runner.arena = balloon.arena
-        log.info("ballooning: activation reserve %.1f MiB (a %d-token prefill; %s B/token measured), segments of "
-                 "%d tokens", reserve / 2**20, c.max_prefill_tokens,
-                 {t: profile.peak_bytes(t) // t for t in points}, c.balloon_segment_tokens)
-        return ElasticKV(balloon, profile, reserve, keep_tokens=c.balloon_keep_tokens)
+    @property
+    def runner(self) -> ModelRunner:
+        return self.workers[0].runner
+
+    @property
+    def pool(self) -> KVPool:
+        return self.workers[0].pool
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.workers[0].scheduler
+
+    @property
+    def elastic(self):
+        return self.workers[0].elastic
+
+    @property
+    def swap(self):
+        return self.workers[0].swap
 
     # -- requests in -----------------------------------------------------------------------------
 
@@ -185,12 +181,15 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
                 f"context of {self.max_model_len} tokens"
             )
-        limit = self.pool.max_request_tokens
-        if -(-total // self.pool.align) * self.pool.align > limit:
+        limit = max(w.pool.max_request_tokens for w in self.workers)
+        if not self._fits(total, limit):
             raise RequestTooLargeError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the KV pool's largest "
                 f"block ({limit} tokens); lower max_tokens or raise --kv-budget"
             )
+
+    def _fits(self, tokens: int, limit: int) -> bool:
+        return -(-tokens // self.config.pool.align) * self.config.pool.align <= limit
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Cancel a request (thread-safe); its block is released at the next step. reason="stop" ends it as a
@@ -213,17 +212,25 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_work()
+        return bool(self._inbox) or any(w.scheduler.has_work() for w in self.workers)
 
     def step(self) -> list[StepOutput]:
+        """One model step on every device that has work (in turn: one process drives them all)."""
         outputs = self._drain_inbox()
-        work = self.scheduler.schedule()
+        for worker in self.workers:
+            outputs += self._step_worker(worker)
+        self._maybe_refresh_buckets()
+        return outputs
+
+    def _step_worker(self, worker: DeviceWorker) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        work = worker.scheduler.schedule()
         if not work:
             return outputs
         self.steps += 1
         started = time.perf_counter()
         try:
-            tokens = self.runner.run(work)
+            tokens = worker.runner.run(work)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never leaks their blocks
             log.exception("model step failed")
             self.errors += 1
@@ -251,20 +258,20 @@ class LLMEngine:
                 self.metrics.on_first_token(seq, now - seq.arrival)
             reason = self._stop_reason(seq, tok)
             outputs.append(self._finish(seq, reason, tok) if reason else StepOutput(seq, tok, False))
-        self._maybe_refresh_buckets()
-        self._scale_swap_buffer(step_seconds, slowest_first_token, work)
+        self._scale_swap_buffer(worker, step_seconds, slowest_first_token, work)
         return outputs
 
-    def _scale_swap_buffer(self, step_seconds: float, slowest_first_token: float, work: list) -> None:
-        """eLLM Algorithm 2 on the swap buffer: one SLO outcome per step (a decode step slower than the TPOT
-        SLO; a first token later than the TTFT SLO)."""
+    def _scale_swap_buffer(self, worker: DeviceWorker, step_seconds: float, slowest_first_token: float,
+                           work: list) -> None:
+        """eLLM Algorithm 2 on the device's swap buffer: one SLO outcome per step (a decode step slower than the
+        TPOT SLO; a first token later than the TTFT SLO)."""
         c = self.config
-        if self.swap is None or (c.slo_ttft_s is None and c.slo_tpot_s is None):
+        if worker.swap is None or (c.slo_ttft_s is None and c.slo_tpot_s is None):
             return
         decoded = any(w.q_len == 1 for w in work)
         tpot_violated = c.slo_tpot_s is not None and decoded and step_seconds > c.slo_tpot_s
         ttft_violated = c.slo_ttft_s is not None and slowest_first_token > c.slo_ttft_s
-        self.swap.controller.end_iteration(ttft_violated, tpot_violated)
+        worker.swap.controller.end_iteration(ttft_violated, tpot_violated)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -276,7 +283,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, tok: int | None = None) -> StepOutput:
         realized = reason in ("stop", "length")
-        self.scheduler.finish(seq, reason, observe=realized)
+        # a request not placed yet (still in the inbox) is in no queue: any scheduler just marks it finished
+        self._worker_of.pop(seq.request_id, self.workers[0]).scheduler.finish(seq, reason, observe=realized)
         seq.finished_at = time.monotonic()
         self._live.pop(seq.request_id, None)
         if realized:
@@ -295,7 +303,10 @@ class LLMEngine:
         if adds:
             self._tag(adds)
             for seq in adds:
-                self.scheduler.add(seq)
+                worker = self._place(seq)
+                self._worker_of[seq.request_id] = worker
+                seq.device = worker.device
+                worker.scheduler.add(seq)
         outputs = []
         for kind, item in items:
             if kind == "abort":
@@ -324,6 +335,17 @@ class LLMEngine:
             if select is not None:
                 seq.bucket = select(seq.predicted_length, seq.uncertainty).index
 
+    def _place(self, seq: Sequence) -> DeviceWorker:
+        """The device with the least memory pressure and compute load (odma.cluster's score, the queue
+        counted as load) among those whose pool can ever hold the request; it stays there to the end."""
+        if len(self.workers) == 1:
+            return self.workers[0]
+        need = seq.prompt_tokens + self.policy.initial(seq).output_tokens
+        total = seq.prompt_tokens + seq.params.max_tokens
+        fits = [w for w in self.workers if self._fits(total, w.pool.max_request_tokens)]
+        by_name = {w.device: w for w in fits or self.workers}
+        return by_name[rank_devices([w.load() for w in by_name.values()], need)[0]]
+
     def _maybe_refresh_buckets(self) -> None:
         buckets = getattr(self.policy, "buckets", None)
         if buckets is not None and buckets.refresh_due():
@@ -346,11 +368,11 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + sum(1 for k, _ in list(self._inbox) if k == "add")
+        return sum(len(w.scheduler.waiting) for w in self.workers) + sum(1 for k, _ in list(self._inbox) if k == "add")
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return sum(len(w.scheduler.running) for w in self.workers)
 
     def close(self) -> None:
         if self.length_log is not None:

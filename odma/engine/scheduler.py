@@ -43,6 +43,7 @@ class SchedulerCounters:
     stalls: int = 0  # request-steps spent waiting for room to grow (wait mode)
     migrations: int = 0  # blocks moved to a larger range mid-decode
     admission_refusals: int = 0  # reserve() said no room now; the request stays queued
+    theta_refusals: int = 0  # admitting would have pushed reservations past θ of the pool (eLLM Algorithm 1)
     activation_refusals: int = 0  # ballooning: the prefill's activation room could not be freed yet
     bucket_matched_admissions: int = 0  # admitted ahead of FIFO order into a just-freed bucket
 
@@ -59,6 +60,7 @@ class Scheduler:
         max_skips: int = 8,
         elastic: ElasticKV | None = None,
         swapper: Swapper | None = None,
+        admission_theta: float = 1.0,
     ) -> None:
         if preempt not in PREEMPT_MODES:
             raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
@@ -72,6 +74,13 @@ class Scheduler:
         self.max_skips = max_skips  # rounds a head-of-queue request may be bypassed before it blocks others
         self.elastic = elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
         self.swapper = swapper
+        if not 0 < admission_theta <= 1:
+            raise ValueError(f"admission_theta must be in (0, 1], got {admission_theta}")
+        # eLLM Algorithm 1's threshold: a new request is admitted only while reservations stay within θ of the
+        # pool, keeping 1 − θ for running requests to grow into. Reservations are all-or-nothing (a block or
+        # none), so there is no hold-and-wait; offloading others to let a prefill in is what swap preemption
+        # does on the growth path.
+        self.admission_theta = admission_theta
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -155,6 +164,11 @@ class Scheduler:
                 if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
                     break
                 continue
+            if self.running and not self._under_theta(seq):
+                self.counters.theta_refusals += 1
+                if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
+                    break
+                continue
             block = self.pool.reserve(seq)
             if block is None:
                 self.counters.admission_refusals += 1
@@ -180,6 +194,12 @@ class Scheduler:
             seq.waited_steps += 1
         self._freed_buckets.clear()
         return work
+
+    def _under_theta(self, seq: Sequence) -> bool:
+        if self.admission_theta >= 1.0:
+            return True
+        need = seq.prompt_tokens + self.pool.policy.initial(seq).output_tokens
+        return self.pool.reserved_tokens + need <= self.admission_theta * self.pool.capacity_tokens
 
     def _activation_room(self, prefill_tokens: int) -> bool:
         """Ballooning: free the activation room of this step's prefill (segments lent to the KV pool are

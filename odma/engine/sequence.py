@@ -42,6 +42,7 @@ class Sequence:
     preemptions: int = 0
     swapped: bool = False  # its cached K/V wait in the host buffer (preempted by swap)
     migrations: int = 0
+    device: str = ""  # where the engine placed it (one of --devices)
     waited_steps: int = 0  # scheduling rounds skipped while waiting (starvation guard)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

@@ -74,6 +74,9 @@ class Attention(nn.Module):
         q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
         k = _rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.kv_heads, self.head_dim)
+        # The KV cache may be wider than the weights (bf16 weights, fp32 KV on CPUs whose bf16 attention is
+        # slow): attention runs in the cache's dtype, the projections in the weights'. Same dtype: no-ops.
+        q = q.to(seqs[0].kv.dtype)
         out = torch.empty_like(q)
         pos = 0
         for s in seqs:
@@ -83,7 +86,7 @@ class Attention(nn.Module):
             cache[1, s.start : end] = v[pos : pos + s.q_len]
             out[pos : pos + s.q_len] = _attend(q[pos : pos + s.q_len], cache[0, :end], cache[1, :end], s.start)
             pos += s.q_len
-        return self.o_proj(out.view(t, -1))
+        return self.o_proj(out.view(t, -1).to(x.dtype))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

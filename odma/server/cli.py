@@ -21,8 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="smollm2 (default), a HF folder, a .gguf file or a hub name")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models reports (default: from --model)")
     p.add_argument("--device", default=d.device, help="cpu | cuda[:N] | mlu[:N]")
+    p.add_argument("--devices", default=None,
+                   help="several devices, one KV pool each, e.g. mlu:0,mlu:1 or cuda:0,cuda:1 (cpu:0,cpu:1 tests placement); "
+                        "--kv-budget is per device")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (default: float32 on cpu, bfloat16 elsewhere)")
+                   help="weights dtype (default: float32 on cpu, bfloat16 elsewhere; bfloat16 is much faster on CPUs "
+                        "with AVX512-BF16 or AMX, see docs/serving.md)")
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="KV cache dtype (default: float32 on cpu, where bf16 attention is slow; --dtype elsewhere)")
     p.add_argument("--policy", default=d.policy, choices=POLICIES, help="KV reservation policy")
     p.add_argument("--kv-budget", default=d.kv_budget, help="KV pool: bytes (268435456, 256MiB, 2GB) or a share of device memory (0.3, 30%%)")
     p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
@@ -35,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, help="max_tokens when a chat request sets none")
     p.add_argument("--preempt", default=d.preempt, choices=["wait", "recompute", "swap"],
                    help="under memory pressure: stall, free and recompute later, or swap the K/V to a host buffer")
+    p.add_argument("--admission-theta", type=float, default=d.admission_theta,
+                   help="admit new requests only while reservations stay within this share of the pool (eLLM Alg. 1; 1 = off)")
     p.add_argument("--swap-space", default=d.swap_space, help="host KV buffer for --preempt swap (bytes: 1GiB, ...)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s): violations grow the swap buffer (eLLM Alg. 2)")
     p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO (s): violations shrink the swap buffer (eLLM Alg. 2)")
@@ -53,11 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    dtype = args.dtype or ("float32" if args.device.startswith("cpu") else "bfloat16")
+    devices = tuple(d.strip() for d in (args.devices or "").split(",") if d.strip())
+    device = devices[0] if devices else args.device
+    dtype = args.dtype or ("float32" if device.startswith("cpu") else "bfloat16")
     return EngineConfig(
-        model=args.model, device=args.device, dtype=dtype, policy=args.policy, kv_budget=args.kv_budget,
+        model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
-        default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, swap_space=args.swap_space, predictor=args.predictor,
+        default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, admission_theta=args.admission_theta, swap_space=args.swap_space, predictor=args.predictor,
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,
         balloon=args.balloon, balloon_segment_tokens=args.balloon_segment_tokens,

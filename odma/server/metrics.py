@@ -54,8 +54,9 @@ class _EngineCollector:
 
     def collect(self):
         engine = self.runtime.engine
-        pool = engine.pool.stats()
-        sched = engine.scheduler.counters
+        per_device = [(w, w.pool.stats(), w.scheduler.counters) for w in engine.workers]
+        pool = _Sum([p for _, p, _ in per_device])  # totals over devices (one device: its own numbers)
+        sched = _Sum([c for _, _, c in per_device])
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(name, doc)
@@ -69,15 +70,31 @@ class _EngineCollector:
 
         yield gauge("odma_queue_depth", "Requests waiting for a block", engine.num_waiting)
         yield gauge("odma_running_requests", "Requests holding a block", engine.num_running)
-        yield gauge("odma_kv_budget_bytes", "KV pool size", pool.total_tokens * pool.bytes_per_token)
+        yield gauge("odma_kv_budget_bytes", "KV pool size", sum(p.total_tokens * p.bytes_per_token for _, p, _ in per_device))
         yield gauge("odma_kv_reserved_bytes", "KV bytes reserved by live blocks", pool.reserved_bytes)
         yield gauge("odma_kv_live_bytes", "KV bytes holding tokens", pool.live_bytes)
         yield gauge("odma_kv_free_bytes", "KV bytes free (extents and cached blocks)", pool.free_bytes)
-        yield gauge("odma_kv_external_fragmentation", "1 - largest free extent / free", pool.external_fragmentation)
+        yield gauge("odma_kv_external_fragmentation", "1 - largest free extent / free (the worst device)",
+                    max(p.external_fragmentation for _, p, _ in per_device))
         occ = GaugeMetricFamily("odma_bucket_live_blocks", "Live blocks per bucket (-1 = large)", labels=["bucket"])
-        for bucket, n in sorted(pool.live_blocks_per_bucket.items()):
+        per_bucket: dict[int, int] = {}
+        for _, p, _ in per_device:
+            for bucket, n in p.live_blocks_per_bucket.items():
+                per_bucket[bucket] = per_bucket.get(bucket, 0) + n
+        for bucket, n in sorted(per_bucket.items()):
             occ.add_metric([str(bucket)], n)
         yield occ
+        device_gauges = {
+            "odma_device_running_requests": ("Requests holding a block, per device", lambda w, p: len(w.scheduler.running)),
+            "odma_device_waiting_requests": ("Requests placed on the device and waiting", lambda w, p: len(w.scheduler.waiting)),
+            "odma_device_kv_reserved_bytes": ("KV bytes reserved by live blocks, per device", lambda w, p: p.reserved_bytes),
+            "odma_device_kv_live_bytes": ("KV bytes holding tokens, per device", lambda w, p: p.live_bytes),
+        }
+        for name, (doc, value) in device_gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["device"])
+            for w, p, _ in per_device:
+                g.add_metric([w.device], value(w, p))
+            yield g
         buckets = getattr(engine.policy, "buckets", None)
         if buckets is not None:
             bounds = GaugeMetricFamily("odma_bucket_bound_tokens", "Output tokens each bucket reserves", labels=["bucket"])
@@ -90,18 +107,22 @@ class _EngineCollector:
         yield counter("odma_migrated_tokens", "Tokens copied by migrations", pool.migrated_tokens)
         yield counter("odma_migration_refusals", "Growths refused for lack of room", pool.migration_refusals)
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
+        yield counter("odma_theta_refusals", "Admissions deferred to keep reservations within theta (eLLM Alg. 1)",
+                      sched.theta_refusals)
         yield counter("odma_preemptions", "Requests freed under pressure and recomputed later", sched.preemptions)
         yield counter("odma_stalls", "Request-steps spent waiting for room to grow", sched.stalls)
         yield counter("odma_swap_outs", "Preempted requests whose K/V went to the host buffer", sched.swap_outs)
         yield counter("odma_swap_ins", "Swapped requests whose K/V came back", sched.swap_ins)
-        if engine.swap is not None:
-            yield gauge("odma_swap_held_bytes", "K/V bytes in the host buffer now", engine.swap.held_bytes)
-            yield gauge("odma_swap_buffer_bytes", "Logical size of the host buffer (eLLM Alg. 2 scales it)",
-                        engine.swap.controller.logical_bytes)
+        swaps = [w.swap for w in engine.workers if w.swap is not None]
+        if swaps:
+            yield gauge("odma_swap_held_bytes", "K/V bytes in the host buffers now", sum(x.held_bytes for x in swaps))
+            yield gauge("odma_swap_buffer_bytes", "Logical size of the host buffers (eLLM Alg. 2 scales them)",
+                        sum(x.controller.logical_bytes for x in swaps))
         yield counter("odma_activation_refusals", "Prefills deferred until their activation room was freed",
                       sched.activation_refusals)
-        if engine.elastic is not None:
-            e = engine.elastic.snapshot()
+        elastics = [w.elastic.snapshot() for w in engine.workers if w.elastic is not None]
+        if elastics:
+            e = _Sum(elastics)
             yield gauge("odma_balloon_reserve_bytes", "Activation room kept for a max_prefill_tokens prefill", e["reserve_bytes"])
             yield gauge("odma_balloon_lent_bytes", "Activation room lent to the KV pool now", e["lent_bytes"])
             yield counter("odma_balloon_inflations", "Segments lent to the KV pool", e["balloon_inflations"])
@@ -128,6 +149,19 @@ class _EngineCollector:
         info.add_metric([pred.name, "1" if pred.fallback_reason else "0", (pred.fallback_reason or "")[:200]], 1)
         yield info
         yield _policy(engine.config.policy)
+
+
+class _Sum:
+    """Attribute (or key) access summing over per-device records: pool stats, scheduler counters, snapshots."""
+
+    def __init__(self, records: list) -> None:
+        self._records = records
+
+    def __getattr__(self, name: str):
+        return sum(getattr(r, name) for r in self._records)
+
+    def __getitem__(self, key: str):
+        return sum(r[key] for r in self._records)
 
 
 def _policy(name: str):

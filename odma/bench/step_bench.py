@@ -1,0 +1,77 @@
+"""`odma-bench step`: one decode step of the served model at a given batch and context, per precision mix.
+
+Every request's K/V sits in its own contiguous block (as in the engine) and the step is the engine's packed
+forward. The mixes (weights dtype / KV dtype) are timed interleaved, round by round, so that a shared
+machine's noise falls on all of them alike. This is what chose bf16 weights over an fp32 cache on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--batch", type=int, default=32, help="decoding requests in the step")
+    p.add_argument("--context", type=int, default=300, help="tokens already cached per request")
+    p.add_argument("--mixes", default="float32/float32,bfloat16/float32,bfloat16/bfloat16",
+                   help="weights/kv dtype pairs, comma-separated")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=8, help="timed steps per mix (interleaved)")
+
+
+def _parse_mixes(spec: str) -> list[tuple[str, str]]:
+    from odma.errors import ConfigError
+
+    mixes = []
+    for item in spec.split(","):
+        weights, _, kv = item.strip().partition("/")
+        if weights not in DTYPE_NAMES or kv not in DTYPE_NAMES:
+            raise ConfigError(f"bad mix {item!r}: expected WEIGHTS/KV with dtypes from {DTYPE_NAMES}")
+        mixes.append((weights, kv))
+    return mixes
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from odma.engine.llm_engine import DTYPES
+    from odma.models import load_model, resolve_model
+    from odma.models.llama import SeqSlot
+
+    torch.set_num_threads(args.threads)
+    mixes = _parse_mixes(args.mixes)
+    folder = resolve_model(args.model)
+    models = {w: load_model(folder, dtype=DTYPES[w]) for w in {w for w, _ in mixes}}
+    c = models[mixes[0][0]].config
+    capacity = args.context + 16
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (args.batch,), generator=gen)
+    positions = torch.full((args.batch,), args.context)
+    steps = {}
+    for weights, kv in mixes:
+        # one arena for the batch, each request a contiguous block of it (filled with plausible values)
+        arena = torch.randn(args.batch, c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim, generator=gen).to(DTYPES[kv])
+        seqs = [SeqSlot(arena[b], args.context, 1) for b in range(args.batch)]
+        model = models[weights]
+        steps[f"{weights}/{kv}"] = lambda model=model, seqs=seqs: model(ids, positions, seqs)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for fn in steps.values():  # warm-up
+        fn()
+    for _ in range(args.rounds):
+        for name, fn in steps.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    base = statistics.median(times[next(iter(times))])
+    return {
+        "model": args.model, "batch": args.batch, "context": args.context, "threads": args.threads,
+        "rounds": args.rounds,
+        "mixes": {name: {"step_ms": round(statistics.median(ts) * 1e3, 2),
+                         "tokens_per_s": round(args.batch / statistics.median(ts), 1),
+                         "speedup_vs_first": round(base / statistics.median(ts), 3)} for name, ts in times.items()},
+    }

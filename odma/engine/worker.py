@@ -1,0 +1,92 @@
+"""One device's share of the engine: its backend, KV arena (model runner), pool, scheduler, and the optional
+ballooning and swap around them. The engine holds one worker per device; the predictor, the bucket policy
+(one set of bounds on every device), the request table and the length log stay engine-wide."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from odma.allocator import KVPool
+from odma.cluster import DeviceLoad
+from odma.engine.config import EngineConfig, parse_kv_budget
+from odma.engine.model_runner import ModelRunner
+from odma.engine.scheduler import Scheduler
+from odma.errors import ConfigError
+from odma.models.llama import CausalLM
+from odma.policy import ReservationPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class DeviceWorker:
+    device: str
+    backend: Any
+    runner: ModelRunner
+    pool: KVPool
+    scheduler: Scheduler
+    elastic: Any = None  # odma.elastic.ElasticKV when ballooning
+    swap: Any = None  # odma.engine.swap.HostSwap when preempting by swap
+
+    def load(self) -> DeviceLoad:
+        """What placement weighs: blocks held plus what the queue will reserve, tokens attended per step plus
+        the queue's prompts (a request placed here waits behind them)."""
+        stats = self.pool.stats()
+        policy = self.pool.policy
+        queued_need = sum(s.prompt_tokens + policy.initial(s).output_tokens for s in self.scheduler.waiting)
+        queued_prompts = sum(s.prompt_tokens for s in self.scheduler.waiting)
+        return DeviceLoad(self.device, self.pool.capacity_tokens, stats.reserved_tokens + queued_need,
+                          stats.live_tokens + queued_prompts, stats.live_blocks)
+
+
+def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalLM, policy: ReservationPolicy,
+                 kv_dtype: torch.dtype) -> DeviceWorker:
+    """`config.kv_budget` is per device (bytes, or a share of this device's memory)."""
+    budget = parse_kv_budget(config.kv_budget, backend.memory_info().total_bytes)
+    bytes_per_token = model.kv_bytes_per_token(kv_dtype)
+    total_tokens = budget // bytes_per_token
+    if total_tokens < config.pool.align:
+        raise ConfigError(f"kv budget {config.kv_budget!r} holds {total_tokens} tokens of {bytes_per_token} B each")
+    runner = ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype)
+    # static blocks never grow and never use the large bucket: give it the whole budget as one region
+    large_share = 0.0 if config.policy == "static" else config.pool.large_share
+    pool = KVPool(total_tokens, policy, large_share=large_share, align=config.pool.align,
+                  bytes_per_token=bytes_per_token, mover=runner.arena)
+    elastic = _build_elastic(config, backend, runner, pool) if config.balloon else None
+    swap = None
+    if config.preempt == "swap":
+        from odma.engine.swap import HostSwap
+        from odma.offload import OffloadConfig, OffloadController
+
+        capacity = parse_kv_budget(config.swap_space, backend.memory_info().total_bytes)
+        swap = HostSwap(backend, runner, OffloadController(OffloadConfig(capacity_bytes=capacity)))
+    scheduler = Scheduler(pool, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
+                          preempt=config.preempt, elastic=elastic, swapper=swap, admission_theta=config.admission_theta)
+    log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token)", device, budget / 2**20, total_tokens, bytes_per_token)
+    return DeviceWorker(device, backend, runner, pool, scheduler, elastic, swap)
+
+
+def _build_elastic(c: EngineConfig, backend, runner: ModelRunner, pool: KVPool):
+    """Ballooning between the activation reserve and the KV pool: profile the activation peak of a prefill (as
+    vLLM does before sizing its cache), keep room for a max_prefill_tokens step, lend the rest to the pool in
+    segments. Segments are real arenas of the backend, viewed through one SegmentedArena (the runner's arena
+    from now on)."""
+    from odma.balloon import ActivationProfile, BalloonPool
+    from odma.elastic import ElasticKV
+
+    if c.balloon_segment_tokens % c.pool.align:
+        raise ConfigError(f"balloon_segment_tokens must be a multiple of the pool's align ({c.pool.align})")
+    m = c.max_prefill_tokens
+    points = sorted({max(1, min(64, m // 4)), min(256, m)})  # two sizes; linear beyond (flash-style SDPA)
+    profile = ActivationProfile(runner.profile_activations(points))
+    reserve = profile.peak_bytes(c.max_prefill_tokens)
+    balloon = BalloonPool(pool, c.balloon_segment_tokens, backend=backend, base_arena=runner.arena, layout=runner.layout)
+    runner.arena = balloon.arena
+    log.info("ballooning: activation reserve %.1f MiB (a %d-token prefill; %s B/token measured), segments of "
+             "%d tokens", reserve / 2**20, c.max_prefill_tokens,
+             {t: profile.peak_bytes(t) // t for t in points}, c.balloon_segment_tokens)
+    return ElasticKV(balloon, profile, reserve, keep_tokens=c.balloon_keep_tokens)

@@ -1,0 +1,33 @@
+"""odma-bench step times every precision mix on the engine's forward and refuses a malformed mix."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from odma.bench import step_bench
+from odma.errors import ConfigError
+from odma.models.tiny import make_tiny_model
+
+
+def _args(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    step_bench.add_arguments(p)
+    args = p.parse_args([])
+    vars(args).update(kw)
+    return args
+
+
+def test_every_mix_is_timed_against_the_first(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    out = step_bench.run(_args(model=str(folder), batch=3, context=20, rounds=2,
+                               mixes="float32/float32,bfloat16/float32"))
+    assert list(out["mixes"]) == ["float32/float32", "bfloat16/float32"]
+    first, mixed = out["mixes"].values()
+    assert first["speedup_vs_first"] == 1.0 and first["step_ms"] > 0 and mixed["tokens_per_s"] > 0
+
+
+def test_a_malformed_mix_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="WEIGHTS/KV"):
+        step_bench.run(_args(model=str(tmp_path), mixes="float32"))
