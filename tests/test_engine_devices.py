@@ -102,3 +102,27 @@ def test_server_on_two_pools_reports_each_and_their_sum(folder):
     for d in TWO:
         assert f'odma_device_kv_reserved_bytes{{device="{d}"}}' in values
     assert values["odma_running_requests"] == 0 and all(w.pool.stats().live_blocks == 0 for w in engine.workers)
+
+
+def test_parallel_device_steps_give_the_same_tokens(folder):
+    """parallel_devices (the default on accelerators) runs each device's model step in its own thread;
+    scheduling and bookkeeping stay in the engine's thread, so the tokens are those of the serial run."""
+    import threading
+
+    serial = tiny_engine(folder, predicted=20, devices=TWO).generate(PROMPTS, GREEDY)
+    engine = tiny_engine(folder, predicted=20, devices=TWO, parallel_devices=True)
+    threads = set()
+    for w in engine.workers:
+        run = w.runner.run
+
+        def traced(work, run=run):
+            threads.add(threading.current_thread().name)
+            return run(work)
+
+        w.runner.run = traced
+    seqs = engine.generate(PROMPTS, GREEDY)
+    engine.close()
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in serial]
+    assert any(name.startswith("odma-device") for name in threads)
+    assert EngineConfig(devices=("cuda:0", "cuda:1")).parallel_devices_resolved
+    assert not EngineConfig(devices=TWO).parallel_devices_resolved

@@ -28,6 +28,9 @@ class EngineConfig:
     # memory pressure and compute load (odma.cluster). Empty: just `device`. On CPU, "cpu:0,cpu:1" are two
     # pools over the same cores and weights: a test bed for placement, not a speed-up.
     devices: tuple[str, ...] = ()
+    # run several devices' model steps concurrently (one thread each); None = on for accelerators, off for
+    # CPU pools, which share the same cores
+    parallel_devices: bool | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16: weights and activations
     # KV cache dtype; None = float32 on CPU (torch's CPU attention is 2-6x slower in bf16/fp16 than fp32,
     # measured in docs/BENCHMARKS.md, so bf16 weights + fp32 KV is the fast CPU mix), the weights' dtype elsewhere
@@ -66,6 +69,12 @@ class EngineConfig:
     @property
     def device_list(self) -> tuple[str, ...]:
         return self.devices or (self.device,)
+
+    @property
+    def parallel_devices_resolved(self) -> bool:
+        if self.parallel_devices is not None:
+            return self.parallel_devices
+        return not self.device_list[0].startswith("cpu")
 
     @property
     def resolved_kv_dtype(self) -> str:

@@ -95,6 +95,11 @@ class LLMEngine:
                                                                 dtype=model.dtype, device=str(backend.device))
             self.workers.append(build_worker(config, device, backend, here, self.policy, kv_dtype))
         self._worker_of: dict[str, DeviceWorker] = {}
+        self._pool = None
+        if len(self.workers) > 1 and config.parallel_devices_resolved:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(len(self.workers), thread_name_prefix="odma-device")
         self.predictor = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.metrics = metrics or NullMetrics()
         self.length_log = LengthLog(config.length_log, config.policy, config.model) if config.length_log else None
@@ -215,30 +220,39 @@ class LLMEngine:
         return bool(self._inbox) or any(w.scheduler.has_work() for w in self.workers)
 
     def step(self) -> list[StepOutput]:
-        """One model step on every device that has work (in turn: one process drives them all)."""
+        """One model step on every device that has work. Scheduling and bookkeeping are serial; the model
+        steps of several devices run concurrently when `parallel_devices` is on (threads: torch releases the
+        interpreter lock inside its kernels), else one after another."""
         outputs = self._drain_inbox()
-        for worker in self.workers:
-            outputs += self._step_worker(worker)
+        batches = [(w, work) for w in self.workers if (work := w.scheduler.schedule())]
+        if len(batches) > 1 and self._pool is not None:
+            results = list(self._pool.map(lambda b: self._run(*b), batches))
+        else:
+            results = [self._run(w, work) for w, work in batches]
+        for (worker, work), (tokens, error, seconds) in zip(batches, results):
+            outputs += self._apply(worker, work, tokens, error, seconds)
         self._maybe_refresh_buckets()
         return outputs
 
-    def _step_worker(self, worker: DeviceWorker) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        work = worker.scheduler.schedule()
-        if not work:
-            return outputs
-        self.steps += 1
+    @staticmethod
+    def _run(worker: DeviceWorker, work: list) -> tuple[list | None, Exception | None, float]:
         started = time.perf_counter()
         try:
-            tokens = worker.runner.run(work)
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never leaks their blocks
-            log.exception("model step failed")
+            return worker.runner.run(work), None, time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - reported by _apply, which fails the step's requests
+            return None, exc, time.perf_counter() - started
+
+    def _apply(self, worker: DeviceWorker, work: list, tokens: list | None, error: Exception | None,
+               step_seconds: float) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        self.steps += 1
+        if error is not None:  # a failed step fails its requests, never leaks their blocks
+            log.error("model step failed on %s", worker.device, exc_info=error)
             self.errors += 1
             for w in work:
-                w.seq.error = f"{type(exc).__name__}: {exc}"
+                w.seq.error = f"{type(error).__name__}: {error}"
                 outputs.append(self._finish(w.seq, "error"))
             return outputs
-        step_seconds = time.perf_counter() - started
         self.busy_seconds += step_seconds
         for w in work:
             if w.q_len == 1:
@@ -375,5 +389,7 @@ class LLMEngine:
         return sum(len(w.scheduler.running) for w in self.workers)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self.length_log is not None:
             self.length_log.close()
