@@ -32,8 +32,8 @@ class EngineConfig:
     # CPU pools, which share the same cores
     parallel_devices: bool | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16: weights and activations
-    # KV cache dtype; None = float32 on CPU (torch's CPU attention is 2-6x slower in bf16/fp16 than fp32,
-    # measured in docs/BENCHMARKS.md, so bf16 weights + fp32 KV is the fast CPU mix), the weights' dtype elsewhere
+    # KV cache dtype; None = float32 on CPU (torch's CPU attention for a decode query is several times slower in
+    # bf16 than in fp32, so bf16 weights + fp32 KV is the fast CPU mix: odma-bench step), the weights' dtype elsewhere
     kv_dtype: str | None = None
     policy: str = "odma"  # odma | static | s3 (compared on the same KV budget)
     kv_budget: str = "256MiB"  # bytes ("268435456", "256MiB", "2GB") or a share of device memory ("0.3", "30%")
