@@ -234,6 +234,24 @@ class KVPool(SegmentHooks):
             self._n.reservations += 1
             return block
 
+    def could_reserve(self, req: SizedRequest) -> bool:
+        """Would reserve(req) find room now? Allocates nothing; it flushes the free lists (as a refused reserve
+        does) only when their cached blocks could coalesce into the missing room."""
+        with self._lock:
+            res = self.policy.initial(req)
+            units = -(-(req.prompt_tokens + res.output_tokens) // self.align)
+            stack = self._free.lists.get(res.bucket)
+            if stack and stack[-1].capacity // self.align >= units:
+                return True
+            large = res.bucket == LARGE or units > self._largest_range_units(MAIN)
+            regions = [self._regions[MAIN], self._regions[LARGE_REGION]] if large else [self._regions[MAIN]]
+            if max(r.largest() for r in regions) >= units:
+                return True
+            if self._free.units and sum(r.free_units for r in regions) + self._free.units >= units:
+                self._flush()
+                return max(r.largest() for r in regions) >= units
+            return False
+
     def extend(self, req: SizedRequest | str, new_len: int) -> Block | None:
         """Make the block hold `new_len` tokens (prompt + generated): the same block if it fits, else a
         migration to the policy's growth target. None = no room to migrate now (the old block stays)."""

@@ -139,6 +139,23 @@ def test_free_lists_flush_before_refusing():
     pool.check_invariants()
 
 
+def test_could_reserve_answers_like_reserve_without_allocating():
+    pool = bucket_pool(total=256, align=1, large_share=0.0)
+    for i in range(4):
+        pool.reserve(KVRequest(f"s{i}", 16, 200, predicted_tokens=20))  # 4 x 48 = 192 tokens
+    big = KVRequest("big", 60, 190, predicted_tokens=120)  # 188 tokens: 64 are free
+    assert not pool.could_reserve(big) and pool.stats().live_blocks == 4
+    for i in range(4):
+        pool.release(f"s{i}", 1)  # cached on the bucket-0 free list, fragmenting the range
+    assert pool.stats().largest_free_extent_tokens < 188
+    assert pool.could_reserve(big)  # only after the flush it does itself, as a refused reserve would
+    assert pool.stats().live_blocks == 0 and pool.reserve(big) is not None
+    small = KVRequest("small", 10, 200, predicted_tokens=20)  # 42 tokens; 256 - 188 = 68 free
+    assert pool.could_reserve(small) and pool.reserve(small) is not None
+    assert not pool.could_reserve(KVRequest("more", 10, 200, predicted_tokens=20))
+    pool.check_invariants()
+
+
 def test_refresh_flushes_stale_free_lists():
     cfg = BucketConfig(max_buckets=2, align=8, min_samples=2, refresh_every_n=2, large_bound=256)
     bm = BucketManager(cfg, bootstrap=[10, 20])

@@ -76,3 +76,40 @@ def test_bad_configuration_is_refused():
         ElasticKV(BalloonPool(pool, 16), profile, -1)
     with pytest.raises(ConfigError):
         ElasticKV(BalloonPool(pool, 16), profile, 100, keep_tokens=0)
+
+
+def _seq(rid: str, prompt: int, new: int):
+    from odma.engine.sampling import SamplingParams
+    from odma.engine.sequence import Sequence
+
+    return Sequence(rid, [1] * prompt, SamplingParams(max_tokens=new))
+
+
+def _step(sched) -> list[str]:
+    work = sched.schedule()
+    for w in work:  # what a model step does to the bookkeeping
+        w.seq.num_cached = w.start + w.q_len
+        w.seq.output_ids.append(5)
+    return [w.seq.request_id for w in work]
+
+
+def test_a_head_without_a_kv_block_does_not_hold_back_lending():
+    """The scheduler keeps the activation room of the next waiting prefill unlent, but only while that
+    request could get its KV block: a long prompt still waiting for KV memory is not about to prefill."""
+    from odma.engine.scheduler import Scheduler
+
+    pool, e = _elastic()
+    sched = Scheduler(pool, max_num_seqs=8, max_prefill_tokens=256, elastic=e)
+    sched.add(_seq("holder", 100, 100))  # 200 of the 256 base tokens
+    assert _step(sched) == ["holder"]
+    sched.add(_seq("long", 90, 10))  # needs 100 KV tokens (56 free) and a 900 B prefill room
+    assert _step(sched) == ["holder"]
+    assert e.lent_bytes == 4 * 160  # lent while "long" cannot get its block (4 segments per step at most)
+    pool2, e2 = _elastic()
+    sched2 = Scheduler(pool2, max_num_seqs=8, max_prefill_tokens=256, elastic=e2)
+    sched2.add(_seq("holder", 60, 60))  # 120 tokens: "long" fits beside it
+    _step(sched2)
+    sched2.add(_seq("long", 90, 10))
+    sched2.add(_seq("blocked", 100, 100))  # refused for KV, so the scheduler would like to lend
+    assert _step(sched2) == ["holder", "long"]
+    assert e2.lent_bytes == 0  # nothing out of the room of the prefill that can start

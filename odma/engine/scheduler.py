@@ -106,7 +106,11 @@ class Scheduler:
             # short of KV: borrow idle activation room for the next step, never what this step's prefill or
             # the next waiting prefill needs (lending it would only be taken back at once)
             step_prefill = sum(w.q_len for w in work if w.q_len > 1)
-            head = self.waiting[0].num_tokens - self.waiting[0].num_cached if self.waiting else 0
+            head = 0
+            if self.waiting and self.pool.could_reserve(self.waiting[0]):
+                # a head that cannot get its KV block yet is not about to prefill: its room may be lent now
+                # and is taken back (blocks migrate out) once its block fits
+                head = self.waiting[0].num_tokens - self.waiting[0].num_cached
             self.elastic.lend(prefill_tokens=max(step_prefill, head))
         return work
 
@@ -159,6 +163,13 @@ class Scheduler:
                 break
             need = seq.num_tokens - seq.num_cached
             if work and need > budget:
+                continue
+            if self.elastic is not None and need > 1 and not self.pool.could_reserve(seq):
+                # no KV block for it yet: do not deflate segments (migrating blocks) for a prefill that
+                # could not start anyway
+                self.counters.admission_refusals += 1
+                if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
+                    break
                 continue
             if self.elastic is not None and not self._activation_room(prefill + need):
                 if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
