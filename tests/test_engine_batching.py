@@ -95,3 +95,23 @@ def test_bf16_weights_keep_an_fp32_cache_on_cpu_and_batching_changes_no_token(fo
     narrow = tiny_engine(folder, dtype="bfloat16", kv_dtype="bfloat16")
     assert narrow.runner.layout.dtype == torch.bfloat16
     assert narrow.pool.bytes_per_token * 2 == engine.pool.bytes_per_token
+
+
+def test_stop_strings_end_the_request_in_the_step_that_completes_them(tmp_path):
+    """The engine, not only the HTTP layer, watches stop strings: the request ends with reason "stop" at the
+    token that completes one, so its realized length has no overrun."""
+    from odma.tokenizer import load_tokenizer
+
+    folder = make_tiny_model(tmp_path / "m", "llama", vocab_size=49152, eos_token_id=2)
+    engine = tiny_engine(folder)
+    engine.tokenizer = load_tokenizer("smollm2").hf
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = engine.generate(["Hello there"], params)[0]
+    text = engine.decode(full.output_ids)
+    stop = text[4:7]
+    needed = next(k for k in range(1, 25) if stop in engine.decode(full.output_ids[:k]))
+    stopped = engine.generate(["Hello there"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                              stop=(stop,)))[0]
+    assert stopped.finish_reason == "stop" and stopped.output_ids == full.output_ids[:needed]
+    with pytest.raises(Exception, match="stop"):
+        SamplingParams(stop=("",))

@@ -91,13 +91,21 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
-def test_stop_string_ends_the_completion(client):
+def test_stop_string_ends_the_completion(server, client):
     kw = dict(model=MODEL, prompt="Hello", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw).choices[0].text
     assert len(full) > 6
     stop = full[3:6]
-    out = client.completions.create(stop=[stop], **kw).choices[0]
+    needed = next(k for k in range(1, 21)  # tokens up to the one that completes the stop string
+                  if stop in client.completions.create(**{**kw, "max_tokens": k}).choices[0].text)
+    resp = client.completions.create(stop=[stop], **kw)
+    out = resp.choices[0]
     assert out.text == full[: full.find(stop)] and out.finish_reason == "stop"
+    # the engine ends the request in the step whose token completes the stop string, so neither the usage
+    # nor the realized length in the log (what the bucket manager learns) carries extra tokens
+    _idle(server.runtime)
+    row = json.loads(server.runtime.engine.length_log.path.read_text().splitlines()[-1])
+    assert resp.usage.completion_tokens == needed and row["output_tokens"] == needed and row["finished"]
 
 
 @pytest.mark.parametrize(

@@ -291,9 +291,19 @@ class LLMEngine:
         p = seq.params
         if (tok in self.runner.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
+        if p.stop and self.tokenizer is not None and seq.num_generated >= p.min_tokens and self._stop_string_ends(seq):
+            return "stop"
         if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _stop_string_ends(self, seq: Sequence) -> bool:
+        """Did this step's token complete a stop string? Only the tail is decoded: a string of n characters
+        spans at most n tokens (the HTTP layer trims the text; here the request ends in this very step, so
+        its realized length carries no overrun)."""
+        window = max(len(s) for s in seq.params.stop) + 2
+        tail = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in seq.params.stop)
 
     def _finish(self, seq: Sequence, reason: str, tok: int | None = None) -> StepOutput:
         realized = reason in ("stop", "length")

@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # vLLM extension: keep going past EOS (benchmarks replaying lengths)
     min_tokens: int = 0  # vLLM extension: EOS and stop tokens are masked until this many tokens
+    stop: tuple[str, ...] = ()  # stop strings: the engine ends the request in the step that completes one
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -35,6 +36,8 @@ class SamplingParams:
             raise bad(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
+            raise bad(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         if self.seed is not None and type(self.seed) is not int:
             raise bad(f"seed must be an integer, got {self.seed!r}")
 

@@ -47,7 +47,7 @@ class _Common(BaseModel):
             raise InvalidRequestError(f"max_tokens must be an integer, got {max_tokens!r}")
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop=tuple(self.stop_strings()),
         )
 
 
