@@ -106,6 +106,10 @@ def test_stop_string_ends_the_completion(server, client):
     _idle(server.runtime)
     row = json.loads(server.runtime.engine.length_log.path.read_text().splitlines()[-1])
     assert resp.usage.completion_tokens == needed and row["output_tokens"] == needed and row["finished"]
+    # before min_tokens a stop string does not count (vLLM's semantics), in the text and in the engine
+    late = client.completions.create(stop=[stop], **{**kw, "extra_body": {"ignore_eos": True, "min_tokens": needed + 2}})
+    assert late.usage.completion_tokens >= needed + 2
+    assert late.choices[0].text.startswith(full[: full.find(stop) + len(stop)])
 
 
 @pytest.mark.parametrize(

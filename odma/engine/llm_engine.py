@@ -302,8 +302,12 @@ class LLMEngine:
         spans at most n tokens (the HTTP layer trims the text; here the request ends in this very step, so
         its realized length carries no overrun)."""
         window = max(len(s) for s in seq.params.stop) + 2
-        tail = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=True)
-        return any(s in tail for s in seq.params.stop)
+        ids = seq.output_ids[-window:]
+        tail = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not any(s in tail for s in seq.params.stop):
+            return False
+        before = self.tokenizer.decode(ids[:-1], skip_special_tokens=True)  # same start, one token less
+        return any(tail.count(s) > before.count(s) for s in seq.params.stop)  # ends in this token (min_tokens)
 
     def _finish(self, seq: Sequence, reason: str, tok: int | None = None) -> StepOutput:
         realized = reason in ("stop", "length")

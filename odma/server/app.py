@@ -122,7 +122,7 @@ def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases:
 
     async def _respond(request: Request, body, prompt, params, predictor_text, chat: bool):
         handle = runtime.submit(prompt, params, prompt_text=predictor_text)  # 4xx raise here, nothing queued
-        texts = _TextStream(engine, body.stop_strings())
+        texts = _TextStream(engine, body.stop_strings(), params.min_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
             gen = _sse(runtime, handle, texts, rid, model_name, chat, body.include_usage())
@@ -135,18 +135,21 @@ def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases:
 class _TextStream:
     """Incremental detokenisation with stop strings: `push(token)` returns the new text that is safe to send."""
 
-    def __init__(self, engine, stops: list[str]) -> None:
-        self.engine, self.stops = engine, stops
+    def __init__(self, engine, stops: list[str], min_tokens: int = 0) -> None:
+        self.engine, self.stops, self.min_tokens = engine, stops, min_tokens
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
+        self._counted_from = 0  # stop strings ending before min_tokens were reached do not count (as in vLLM)
 
     def push(self, token: int | None) -> str:
         if token is not None and not self.stopped:
             self.ids.append(token)
         text = self.engine.decode(self.ids)
-        if self.stops:
-            hits = [text.find(s) for s in self.stops if s in text]
+        if self.stops and len(self.ids) < self.min_tokens:
+            self._counted_from = len(text)
+        elif self.stops:
+            hits = [i for s in self.stops if (i := text.find(s, max(0, self._counted_from - len(s) + 1))) >= 0]
             if hits:
                 text, self.stopped = text[: min(hits)], True
             else:  # hold back a tail that could start a stop string
