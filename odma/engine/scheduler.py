@@ -168,22 +168,22 @@ class Scheduler:
                 # no KV block for it yet: do not deflate segments (migrating blocks) for a prefill that
                 # could not start anyway
                 self.counters.admission_refusals += 1
-                if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
+                if self._head_holds(seq):
                     break
                 continue
             if self.elastic is not None and not self._activation_room(prefill + need):
-                if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
+                if self._head_holds(seq):
                     break
                 continue
             if self.running and not self._under_theta(seq):
                 self.counters.theta_refusals += 1
-                if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
+                if self._head_holds(seq):
                     break
                 continue
             block = self.pool.reserve(seq)
             if block is None:
                 self.counters.admission_refusals += 1
-                if seq is self.waiting[0] and seq.waited_steps >= self.max_skips:
+                if self._head_holds(seq):
                     break  # the head has waited long enough: hold memory for it
                 continue
             if seq is not self.waiting[0]:
@@ -205,6 +205,10 @@ class Scheduler:
             seq.waited_steps += 1
         self._freed_buckets.clear()
         return work
+
+    def _head_holds(self, seq: Sequence) -> bool:
+        """The head of the queue has been bypassed `max_skips` rounds: nobody overtakes it any more."""
+        return seq is self.waiting[0] and seq.waited_steps >= self.max_skips
 
     def _under_theta(self, seq: Sequence) -> bool:
         if self.admission_theta >= 1.0:
