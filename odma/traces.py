@@ -205,7 +205,12 @@ def load_trace(
             seen.add(r.request_id)
             records.append(r)
     tokenizers = {t.tokenizer for t in traces}
-    return Trace(",".join(t.name for t in traces), records, ",".join(sorted(str(x) for x in tokenizers)))
+    # each part's own metadata stays under its name; a length cap holds for the whole only if every part has one
+    meta: dict = {"parts": {t.name: dict(t.meta) for t in traces}}
+    caps = [t.meta.get("length_cap") for t in traces]
+    if all(caps):
+        meta["length_cap"] = max(int(c) for c in caps)
+    return Trace(",".join(t.name for t in traces), records, ",".join(sorted(str(x) for x in tokenizers)), meta)
 
 
 def write_jsonl_trace(trace: Trace | list[TraceRecord], path: str | Path) -> None:

@@ -110,3 +110,6 @@ def test_sharegpt_first_turns_and_joined_specs():
     assert len(trace) == 50 and all(r.prompt and r.output_tokens > 0 for r in trace)
     joined = load_trace(f"sharegpt,{FIXTURES / 'generic_trace.jsonl'}", limit=5)
     assert len(joined) == 9 and len({r.request_id for r in joined}) == 9
+    capped = load_trace("nq,sharegpt", limit=5)  # NQ's answers were cut at 512 tokens, ShareGPT's were not
+    assert capped.meta["parts"]["nq"] == {"length_cap": 512} and "length_cap" not in capped.meta
+    assert load_trace("nq,nq", limit=5).meta["length_cap"] == 512  # every part capped: the cap holds
