@@ -79,7 +79,7 @@ class ClusterManager:
         return out
 
     def _ranked(self, req: SizedRequest) -> list[str]:
-        need = req.prompt_tokens + self.policy.initial(req).output_tokens
+        need = self.policy.initial_tokens(req)
         return rank_devices(self.loads(), need, self.w_memory, self.w_compute)
 
     def place(self, req: SizedRequest) -> Placement | None:

@@ -51,6 +51,10 @@ class ReservationPolicy(ABC):
     def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
         """The reservation to migrate to once `needed_output` tokens no longer fit in `current`."""
 
+    def initial_tokens(self, req: SizedRequest) -> int:
+        """Tokens the first block holds: the prompt plus the initial output reservation (before alignment)."""
+        return req.prompt_tokens + self.initial(req).output_tokens
+
     @property
     def version(self) -> int:
         """Changes when bucket bounds change (the pool drops its cached free blocks then)."""

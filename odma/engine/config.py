@@ -71,16 +71,16 @@ class EngineConfig:
         return self.devices or (self.device,)
 
     @property
+    def on_cpu(self) -> bool:
+        return self.device_list[0].startswith("cpu")  # one device kind per engine (checked below)
+
+    @property
     def parallel_devices_resolved(self) -> bool:
-        if self.parallel_devices is not None:
-            return self.parallel_devices
-        return not self.device_list[0].startswith("cpu")
+        return self.parallel_devices if self.parallel_devices is not None else not self.on_cpu
 
     @property
     def resolved_kv_dtype(self) -> str:
-        if self.kv_dtype:
-            return self.kv_dtype
-        return "float32" if self.device_list[0].startswith("cpu") else self.dtype
+        return self.kv_dtype or ("float32" if self.on_cpu else self.dtype)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

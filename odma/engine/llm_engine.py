@@ -368,7 +368,7 @@ class LLMEngine:
         counted as load) among those whose pool can ever hold the request; it stays there to the end."""
         if len(self.workers) == 1:
             return self.workers[0]
-        need = seq.prompt_tokens + self.policy.initial(seq).output_tokens
+        need = self.policy.initial_tokens(seq)
         total = seq.prompt_tokens + seq.params.max_tokens
         fits = [w for w in self.workers if self._fits(total, w.pool.max_request_tokens)]
         by_name = {w.device: w for w in fits or self.workers}

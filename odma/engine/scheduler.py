@@ -213,7 +213,7 @@ class Scheduler:
     def _under_theta(self, seq: Sequence) -> bool:
         if self.admission_theta >= 1.0:
             return True
-        need = seq.prompt_tokens + self.pool.policy.initial(seq).output_tokens
+        need = self.pool.policy.initial_tokens(seq)
         return self.pool.reserved_tokens + need <= self.admission_theta * self.pool.capacity_tokens
 
     def _activation_room(self, prefill_tokens: int) -> bool:

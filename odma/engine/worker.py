@@ -37,7 +37,7 @@ class DeviceWorker:
         the queue's prompts (a request placed here waits behind them)."""
         stats = self.pool.stats()
         policy = self.pool.policy
-        queued_need = sum(s.prompt_tokens + policy.initial(s).output_tokens for s in self.scheduler.waiting)
+        queued_need = sum(policy.initial_tokens(s) for s in self.scheduler.waiting)
         queued_prompts = sum(s.prompt_tokens for s in self.scheduler.waiting)
         return DeviceLoad(self.device, self.pool.capacity_tokens, stats.reserved_tokens + queued_need,
                           stats.live_tokens + queued_prompts, stats.live_blocks)
