@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 
 from odma.allocator import Block
 from odma.errors import ConfigError
+
+if TYPE_CHECKING:
+    from backends.cpu_attention import DecodeAttention
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +148,11 @@ class Backend(ABC):
     @property
     @abstractmethod
     def device(self) -> torch.device: ...
+
+    def decode_attention(self) -> DecodeAttention | None:
+        """A kernel for decode attention over contiguous blocks, where this backend has one (None: the model
+        uses torch's SDPA per request)."""
+        return None
 
     # -- arenas and segments -------------------------------------------------------------------------
 

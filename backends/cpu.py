@@ -6,7 +6,9 @@ import os
 
 import torch
 
+from backends import cpu_attention
 from backends.base import Backend, Capabilities, MemoryInfo
+from backends.cpu_attention import DecodeAttention
 
 
 class CPUBackend(Backend):
@@ -16,6 +18,9 @@ class CPUBackend(Backend):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def decode_attention(self) -> DecodeAttention | None:
+        return cpu_attention.load()
 
     def synchronize(self) -> None:
         pass  # CPU ops are synchronous

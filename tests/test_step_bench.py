@@ -23,9 +23,19 @@ def test_every_mix_is_timed_against_the_first(tmp_path):
     folder = make_tiny_model(tmp_path / "m", "llama")
     out = step_bench.run(_args(model=str(folder), batch=3, context=20, rounds=2,
                                mixes="float32/float32,bfloat16/float32"))
-    assert list(out["mixes"]) == ["float32/float32", "bfloat16/float32"]
-    first, mixed = out["mixes"].values()
-    assert first["speedup_vs_first"] == 1.0 and first["step_ms"] > 0 and mixed["tokens_per_s"] > 0
+    assert list(out["mixes"]) == ["float32/float32 sdpa", "float32/float32 kernel", "bfloat16/float32 sdpa",
+                                  "bfloat16/float32 kernel"]
+    first, *others = out["mixes"].values()
+    assert first["speedup_vs_first"] == 1.0 and first["step_ms"] > 0
+    assert all(m["tokens_per_s"] > 0 for m in others)
+
+
+def test_the_kernel_is_not_timed_on_a_cache_it_cannot_read(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    out = step_bench.run(_args(model=str(folder), batch=2, context=8, rounds=1, mixes="bfloat16/bfloat16"))
+    assert list(out["mixes"]) == ["bfloat16/bfloat16 sdpa"]
+    with pytest.raises(ConfigError, match="--attention"):
+        step_bench.run(_args(model=str(folder), attention="flash"))
 
 
 def test_a_malformed_mix_is_a_clear_error(tmp_path):

@@ -1,8 +1,10 @@
 """`odma-bench step`: one decode step of the served model at a given batch and context, per precision mix.
 
 Every request's K/V sits in its own contiguous block (as in the engine) and the step is the engine's packed
-forward. The mixes (weights dtype / KV dtype) are timed interleaved, round by round, so that a shared
-machine's noise falls on all of them alike. This is what chose bf16 weights over an fp32 cache on CPU.
+forward. The mixes (weights dtype / KV dtype), each with torch's SDPA per request and with the CPU backend's
+decode-attention kernel (fp32 caches only), are timed interleaved, round by round, so that a shared machine's
+noise falls on all of them alike. This is what chose bf16 weights over an fp32 cache on CPU, and measures
+what the kernel is worth.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=300, help="tokens already cached per request")
     p.add_argument("--mixes", default="float32/float32,bfloat16/float32,bfloat16/bfloat16",
                    help="weights/kv dtype pairs, comma-separated")
+    p.add_argument("--attention", default="sdpa,kernel",
+                   help="decode attention variants: sdpa (torch, per request), kernel (the CPU backend's, fp32 KV)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8, help="timed steps per mix (interleaved)")
 
@@ -39,12 +43,20 @@ def _parse_mixes(spec: str) -> list[tuple[str, str]]:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
+    from backends import get_backend
     from odma.engine.llm_engine import DTYPES
+    from odma.errors import ConfigError
     from odma.models import load_model, resolve_model
     from odma.models.llama import SeqSlot
 
     torch.set_num_threads(args.threads)
     mixes = _parse_mixes(args.mixes)
+    variants = [a.strip() for a in args.attention.split(",") if a.strip()]
+    if not variants or set(variants) - {"sdpa", "kernel"}:
+        raise ConfigError(f"--attention takes sdpa and/or kernel, got {args.attention!r}")
+    kernel = get_backend("cpu").decode_attention() if "kernel" in variants else None
+    if "kernel" in variants and kernel is None:
+        raise ConfigError("the CPU decode-attention kernel could not be built here (see the log)")
     folder = resolve_model(args.model)
     models = {w: load_model(folder, dtype=DTYPES[w]) for w in {w for w, _ in mixes}}
     c = models[mixes[0][0]].config
@@ -58,7 +70,11 @@ def run(args: argparse.Namespace) -> dict:
         arena = torch.randn(args.batch, c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim, generator=gen).to(DTYPES[kv])
         seqs = [SeqSlot(arena[b], args.context, 1) for b in range(args.batch)]
         model = models[weights]
-        steps[f"{weights}/{kv}"] = lambda model=model, seqs=seqs: model(ids, positions, seqs)
+        for attention in variants:
+            if attention == "kernel" and kv != "float32":
+                continue  # the kernel reads fp32 caches only
+            k = kernel if attention == "kernel" else None
+            steps[f"{weights}/{kv} {attention}"] = lambda model=model, seqs=seqs, k=k: model(ids, positions, seqs, k)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():  # warm-up
         fn()

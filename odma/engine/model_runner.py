@@ -18,6 +18,7 @@ class ModelRunner:
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype)
         # the only KV allocation: one arena for the whole pool; a block is a view of one range of it
         self.arena: Arena = backend.create_arena(total_tokens, self.layout)
+        self.decode_kernel = backend.decode_attention()
         self.sampler = Sampler()
         self.eos_ids: tuple[int, ...] = tuple(c.eos_token_ids)  # end a request unless ignore_eos
 
@@ -41,6 +42,7 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             slots,
+            self.decode_kernel,
         ).cpu()
         for w in work:
             w.seq.num_cached = w.start + w.q_len

@@ -8,6 +8,7 @@ so no padding, no gather of scattered pages, and no per-request allocation of KV
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 
 from odma.errors import ConfigError
 from odma.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from backends.cpu_attention import DecodeAttention, DecodeBatch
 
 
 @dataclass(slots=True)
@@ -68,7 +72,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)  # q, k, v in one GEMM
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlot]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlot],
+                decode: DecodeBatch | None = None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
@@ -76,10 +81,22 @@ class Attention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         # The KV cache may be wider than the weights (bf16 weights, fp32 KV on CPUs whose bf16 attention is
         # slow): attention runs in the cache's dtype, the projections in the weights'. Same dtype: no-ops.
-        q = q.to(seqs[0].kv.dtype)
-        out = torch.empty_like(q)
+        kv_dtype = seqs[0].kv.dtype
+        q = q.to(kv_dtype)
+        if decode is not None:  # the backend's kernel takes every decoding request of the step in one call
+            k, v = k.to(kv_dtype), v.to(kv_dtype)
+            if decode.rows is None:
+                return self.o_proj(decode.attend(self.layer, q, k, v).view(t, -1).to(x.dtype))
+            out = torch.empty_like(q)
+            r = decode.rows
+            out[r] = decode.attend(self.layer, q[r], k[r], v[r])
+        else:
+            out = torch.empty_like(q)
         pos = 0
-        for s in seqs:
+        for i, s in enumerate(seqs):
+            if decode is not None and i in decode.picked:
+                pos += s.q_len
+                continue
             end = s.start + s.q_len
             cache = s.kv[self.layer]  # [2, capacity, kv_heads, head_dim]
             cache[0, s.start : end] = k[pos : pos + s.q_len]
@@ -125,8 +142,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, seqs):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqs)
+    def forward(self, x, cos, sin, seqs, decode=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqs, decode)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -162,12 +179,17 @@ class CausalLM(nn.Module):
         return c.num_layers * 2 * c.num_kv_heads * c.head_dim * size
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlot]) -> torch.Tensor:
-        """input_ids, positions: [T] for all requests' new tokens, in `seqs` order. Returns [len(seqs), vocab]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlot],
+                decode_kernel: DecodeAttention | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] for all requests' new tokens, in `seqs` order. Returns [len(seqs), vocab].
+        decode_kernel: the backend's decode attention (None: SDPA for every request)."""
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)
+        decode = None
+        if decode_kernel is not None:
+            decode = decode_kernel.plan([s.kv for s in seqs], [s.start for s in seqs], [s.q_len for s in seqs])
         for layer in self.model.layers:
-            x = layer(x, cos, sin, seqs)
+            x = layer(x, cos, sin, seqs, decode)
         last = torch.tensor([s.q_len for s in seqs], device=x.device).cumsum(0) - 1
         return self.lm_head(self.model.norm(x[last])).float()
 

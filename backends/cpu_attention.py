@@ -1,0 +1,156 @@
+"""The CPU backend's decode-attention kernel (csrc/decode_attention.c), built on first use and called by ctypes.
+
+Why: torch's SDPA costs ~60 us of fixed overhead per call and, for one query token, reads a request's K/V
+several times over, so a decode step of 32 requests x 30 layers spent more time in 960 SDPA calls than in
+the weights. The kernel handles all decoding requests of a layer in one call and streams each block's K and
+V once, in order (`odma-bench step` compares). Prefill chunks still use SDPA.
+
+The library is compiled with the system C compiler (`cc`, or $CC) for this CPU (-march=native) into
+$ODMA_CACHE_DIR/kernels, keyed by the source, the flags and the CPU's feature flags. No compiler, a failed
+build, or ODMA_CPU_KERNELS=0: `load()` returns None (logged once) and the model falls back to SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The decoding requests of one step, as the kernel sees them (built once per step, used by every layer)."""
+
+    kernel: DecodeAttention
+    picked: frozenset[int]  # indices (in the step's request order) of the requests planned here
+    rows: torch.Tensor | None  # positions of these requests' tokens in the packed step; None: all of them
+    blocks: torch.Tensor  # int64 [B]: address of each block
+    layer_stride: torch.Tensor  # int64 [B]: elements between layers in each block
+    half_stride: torch.Tensor  # int64 [B]: elements from K to V of a layer
+    lens: torch.Tensor  # int64 [B]: context length including this step's token
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.kernel(self, layer, q, k, v)
+
+
+class DecodeAttention:
+    """fp32 decode attention straight from contiguous blocks; see the module docstring."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.odma_decode_attention_f32
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float]
+
+    def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int]) -> DecodeBatch | None:
+        """The requests with q_len 1 whose blocks the kernel can read (fp32, rows contiguous); None if none."""
+        # start < capacity: the kernel writes row `start` of the block, and must never write past it
+        picked = [i for i, (kv, start, n) in enumerate(zip(blocks, starts, q_lens))
+                  if n == 1 and _readable(kv) and start < kv.shape[2]]
+        if not picked:
+            return None
+        rows = None
+        if len(picked) < len(blocks):
+            offsets = [0]
+            for n in q_lens:
+                offsets.append(offsets[-1] + n)
+            rows = torch.tensor([offsets[i] for i in picked], dtype=torch.long)
+        return DecodeBatch(
+            kernel=self, picked=frozenset(picked), rows=rows,
+            blocks=torch.tensor([blocks[i].data_ptr() for i in picked], dtype=torch.long),
+            layer_stride=torch.tensor([blocks[i].stride(0) for i in picked], dtype=torch.long),
+            half_stride=torch.tensor([blocks[i].stride(1) for i in picked], dtype=torch.long),
+            lens=torch.tensor([starts[i] + 1 for i in picked], dtype=torch.long),
+        )
+
+    def __call__(self, batch: DecodeBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, dim], k/v [B, kv_heads, dim] (fp32) for the planned requests; writes k, v into the
+        blocks at row lens-1 and returns the attention output [B, heads, dim]."""
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        b, heads, dim = q.shape
+        out = torch.empty_like(q)
+        rc = self._fn(batch.blocks.data_ptr(), batch.layer_stride.data_ptr(), batch.half_stride.data_ptr(), layer,
+                      batch.lens.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                      b, heads, k.shape[1], dim, dim ** -0.5)
+        if rc != 0:
+            raise RuntimeError(f"decode attention kernel failed (code {rc})")
+        return out
+
+
+def _readable(kv: torch.Tensor) -> bool:
+    """A block view [layers, 2, capacity, kv_heads, head_dim] in fp32 on the CPU whose rows are contiguous."""
+    if kv.dtype != torch.float32 or kv.device.type != "cpu" or kv.dim() != 5:
+        return False
+    _, _, _, heads, dim = kv.shape
+    return kv.stride(4) == 1 and kv.stride(3) == dim and kv.stride(2) == heads * dim
+
+
+_loaded: DecodeAttention | None = None
+_tried = False
+
+
+def load() -> DecodeAttention | None:
+    """The kernel, built if needed; None where it cannot be (reason logged once)."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    if os.environ.get("ODMA_CPU_KERNELS", "1") == "0":
+        log.info("CPU decode-attention kernel disabled by ODMA_CPU_KERNELS=0; using SDPA")
+        return None
+    try:
+        _loaded = DecodeAttention(ctypes.CDLL(str(_build())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU decode-attention kernel unavailable (%s); decode attention falls back to SDPA", e)
+    return _loaded
+
+
+def _build() -> Path:
+    from odma.config import default_cache_dir
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature()).hexdigest()[:16]
+    target = default_cache_dir() / "kernels" / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent first starts never load a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu_signature() -> bytes:
+    """What -march=native depends on: a library built on one CPU must not be loaded on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return (platform.machine() + platform.processor() + flags).encode()

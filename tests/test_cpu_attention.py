@@ -1,0 +1,114 @@
+"""The CPU backend's decode-attention kernel computes what SDPA computes, writes only the new row of each
+block, never writes past a block, and its absence (no compiler, disabled) falls back to SDPA."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from backends import cpu_attention, get_backend
+from odma.models import load_model
+from odma.models.llama import SeqSlot
+from odma.models.tiny import make_tiny_model
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler to build the kernel")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = get_backend("cpu").decode_attention()
+    assert k is not None, "a C compiler is on PATH, so the kernel must build"
+    return k
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    return load_model(folder), AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+
+
+def _blocks(model, capacities, storages: int = 2):
+    """Blocks carved from `storages` separate flat buffers (as a segmented arena's blocks are)."""
+    c = model.config
+    per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim
+    flats = [torch.randn(sum(capacities) * per_token) for _ in range(storages)]
+    out, used = [], [0] * storages
+    for i, cap in enumerate(capacities):
+        s = i % storages
+        out.append(flats[s][used[s] * per_token:(used[s] + cap) * per_token].view(
+            c.num_layers, 2, cap, c.num_kv_heads, c.head_dim))
+        used[s] += cap
+    return out
+
+
+def test_decode_logits_match_transformers_through_the_kernel(tiny, kernel):
+    ours, hf = tiny
+    ids = torch.randint(3, 250, (20,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    kv = _blocks(ours, [24], storages=1)[0]
+    ours(ids[:12], torch.arange(12), [SeqSlot(kv, 0, 12)], kernel)  # prefill: SDPA
+    for i in range(12, 20):
+        out = ours(ids[i:i + 1], torch.tensor([i]), [SeqSlot(kv, i, 1)], kernel)
+        torch.testing.assert_close(out[0], ref[i], atol=1e-4, rtol=1e-4)
+
+
+def test_a_mixed_step_equals_sdpa_in_logits_and_cache(tiny, kernel):
+    ours, _ = tiny
+    g = torch.Generator().manual_seed(3)
+    # decode at several contexts (one at position 0), a prefill chunk after cached tokens, a whole prompt
+    starts, q_lens, caps = [0, 5, 17, 9, 0, 30], [1, 1, 6, 1, 4, 1], [8, 16, 32, 10, 4, 31]
+    a, b = _blocks(ours, caps), _blocks(ours, caps)
+    for x, y in zip(a, b):
+        y.copy_(x)
+    ids = torch.randint(3, 250, (sum(q_lens),), generator=g)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)])
+    plain = ours(ids, pos, [SeqSlot(kv, s, n) for kv, s, n in zip(a, starts, q_lens)])
+    fast = ours(ids, pos, [SeqSlot(kv, s, n) for kv, s, n in zip(b, starts, q_lens)], kernel)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y, x, atol=1e-6, rtol=0)
+
+
+def test_only_the_new_row_is_written(tiny, kernel):
+    ours, _ = tiny
+    c = ours.config
+    kv = torch.full((c.num_layers, 2, 12, c.num_kv_heads, c.head_dim), 7.0)
+    ours(torch.tensor([4]), torch.tensor([5]), [SeqSlot(kv, 5, 1)], kernel)
+    assert torch.all(kv[:, :, 6:] == 7.0) and torch.all(kv[:, :, :5] == 7.0)
+    assert not torch.any(kv[:, :, 5] == 7.0)
+
+
+def test_the_plan_skips_what_the_kernel_cannot_read(tiny, kernel):
+    ours, _ = tiny
+    c = ours.config
+    full = _blocks(ours, [4], storages=1)[0]
+    half = torch.zeros(c.num_layers, 2, 8, c.num_kv_heads, c.head_dim, dtype=torch.bfloat16)
+    strided = torch.zeros(c.num_layers, 2, 8, c.num_kv_heads, 2 * c.head_dim)[..., ::2]
+    ok = torch.zeros(c.num_layers, 2, 8, c.num_kv_heads, c.head_dim)
+    # a full block (start == capacity) would be written past its end; bf16 and non-contiguous rows are not read
+    plan = kernel.plan([full, half, strided, ok, ok], [4, 3, 3, 3, 2], [1, 1, 1, 1, 2])
+    assert plan.picked == frozenset({3}) and plan.rows.tolist() == [3]
+    assert kernel.plan([ok], [0], [5]) is None  # nothing decoding
+
+
+def test_disabled_or_unbuildable_kernel_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    monkeypatch.setenv("ODMA_CPU_KERNELS", "0")
+    assert cpu_attention.load() is None
+
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    monkeypatch.setenv("ODMA_CPU_KERNELS", "1")
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path))  # no cached library to reuse
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING):
+        assert cpu_attention.load() is None
+    assert "falls back to SDPA" in caplog.text
+    assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
