@@ -3,7 +3,9 @@
 Why: torch's SDPA costs ~60 us of fixed overhead per call and, for one query token, reads a request's K/V
 several times over, so a decode step of 32 requests x 30 layers spent more time in 960 SDPA calls than in
 the weights. The kernel handles all decoding requests of a layer in one call and streams each block's K and
-V once, in order (`odma-bench step` compares). Prefill chunks still use SDPA.
+V once, in order (`odma-bench step` compares). Prefill chunks still use SDPA. With several torch threads the
+requests are split into that many shares of about equal context, run from a thread pool (ctypes releases the
+GIL), so the kernel uses the cores the GEMMs use.
 
 The library is compiled with the system C compiler (`cc`, or $CC) for this CPU (-march=native) into
 $ODMA_CACHE_DIR/kernels, keyed by the source, the flags and the CPU's feature flags. No compiler, a failed
@@ -20,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,7 @@ class DecodeBatch:
     layer_stride: torch.Tensor  # int64 [B]: elements between layers in each block
     half_stride: torch.Tensor  # int64 [B]: elements from K to V of a layer
     lens: torch.Tensor  # int64 [B]: context length including this step's token
+    shares: list[tuple[int, int]]  # [lo, hi) ranges of the B requests, one per worker thread
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.kernel(self, layer, q, k, v)
@@ -55,9 +59,12 @@ class DecodeAttention:
         self._fn = lib.odma_decode_attention_f32
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float]
+        self._pool: ThreadPoolExecutor | None = None
 
-    def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int]) -> DecodeBatch | None:
-        """The requests with q_len 1 whose blocks the kernel can read (fp32, rows contiguous); None if none."""
+    def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int],
+             workers: int | None = None) -> DecodeBatch | None:
+        """The requests with q_len 1 whose blocks the kernel can read (fp32, rows contiguous); None if none.
+        workers: threads to split them over (default: torch's thread count)."""
         # start < capacity: the kernel writes row `start` of the block, and must never write past it
         picked = [i for i, (kv, start, n) in enumerate(zip(blocks, starts, q_lens))
                   if n == 1 and _readable(kv) and start < kv.shape[2]]
@@ -75,6 +82,7 @@ class DecodeAttention:
             layer_stride=torch.tensor([blocks[i].stride(0) for i in picked], dtype=torch.long),
             half_stride=torch.tensor([blocks[i].stride(1) for i in picked], dtype=torch.long),
             lens=torch.tensor([starts[i] + 1 for i in picked], dtype=torch.long),
+            shares=_shares([starts[i] + 1 for i in picked], workers or torch.get_num_threads()),
         )
 
     def __call__(self, batch: DecodeBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -83,12 +91,38 @@ class DecodeAttention:
         q, k, v = (x.contiguous() for x in (q, k, v))
         b, heads, dim = q.shape
         out = torch.empty_like(q)
-        rc = self._fn(batch.blocks.data_ptr(), batch.layer_stride.data_ptr(), batch.half_stride.data_ptr(), layer,
-                      batch.lens.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                      b, heads, k.shape[1], dim, dim ** -0.5)
-        if rc != 0:
-            raise RuntimeError(f"decode attention kernel failed (code {rc})")
+        kv_heads, scale = k.shape[1], dim ** -0.5
+
+        def run(lo: int, hi: int) -> int:
+            i64, f32 = 8, 4  # byte sizes of the index arrays' and the activations' elements
+            return self._fn(batch.blocks.data_ptr() + lo * i64, batch.layer_stride.data_ptr() + lo * i64,
+                            batch.half_stride.data_ptr() + lo * i64, layer, batch.lens.data_ptr() + lo * i64,
+                            q.data_ptr() + lo * heads * dim * f32, k.data_ptr() + lo * kv_heads * dim * f32,
+                            v.data_ptr() + lo * kv_heads * dim * f32, out.data_ptr() + lo * heads * dim * f32,
+                            hi - lo, heads, kv_heads, dim, scale)
+
+        if len(batch.shares) == 1:
+            codes = [run(0, b)]
+        else:
+            if self._pool is None or self._pool._max_workers < len(batch.shares):
+                self._pool = ThreadPoolExecutor(len(batch.shares), thread_name_prefix="odma-attn")
+            codes = list(self._pool.map(lambda share: run(*share), batch.shares))
+        if any(codes):
+            raise RuntimeError(f"decode attention kernel failed (codes {codes})")
         return out
+
+
+def _shares(lens: list[int], workers: int) -> list[tuple[int, int]]:
+    """Split requests into at most `workers` consecutive ranges of about equal total context."""
+    prefix = [0]
+    for n in lens:
+        prefix.append(prefix[-1] + n)
+    cuts = {0, len(lens)}
+    for k in range(1, max(1, min(workers, len(lens)))):
+        target = prefix[-1] * k / workers
+        cuts.add(min(range(len(prefix)), key=lambda i: abs(prefix[i] - target)))
+    bounds = sorted(cuts)
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _readable(kv: torch.Tensor) -> bool:

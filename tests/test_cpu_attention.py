@@ -112,3 +112,20 @@ def test_disabled_or_unbuildable_kernel_falls_back(monkeypatch, tmp_path, caplog
         assert cpu_attention.load() is None
     assert "falls back to SDPA" in caplog.text
     assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
+
+
+def test_splitting_over_worker_threads_changes_nothing(tiny, kernel):
+    ours, _ = tiny
+    c = ours.config
+    g = torch.Generator().manual_seed(5)
+    starts = [3, 40, 7, 0, 25, 11, 60]
+    blocks = _blocks(ours, [s + 4 for s in starts])
+    q = torch.randn(len(starts), c.num_heads, c.head_dim, generator=g)
+    k, v = (torch.randn(len(starts), c.num_kv_heads, c.head_dim, generator=g) for _ in range(2))
+    one = kernel.plan(blocks, starts, [1] * len(starts), workers=1)
+    three = kernel.plan(blocks, starts, [1] * len(starts), workers=3)
+    assert len(one.shares) == 1 and len(three.shares) == 3
+    covered = [i for lo, hi in three.shares for i in range(lo, hi)]
+    assert covered == list(range(len(starts)))  # every request in exactly one share, in order
+    for layer in range(c.num_layers):
+        torch.testing.assert_close(three.attend(layer, q, k, v), one.attend(layer, q, k, v), atol=0, rtol=0)
