@@ -11,22 +11,27 @@ def _draw(sampler_cls, logits, params, seed):
 
 
 class FullSort(Sampler):
-    CANDIDATES = 10**9  # never narrows: the reference
+    HEADS = ()  # never narrows: the reference
 
 
-def test_candidate_head_matches_full_sort():
+class SmallHeads(Sampler):
+    HEADS = (16, 256)
+
+
+def test_candidate_heads_match_full_sort():
     torch.manual_seed(0)
     vocab = 5000
-    # peaked rows (head holds top_p) and flat rows (the fallback to a full sort)
-    logits = torch.cat([torch.randn(6, vocab) * 8, torch.randn(6, vocab) * 0.01])
+    # peaked rows (the first head holds top_p), middling rows (100 tokens share 96 % of the mass: only the
+    # second head holds it) and flat rows (the fallback to a full sort)
+    middling = torch.full((6, vocab), 0.04 / (vocab - 100))
+    middling[:, torch.randperm(vocab)[:100]] = 0.96 / 100
+    middling = middling.log() + torch.randn(6, vocab) * 0.01  # no exact ties: sort and topk may order those apart
+    logits = torch.cat([torch.randn(6, vocab) * 8, middling, torch.randn(6, vocab) * 0.01])
     params = [SamplingParams(temperature=t, top_p=p, top_k=k)
-              for t, p, k in [(0.7, 0.95, 0), (1.0, 0.9, 0), (0.5, 1.0, 40), (1.3, 0.5, 0), (0.7, 1.0, 0), (1.0, 0.8, 3000)] * 2]
-    Sampler.CANDIDATES, saved = 256, Sampler.CANDIDATES
-    try:
-        for seed in range(20):
-            assert _draw(Sampler, logits, params, seed) == _draw(FullSort, logits, params, seed)
-    finally:
-        Sampler.CANDIDATES = saved
+              for t, p, k in [(0.7, 0.95, 0), (1.0, 0.9, 0), (0.5, 1.0, 40), (1.3, 0.5, 0), (1.0, 0.95, 0),
+                              (1.0, 0.8, 3000)] * 3]
+    for seed in range(20):
+        assert _draw(SmallHeads, logits, params, seed) == _draw(FullSort, logits, params, seed)
 
 
 def test_top_p_keeps_only_the_nucleus():

@@ -68,11 +68,12 @@ class Sampler:
             out[rows] = picked
         return out.tolist()
 
-    # Top-p/top-k only look at the head of the distribution: sort the CANDIDATES largest probabilities
-    # (a partial top-k, far cheaper than sorting a 50k vocabulary per row) and fully sort only the rows whose
-    # head holds less than top_p of the mass. Rows without top-p/top-k draw from the unsorted distribution.
-    # The kept set, hence the token for a given uniform draw, is the same as with a full sort.
-    CANDIDATES = 1024
+    # Top-p/top-k only look at the head of the distribution: take the largest probabilities of each row
+    # with a partial top-k (far cheaper than sorting a 50k vocabulary per row), a small head first, and
+    # widen it (then sort fully) only for the rows whose head holds less than top_p of the mass. Rows
+    # without top-p/top-k draw from the unsorted distribution. The kept set, hence the token for a given
+    # uniform draw, is the same as with a full sort. (At batch 48 a top-1024 cost ~24 ms, a top-64 ~5 ms.)
+    HEADS = (64, 1024)
 
     @classmethod
     def _sample(cls, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
@@ -85,26 +86,27 @@ class Sampler:
         if plain:
             out[plain] = _inverse_cdf(probs[plain], u[plain])
         plain_rows = set(plain)
-        cut = [i for i in range(len(params)) if i not in plain_rows]
-        if not cut:
-            return out
-        top_p = torch.tensor([params[i].top_p for i in cut]).unsqueeze(1)
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in cut]).unsqueeze(1)
-        k = min(vocab, cls.CANDIDATES)
-        head_p, head_order = probs[cut].topk(k, dim=-1, sorted=True)
-        in_head = ((head_p.sum(-1, keepdim=True) >= top_p) | (top_k <= k)).squeeze(1).tolist()
-        for rows, full in (([j for j, ok in enumerate(in_head) if ok], False), ([j for j, ok in enumerate(in_head) if not ok], True)):
+        rows = [i for i in range(len(params)) if i not in plain_rows]  # rows still to sample
+        for k in (*(h for h in cls.HEADS if h < vocab), vocab):
             if not rows:
-                continue
-            if full:
-                sorted_p, order = probs[[cut[j] for j in rows]].sort(dim=-1, descending=True)
+                break
+            top_p = torch.tensor([params[i].top_p for i in rows]).unsqueeze(1)
+            top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows]).unsqueeze(1)
+            if k < vocab:
+                sorted_p, order = probs[rows].topk(k, dim=-1, sorted=True)
+                done = ((sorted_p.sum(-1, keepdim=True) >= top_p) | (top_k <= k)).squeeze(1).tolist()
             else:
-                sorted_p, order = head_p[rows], head_order[rows]
-            cum = sorted_p.cumsum(-1)
-            keep = (cum - sorted_p) < top_p[rows]  # the smallest prefix whose mass reaches top_p (>= 1 token)
-            keep &= torch.arange(sorted_p.shape[-1]).unsqueeze(0) < top_k[rows]
-            idx = _inverse_cdf(sorted_p * keep, u[[cut[j] for j in rows]])
-            out[[cut[j] for j in rows]] = order.gather(1, idx.unsqueeze(1)).squeeze(1)
+                sorted_p, order = probs[rows].sort(dim=-1, descending=True)
+                done = [True] * len(rows)
+            here = [j for j, ok in enumerate(done) if ok]
+            if here:
+                sorted_p, order, top_p, top_k = sorted_p[here], order[here], top_p[here], top_k[here]
+                cum = sorted_p.cumsum(-1)
+                keep = (cum - sorted_p) < top_p  # the smallest prefix whose mass reaches top_p (>= 1 token)
+                keep &= torch.arange(sorted_p.shape[-1]).unsqueeze(0) < top_k
+                idx = _inverse_cdf(sorted_p * keep, u[[rows[j] for j in here]])
+                out[[rows[j] for j in here]] = order.gather(1, idx.unsqueeze(1)).squeeze(1)
+            rows = [rows[j] for j, ok in enumerate(done) if not ok]
         return out
 
 
