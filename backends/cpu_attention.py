@@ -7,7 +7,8 @@ V once, in order (`odma-bench step` compares). Prefill chunks still use SDPA. Wi
 requests are split into that many shares of about equal context, run from a thread pool (ctypes releases the
 GIL), so the kernel uses the cores the GEMMs use.
 
-The library is compiled with the system C compiler (`cc`, or $CC) for this CPU (-march=native) into
+The library is compiled with the system C compiler (`cc`, or $CC) for this CPU (-march=native; without it
+where the compiler refuses that flag) into
 $ODMA_CACHE_DIR/kernels, keyed by the source, the flags and the CPU's feature flags. No compiler, a failed
 build, or ODMA_CPU_KERNELS=0: `load()` returns None (logged once) and the model falls back to SDPA.
 """
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
+PORTABLE_FLAGS = ("-O3", "-ffast-math", "-shared", "-fPIC")  # where the compiler has no -march=native
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -60,6 +62,7 @@ class DecodeAttention:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float]
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
 
     def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int],
              workers: int | None = None) -> DecodeBatch | None:
@@ -104,8 +107,11 @@ class DecodeAttention:
         if len(batch.shares) == 1:
             codes = [run(0, b)]
         else:
-            if self._pool is None or self._pool._max_workers < len(batch.shares):
+            if self._pool_size < len(batch.shares):
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
                 self._pool = ThreadPoolExecutor(len(batch.shares), thread_name_prefix="odma-attn")
+                self._pool_size = len(batch.shares)
             codes = list(self._pool.map(lambda share: run(*share), batch.shares))
         if any(codes):
             raise RuntimeError(f"decode attention kernel failed (codes {codes})")
@@ -146,21 +152,27 @@ def load() -> DecodeAttention | None:
     if os.environ.get("ODMA_CPU_KERNELS", "1") == "0":
         log.info("CPU decode-attention kernel disabled by ODMA_CPU_KERNELS=0; using SDPA")
         return None
-    try:
-        _loaded = DecodeAttention(ctypes.CDLL(str(_build())))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("CPU decode-attention kernel unavailable (%s); decode attention falls back to SDPA", e)
+    errors = []
+    for flags in (FLAGS, PORTABLE_FLAGS):
+        try:
+            _loaded = DecodeAttention(ctypes.CDLL(str(_build(flags))))
+            break
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+    else:
+        log.warning("CPU decode-attention kernel unavailable (%s); decode attention falls back to SDPA",
+                    "; ".join(errors))
     return _loaded
 
 
-def _build() -> Path:
+def _build(flags: tuple[str, ...]) -> Path:
     from odma.config import default_cache_dir
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags).encode() + compiler.encode() + _cpu_signature()).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / f"decode_attention-{key}.so"
     if target.exists():
         return target
@@ -169,7 +181,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")

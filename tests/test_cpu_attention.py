@@ -129,3 +129,17 @@ def test_splitting_over_worker_threads_changes_nothing(tiny, kernel):
     assert covered == list(range(len(starts)))  # every request in exactly one share, in order
     for layer in range(c.num_layers):
         torch.testing.assert_close(three.attend(layer, q, k, v), one.attend(layer, q, k, v), atol=0, rtol=0)
+
+
+def test_a_compiler_without_march_native_gets_the_portable_build(monkeypatch, tmp_path):
+    real = shutil.which("cc") or shutil.which("gcc")
+    wrapper = tmp_path / "cc-no-native"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && exit 1; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    monkeypatch.setenv("ODMA_CPU_KERNELS", "1")
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    assert cpu_attention.load() is not None
+    assert len(list((tmp_path / "cache").rglob("*.so"))) == 1  # the portable one; the refused build left nothing
