@@ -66,7 +66,8 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         swap = HostSwap(backend, runner, OffloadController(OffloadConfig(capacity_bytes=capacity)))
     scheduler = Scheduler(pool, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
                           preempt=config.preempt, elastic=elastic, swapper=swap, admission_theta=config.admission_theta)
-    log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token)", device, budget / 2**20, total_tokens, bytes_per_token)
+    log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); decode attention: %s", device, budget / 2**20,
+             total_tokens, bytes_per_token, "backend kernel" if runner.decode_kernel is not None else "SDPA per request")
     return DeviceWorker(device, backend, runner, pool, scheduler, elastic, swap)
 
 
