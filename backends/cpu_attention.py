@@ -79,13 +79,14 @@ class DecodeAttention:
             for n in q_lens:
                 offsets.append(offsets[-1] + n)
             rows = torch.tensor([offsets[i] for i in picked], dtype=torch.long)
+        lens = [starts[i] + 1 for i in picked]
         return DecodeBatch(
             kernel=self, picked=frozenset(picked), rows=rows,
             blocks=torch.tensor([blocks[i].data_ptr() for i in picked], dtype=torch.long),
             layer_stride=torch.tensor([blocks[i].stride(0) for i in picked], dtype=torch.long),
             half_stride=torch.tensor([blocks[i].stride(1) for i in picked], dtype=torch.long),
-            lens=torch.tensor([starts[i] + 1 for i in picked], dtype=torch.long),
-            shares=_shares([starts[i] + 1 for i in picked], workers or torch.get_num_threads()),
+            lens=torch.tensor(lens, dtype=torch.long),
+            shares=_shares(lens, workers or torch.get_num_threads()),
         )
 
     def __call__(self, batch: DecodeBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

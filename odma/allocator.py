@@ -396,10 +396,20 @@ class KVPool(SegmentHooks):
 
     # -- observability -----------------------------------------------------------------------------
 
+    # What stats() reports, without building the record (placement reads these per request).
     @property
     def reserved_tokens(self) -> int:
-        """Σ capacity of live blocks (what stats() reports, without building the record)."""
+        """Σ capacity of live blocks."""
         return self._reserved_units * self.align
+
+    @property
+    def live_tokens(self) -> int:
+        """Σ tokens held in live blocks."""
+        return self._live_tokens
+
+    @property
+    def live_blocks(self) -> int:
+        return len(self._live)
 
     def stats(self) -> PoolStats:
         with self._lock:

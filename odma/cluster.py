@@ -35,6 +35,12 @@ class DeviceLoad:
     live_blocks: int
 
 
+def pool_load(device: str, pool: KVPool, queued_reserve: int = 0, queued_tokens: int = 0) -> DeviceLoad:
+    """A pool's load, plus what its queue will reserve and attend (a request placed there waits behind it)."""
+    return DeviceLoad(device, pool.capacity_tokens, pool.reserved_tokens + queued_reserve,
+                      pool.live_tokens + queued_tokens, pool.live_blocks)
+
+
 def rank_devices(loads: Sequence[DeviceLoad], need: int, w_memory: float = 1.0, w_compute: float = 1.0) -> list[str]:
     """Devices best first for a request that will reserve `need` tokens (the score in the module docstring)."""
     busiest = max(1, max(l.live_tokens for l in loads))
@@ -72,11 +78,7 @@ class ClusterManager:
                    w_memory=w_memory, w_compute=w_compute)
 
     def loads(self) -> list[DeviceLoad]:
-        out = []
-        for d, p in self.pools.items():
-            s = p.stats()
-            out.append(DeviceLoad(d, p.capacity_tokens, s.reserved_tokens, s.live_tokens, s.live_blocks))
-        return out
+        return [pool_load(d, p) for d, p in self.pools.items()]
 
     def _ranked(self, req: SizedRequest) -> list[str]:
         need = self.policy.initial_tokens(req)

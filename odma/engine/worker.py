@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from odma.allocator import KVPool
-from odma.cluster import DeviceLoad
+from odma.cluster import DeviceLoad, pool_load
 from odma.engine.config import EngineConfig, parse_kv_budget
 from odma.engine.model_runner import ModelRunner
 from odma.engine.scheduler import Scheduler
@@ -35,12 +35,10 @@ class DeviceWorker:
     def load(self) -> DeviceLoad:
         """What placement weighs: blocks held plus what the queue will reserve, tokens attended per step plus
         the queue's prompts (a request placed here waits behind them)."""
-        stats = self.pool.stats()
         policy = self.pool.policy
         queued_need = sum(policy.initial_tokens(s) for s in self.scheduler.waiting)
         queued_prompts = sum(s.prompt_tokens for s in self.scheduler.waiting)
-        return DeviceLoad(self.device, self.pool.capacity_tokens, stats.reserved_tokens + queued_need,
-                          stats.live_tokens + queued_prompts, stats.live_blocks)
+        return pool_load(self.device, self.pool, queued_need, queued_prompts)
 
 
 def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalLM, policy: ReservationPolicy,
