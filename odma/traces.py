@@ -141,7 +141,7 @@ def parse_jsonl_trace(path: Path, tokenizer_name: str | None, limit: int | None 
             output_tokens = tok.count(o["output"])
         records.append(
             TraceRecord(
-                request_id=str(o.get("id", f"{path.stem}-{i}")),
+                request_id=str(o.get("id", o.get("request_id", f"{path.stem}-{i}"))),  # to_json writes request_id
                 prompt=o.get("prompt"),
                 prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens,

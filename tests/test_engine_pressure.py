@@ -180,3 +180,40 @@ def test_slo_must_be_positive(folder):
 
     with pytest.raises(ConfigError, match="slo_tpot_s"):
         tiny_engine(folder, slo_tpot_s=0.0)
+
+
+def test_the_predictor_sees_request_metadata_and_the_log_keeps_it(folder, tmp_path):
+    """What the predictor reads (temperature, the served model as `generator`, chat depth, system-prompt id)
+    is what the length log records, under TraceRecord's names, so a retrain on the log has the same features."""
+    from odma.engine.length_predictor import LoadedPredictor
+    from odma.engine.sequence import RequestTags
+    from odma.models.weights import model_name
+    from odma.traces import load_trace
+
+    seen = []
+
+    class Recording:
+        def predict(self, requests):
+            seen.extend(requests)
+            return [(8.0, 0.1) for _ in requests]
+
+    log = tmp_path / "lengths.jsonl"
+    engine = tiny_engine(folder, kv_budget="1MiB", length_log=log)
+    engine.predictor = LoadedPredictor(Recording(), "recording", None)
+    sampled = SamplingParams(max_tokens=6, temperature=0.5, ignore_eos=True, seed=1)
+    engine.add_request(PROMPTS[0], sampled, request_id="deep", tags=RequestTags(depth=2, system_prompt_id="sys-x"))
+    engine.add_request(PROMPTS[1], GREEDY, request_id="plain")
+    while engine.has_work():
+        engine.step()
+    engine.close()
+    assert len(seen) == 2 and {r.prompt_tokens for r in seen} == {10}
+    deep, plain = sorted(seen, key=lambda r: r.depth is None)
+    assert (deep.temperature, deep.depth, deep.system_prompt_id) == (0.5, 2, "sys-x")
+    assert (plain.temperature, plain.depth, plain.system_prompt_id) == (0.0, None, None)
+    assert deep.generator == plain.generator == model_name(str(folder))
+
+    records = {r.request_id: r for r in load_trace(str(log)).records}
+    assert set(records) == {"deep", "plain"}
+    assert (records["deep"].temperature, records["deep"].depth, records["deep"].system_prompt_id) == (0.5, 2, "sys-x")
+    assert records["deep"].generator == model_name(str(folder)) and records["deep"].output_tokens == 6
+    assert records["plain"].depth is None and records["plain"].output_tokens == 40

@@ -208,3 +208,27 @@ def test_realized_lengths_are_logged_as_a_trace(server, client):
     assert rows and rows[-1]["output_tokens"] == 5 and rows[-1]["prompt"] == "log me"
     trace = load_trace(str(path))
     assert trace.records[-1].output_tokens == 5
+
+
+def test_chat_depth_and_system_prompt_reach_the_length_log(server, client):
+    """A chat request tells the predictor how deep the conversation is and which system prompt it runs under;
+    the same system text gets the same id, another text another, none gets none."""
+    path = server.runtime.engine.length_log.path
+
+    def chat(messages):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0.25,
+                                       extra_body={"ignore_eos": True})
+        return json.loads(path.read_text().splitlines()[-1])
+
+    system = {"role": "system", "content": "Answer in one word."}
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+             {"role": "user", "content": "Capital of France?"}]
+    deep = chat([system, *turns])
+    first = chat([system, turns[0]])
+    other = chat([{"role": "system", "content": "Be verbose."}, turns[0]])
+    bare = chat([turns[0]])
+    assert (deep["depth"], first["depth"], bare["depth"]) == (1, 0, 0)
+    assert deep["system_prompt_id"] == first["system_prompt_id"] != other["system_prompt_id"]
+    assert deep["system_prompt_id"].startswith("sys-") and bare["system_prompt_id"] is None
+    assert deep["temperature"] == 0.25 and deep["generator"] == server.runtime.engine.generator
+    assert deep["prompt"] == "Capital of France?"  # the last user turn is what the predictor reads

@@ -1,6 +1,7 @@
 """JSONL log of realized lengths: one line per finished request, readable as a trace by `odma-train`.
 
-Each line is a `TraceRecord` (request_id, prompt, prompt_tokens, output_tokens, finished, source) plus what
+Each line is a `TraceRecord` (request_id, prompt, prompt_tokens, output_tokens, finished, source, and the
+predictor's metadata: generator, temperature, depth, system_prompt_id) plus what
 the engine knew when it reserved (predicted, uncertainty, bucket, policy) and what happened (migrations,
 preemptions, finish_reason), so the log feeds both retraining and the bucket manager's bootstrap.
 """
@@ -16,11 +17,12 @@ from odma.engine.sequence import Sequence
 
 
 class LengthLog:
-    def __init__(self, path: str | Path, policy: str, model: str) -> None:
+    def __init__(self, path: str | Path, policy: str, model: str, generator: str | None = None) -> None:
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.policy = policy
         self.model = model
+        self.generator = generator or model
         self._lock = threading.Lock()
         self._fh = self.path.open("a", encoding="utf-8")
 
@@ -34,6 +36,11 @@ class LengthLog:
             "output_tokens": seq.num_generated,
             "finished": seq.finish_reason == "stop",  # False: hit max_tokens, so the length is a lower bound
             "source": "odma-serve",
+            # metadata as the predictor saw it, under TraceRecord's names, so the log retrains with it
+            "generator": self.generator,
+            "temperature": seq.params.temperature,
+            "depth": seq.tags.depth if seq.tags else None,
+            "system_prompt_id": seq.tags.system_prompt_id if seq.tags else None,
             "max_tokens": seq.params.max_tokens,
             "predicted": seq.predicted_length,
             "uncertainty": seq.uncertainty,

@@ -23,7 +23,7 @@ from odma.engine.memory import build_policy
 from odma.engine.model_runner import ModelRunner
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
-from odma.engine.sequence import Sequence, Status
+from odma.engine.sequence import RequestTags, Sequence, Status
 from odma.engine.worker import DeviceWorker, build_worker
 from odma.errors import InvalidRequestError, RequestTooLargeError
 from odma.models.llama import CausalLM
@@ -102,7 +102,11 @@ class LLMEngine:
             self._pool = ThreadPoolExecutor(len(self.workers), thread_name_prefix="odma-device")
         self.predictor = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.metrics = metrics or NullMetrics()
-        self.length_log = LengthLog(config.length_log, config.policy, config.model) if config.length_log else None
+        from odma.models.weights import model_name
+
+        self.generator = model_name(config.model)  # the predictor's `generator` field: whose lengths these are
+        self.length_log = (LengthLog(config.length_log, config.policy, config.model, self.generator)
+                           if config.length_log else None)
         self._inbox: deque[tuple[str, Any]] = deque()
         self._inbox_lock = threading.Lock()
         self._live: dict[str, Sequence] = {}
@@ -152,6 +156,7 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         prompt_text: str | None = None,
+        tags: RequestTags | None = None,
     ) -> Sequence:
         """Validate and queue a request (thread-safe). Raises InvalidRequestError / RequestTooLargeError
         before anything is queued, so a refused request holds nothing."""
@@ -164,7 +169,7 @@ class LLMEngine:
         else:
             ids = list(prompt)
         self.validate(ids, params)
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, prompt_text=prompt_text)
+        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, prompt_text=prompt_text, tags=tags)
         with self._inbox_lock:
             if seq.request_id in self._live:
                 raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")
@@ -346,7 +351,7 @@ class LLMEngine:
 
     def _tag(self, seqs: list[Sequence]) -> None:
         """Predict (L̂, u) for the new requests in one batch and record the bucket each selects."""
-        requests = [SimpleNamespace(prompt=s.prompt_text, prompt_tokens=len(s.prompt_ids)) for s in seqs]
+        requests = [self.predictor_request(s) for s in seqs]
         start = time.perf_counter()
         try:
             preds = self.predictor.predictor.predict(requests)
@@ -362,6 +367,14 @@ class LLMEngine:
             seq.uncertainty = float(u)
             if select is not None:
                 seq.bucket = select(seq.predicted_length, seq.uncertainty).index
+
+    def predictor_request(self, seq: Sequence) -> SimpleNamespace:
+        """What the length predictor reads about a request: its text, prompt length and metadata (the fields
+        of a `TraceRecord`, so that the length log trains on what serving saw)."""
+        tags = seq.tags or RequestTags()
+        return SimpleNamespace(prompt=seq.prompt_text, prompt_tokens=len(seq.prompt_ids),
+                               temperature=float(seq.params.temperature), generator=self.generator,
+                               depth=tags.depth, system_prompt_id=tags.system_prompt_id)
 
     def _place(self, seq: Sequence) -> DeviceWorker:
         """The device with the least memory pressure and compute load (odma.cluster's score, the queue

@@ -12,6 +12,14 @@ from odma.allocator import Block
 from odma.engine.sampling import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTags:
+    """What a client's request says about itself that the length predictor can use (`predictor.features`)."""
+
+    depth: int | None = None  # earlier assistant turns in the conversation (0: a first turn)
+    system_prompt_id: str | None = None  # a stable hash of the system prompt: recurring ones are learnable
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -27,6 +35,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
+    tags: "RequestTags | None" = None  # metadata the length predictor reads besides the text
     predicted_length: float | None = None  # L̂ from the predictor
     predicted_tokens: float | None = None  # the pool's view of L̂ (minus recomputed outputs)
     uncertainty: float = 0.0  # u

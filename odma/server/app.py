@@ -118,10 +118,10 @@ def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases:
             raise HTTPError(400, f"cannot apply the chat template: {exc}") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling(max_tokens, engine.config.default_max_tokens)
-        return await _respond(request, body, text, params, body.user_text(), chat=True)
+        return await _respond(request, body, text, params, body.user_text(), chat=True, tags=body.tags())
 
-    async def _respond(request: Request, body, prompt, params, predictor_text, chat: bool):
-        handle = runtime.submit(prompt, params, prompt_text=predictor_text)  # 4xx raise here, nothing queued
+    async def _respond(request: Request, body, prompt, params, predictor_text, chat: bool, tags=None):
+        handle = runtime.submit(prompt, params, prompt_text=predictor_text, tags=tags)  # 4xx raise here, nothing queued
         texts = _TextStream(engine, body.stop_strings(), params.min_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:

@@ -3,11 +3,13 @@ to `SamplingParams`. Response bodies are plain dicts built in `app.py`."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from odma.engine.sampling import SamplingParams
+from odma.engine.sequence import RequestTags
 from odma.errors import InvalidRequestError
 
 
@@ -98,6 +100,13 @@ class ChatCompletionRequest(_Common):
         if not any(m["content"].strip() for m in msgs):
             raise InvalidRequestError("messages must contain some text")
         return msgs
+
+    def tags(self) -> RequestTags:
+        """The predictor's metadata: how deep the conversation is (assistant turns so far) and which system
+        prompt it runs under (a hash: the same instructions recur across a deployment's requests)."""
+        system = "\n".join(m.text() for m in self.messages if m.role in ("system", "developer"))
+        sid = "sys-" + hashlib.sha1(system.encode("utf-8")).hexdigest()[:12] if system.strip() else None
+        return RequestTags(depth=sum(m.role == "assistant" for m in self.messages), system_prompt_id=sid)
 
     def user_text(self) -> str:
         """The last user turn: what the length predictor reads."""

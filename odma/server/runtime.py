@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from odma.engine import LLMEngine, SamplingParams
-from odma.engine.sequence import Sequence
+from odma.engine.sequence import RequestTags, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +94,15 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed: its clients are gone
                 pass
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, *, prompt_text: str | None = None) -> "Handle":
+    def submit(self, prompt: str | list[int], params: SamplingParams, *, prompt_text: str | None = None,
+               tags: RequestTags | None = None) -> "Handle":
         """Queue a request. Validation errors (InvalidRequestError...) raise here, with nothing queued."""
         rid = f"req-{uuid.uuid4().hex}"
         handle = Handle(rid, asyncio.Queue())
         with self._lock:
             self._queues[rid] = (asyncio.get_running_loop(), handle.queue)
         try:
-            self.engine.add_request(prompt, params, request_id=rid, prompt_text=prompt_text)
+            self.engine.add_request(prompt, params, request_id=rid, prompt_text=prompt_text, tags=tags)
         except BaseException:
             with self._lock:
                 self._queues.pop(rid, None)
