@@ -35,7 +35,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
-    tags: "RequestTags | None" = None  # metadata the length predictor reads besides the text
+    tags: RequestTags | None = None  # metadata the length predictor reads besides the text
     predicted_length: float | None = None  # L̂ from the predictor
     predicted_tokens: float | None = None  # the pool's view of L̂ (minus recomputed outputs)
     uncertainty: float = 0.0  # u
