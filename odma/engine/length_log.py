@@ -31,16 +31,10 @@ class LengthLog:
             return  # cancelled or failed requests did not realize a length
         record = {
             "request_id": seq.request_id,
-            "prompt": seq.prompt_text,
-            "prompt_tokens": len(seq.prompt_ids),
+            **seq.predictor_fields(self.generator),  # prompt, its length and metadata as the predictor saw them
             "output_tokens": seq.num_generated,
             "finished": seq.finish_reason == "stop",  # False: hit max_tokens, so the length is a lower bound
             "source": "odma-serve",
-            # metadata as the predictor saw it, under TraceRecord's names, so the log retrains with it
-            "generator": self.generator,
-            "temperature": seq.params.temperature,
-            "depth": seq.tags.depth if seq.tags else None,
-            "system_prompt_id": seq.tags.system_prompt_id if seq.tags else None,
             "max_tokens": seq.params.max_tokens,
             "predicted": seq.predicted_length,
             "uncertainty": seq.uncertainty,

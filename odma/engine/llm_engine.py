@@ -351,7 +351,7 @@ class LLMEngine:
 
     def _tag(self, seqs: list[Sequence]) -> None:
         """Predict (L̂, u) for the new requests in one batch and record the bucket each selects."""
-        requests = [self.predictor_request(s) for s in seqs]
+        requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
         start = time.perf_counter()
         try:
             preds = self.predictor.predictor.predict(requests)
@@ -367,14 +367,6 @@ class LLMEngine:
             seq.uncertainty = float(u)
             if select is not None:
                 seq.bucket = select(seq.predicted_length, seq.uncertainty).index
-
-    def predictor_request(self, seq: Sequence) -> SimpleNamespace:
-        """What the length predictor reads about a request: its text, prompt length and metadata (the fields
-        of a `TraceRecord`, so that the length log trains on what serving saw)."""
-        tags = seq.tags or RequestTags()
-        return SimpleNamespace(prompt=seq.prompt_text, prompt_tokens=len(seq.prompt_ids),
-                               temperature=float(seq.params.temperature), generator=self.generator,
-                               depth=tags.depth, system_prompt_id=tags.system_prompt_id)
 
     def _place(self, seq: Sequence) -> DeviceWorker:
         """The device with the least memory pressure and compute load (odma.cluster's score, the queue

@@ -64,6 +64,14 @@ class Sequence:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
+    def predictor_fields(self, generator: str | None) -> dict:
+        """What the length predictor reads about this request, under `TraceRecord`'s names: the engine predicts
+        from it and the length log records it, so a predictor retrained on the log sees what serving gave it."""
+        tags = self.tags or RequestTags()
+        return {"prompt": self.prompt_text, "prompt_tokens": len(self.prompt_ids),
+                "temperature": float(self.params.temperature), "generator": generator,
+                "depth": tags.depth, "system_prompt_id": tags.system_prompt_id}
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
