@@ -14,7 +14,9 @@ from odma.config import default_cache_dir, default_data_dir
 from odma.errors import TraceError
 from odma.traces import Trace, TraceRecord, parse_jsonl_trace
 
-NAMED_TRACES = ("alpaca", "alpaca-eval:<generator>", "nq", "nq-open", "sharegpt", "azure-code", "azure-conv")
+NAMED_TRACES = (
+    "alpaca", "alpaca-eval:<generator>", "nq", "nq-open", "sharegpt", "sharegpt-chat", "azure-code", "azure-conv",
+)
 
 
 def load_one(spec: str, *, tokenizer: str, data_dir: str | Path | None, limit: int | None) -> Trace:
@@ -29,6 +31,8 @@ def load_one(spec: str, *, tokenizer: str, data_dir: str | Path | None, limit: i
         return _nq_open(root, tokenizer, limit)
     if spec == "sharegpt":
         return _sharegpt(tokenizer, limit)
+    if spec == "sharegpt-chat":
+        return _sharegpt_chat(tokenizer, limit)
     if spec in ("azure-code", "azure-conv"):
         return _azure(root, spec.split("-", 1)[1], limit)
     path = Path(spec).expanduser()
@@ -270,6 +274,56 @@ def _sharegpt(tokenizer: str, limit: int | None) -> Trace:
             continue
         rows.append({"id": f"sharegpt-{conv.get('id', len(rows))}", "prompt": prompt, "output": output})
     return _text_trace("sharegpt", path, tokenizer, rows, limit)
+
+
+# chat-template tokens around one message (`<|im_start|>role\n … <|im_end|>\n`): history lengths are summed
+# from per-message counts instead of re-tokenizing every prefix of every conversation
+_MESSAGE_OVERHEAD_TOKENS = 5
+
+
+def _sharegpt_chat(tokenizer: str, limit: int | None) -> Trace:
+    """ShareGPT V3, every human→gpt turn: the request is the conversation so far, as a chat client sends it.
+
+    The encoder reads the turn's own user message; `prompt_tokens` counts the whole templated history (earlier
+    messages summed per message, `_MESSAGE_OVERHEAD_TOKENS` each); `depth`, `prior_output_tokens` (mean
+    length of the earlier replies) and `last_output_tokens` are what `odma-serve` derives from a chat request's messages."""
+    path = sharegpt_path()
+    rows = []
+    for conv in iter_json_array(path.read_text(encoding="utf-8")):
+        cid = f"sharegpt-{conv.get('id', len(rows))}"
+        turns = conv.get("conversations") or []
+        depth = 0
+        for i in range(len(turns) - 1):
+            if turns[i].get("from") != "human" or turns[i + 1].get("from") != "gpt":
+                continue
+            prompt, output = turns[i].get("value") or "", turns[i + 1].get("value") or ""
+            if not prompt.strip() or not output.strip():
+                break  # the history would have a hole: later turns are no longer what a client sends
+            rows.append({"id": f"{cid}-{depth}", "conversation_id": cid, "depth": depth,
+                         "prompt": prompt, "output": output})
+            depth += 1
+    if limit is not None:
+        rows = rows[:limit]
+    prompt_counts, output_counts = _counted("sharegpt-chat", path, tokenizer,
+                                            [r["prompt"] for r in rows], [r["output"] for r in rows])
+    from odma.tokenizer import load_tokenizer
+
+    template_only = load_tokenizer(tokenizer).count_chat("")  # system block and wrappers of a one-turn chat
+    records: list[TraceRecord] = []
+    history_tokens, prior_outputs = 0, []
+    for r, pt, ot in zip(rows, prompt_counts, output_counts):
+        if r["depth"] == 0:
+            history_tokens, prior_outputs = 0, []
+        records.append(TraceRecord(
+            request_id=r["id"], prompt=r["prompt"], prompt_tokens=history_tokens + pt, output_tokens=ot,
+            output=r["output"], type="chat", depth=r["depth"], conversation_id=r["conversation_id"],
+            prior_output_tokens=sum(prior_outputs) / len(prior_outputs) if prior_outputs else None,
+            last_output_tokens=prior_outputs[-1] if prior_outputs else None,
+            source="sharegpt-chat",
+        ))
+        history_tokens += (pt - template_only + _MESSAGE_OVERHEAD_TOKENS) + (ot + _MESSAGE_OVERHEAD_TOKENS)
+        prior_outputs.append(ot)
+    return Trace("sharegpt-chat", records, tokenizer)
 
 
 def _azure(root: Path, kind: str, limit: int | None) -> Trace:

@@ -25,7 +25,10 @@ class TraceRecord:
     type: str | None = None
     temperature: float | None = None
     system_prompt_id: str | None = None
-    depth: int | None = None
+    depth: int | None = None  # assistant turns before this request in its conversation
+    prior_output_tokens: float | None = None  # mean length of those earlier replies (None on a first turn)
+    last_output_tokens: int | None = None  # length of the latest of them
+    conversation_id: str | None = None  # turns of one conversation share it, and with it their split
     generator: str | None = None
     finished: bool = True  # False: the output hit a length cap, so the length is a lower bound
     source: str = ""
@@ -74,7 +77,10 @@ class Splits(NamedTuple):
 
 
 def _split_key(record: TraceRecord) -> str:
-    # Same prompt text → same split, whatever its id; text-free traces fall back to the id.
+    # Same prompt text → same split, whatever its id; text-free traces fall back to the id. A conversation's
+    # turns stay together: a later turn in test must not have its history's answers in train.
+    if record.conversation_id is not None:
+        return "conversation:" + record.conversation_id
     if record.prompt is not None:
         return " ".join(record.prompt.split()).lower()
     return record.request_id
@@ -151,6 +157,9 @@ def parse_jsonl_trace(path: Path, tokenizer_name: str | None, limit: int | None 
                 temperature=o.get("temperature"),
                 system_prompt_id=o.get("system_prompt_id"),
                 depth=o.get("depth"),
+                prior_output_tokens=o.get("prior_output_tokens"),
+                last_output_tokens=o.get("last_output_tokens"),
+                conversation_id=o.get("conversation_id"),
                 generator=o.get("generator"),
                 finished=bool(o.get("finished", True)),
                 source=str(path),
@@ -161,7 +170,7 @@ def parse_jsonl_trace(path: Path, tokenizer_name: str | None, limit: int | None 
 
 
 def _validate_generic(obj: dict, where: str) -> None:
-    for key in ("prompt", "output", "type", "system_prompt_id", "generator"):
+    for key in ("prompt", "output", "type", "system_prompt_id", "generator", "conversation_id"):
         if key in obj and obj[key] is not None and not isinstance(obj[key], str):
             raise TraceError(f"{where}: {key!r} must be a string")
     if obj.get("prompt") is None and obj.get("prompt_tokens") is None:
@@ -173,7 +182,8 @@ def _validate_generic(obj: dict, where: str) -> None:
     _int_field(obj, "prompt_tokens", where)
     _int_field(obj, "output_tokens", where)
     _int_field(obj, "depth", where)
-    for key in ("arrival_s", "temperature"):
+    _int_field(obj, "last_output_tokens", where)
+    for key in ("arrival_s", "temperature", "prior_output_tokens"):
         v = obj.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
             raise TraceError(f"{where}: {key!r} must be a finite non-negative number, got {v!r}")

@@ -113,3 +113,39 @@ def test_sharegpt_first_turns_and_joined_specs():
     capped = load_trace("nq,sharegpt", limit=5)  # NQ's answers were cut at 512 tokens, ShareGPT's were not
     assert capped.meta["parts"]["nq"] == {"length_cap": 512} and "length_cap" not in capped.meta
     assert load_trace("nq,nq", limit=5).meta["length_cap"] == 512  # every part capped: the cap holds
+
+
+def test_sharegpt_chat_turns_carry_their_history():
+    """Every turn is a request: depth counts the earlier replies, prior_output_tokens is their mean length,
+    prompt_tokens grows with the history, and a conversation's turns never straddle two splits."""
+    trace = load_trace("sharegpt-chat", limit=200)
+    by_conv: dict[str, list[TraceRecord]] = {}
+    for r in trace:
+        by_conv.setdefault(r.conversation_id, []).append(r)
+    multi = [turns for turns in by_conv.values() if len(turns) >= 3]
+    assert multi, "the first 200 turns hold conversations of 3+ turns"
+    for turns in multi:
+        assert [r.depth for r in turns] == list(range(len(turns)))
+        assert turns[0].prior_output_tokens is None
+        for k in range(1, len(turns)):
+            assert turns[k].prior_output_tokens == pytest.approx(
+                sum(r.output_tokens for r in turns[:k]) / k)
+            assert turns[k].last_output_tokens == turns[k - 1].output_tokens
+            # the history holds every earlier reply, so the templated prompt is longer than all of them
+            assert turns[k].prompt_tokens > turns[k - 1].prompt_tokens + turns[k - 1].output_tokens
+    home = {}
+    for name, part in zip(("train", "val", "test"), split_trace(trace)):
+        for r in part:
+            assert home.setdefault(r.conversation_id, name) == name
+
+
+def test_conversation_fields_round_trip_and_validate(tmp_path):
+    rec = TraceRecord("c1-1", "and then?", 80, 12, depth=1, prior_output_tokens=40.0, last_output_tokens=40,
+                      conversation_id="c1")
+    write_jsonl_trace([rec], tmp_path / "t.jsonl")
+    back = load_trace(str(tmp_path / "t.jsonl")).records[0]
+    assert (back.depth, back.prior_output_tokens, back.last_output_tokens, back.conversation_id) == (1, 40.0, 40, "c1")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "prompt_tokens": 3, "output_tokens": 2, "prior_output_tokens": -1}))
+    with pytest.raises(TraceError, match="prior_output_tokens"):
+        load_trace(str(bad))
