@@ -26,7 +26,8 @@ def build_model(settings: dict, heads_state: dict | None = None, tuned_state: di
 
     encoder = MeanPooledEncoder(load_backbone(settings["backbone"], settings.get("layers")))
     heads = LengthHeads(encoder.hidden, int(settings["meta_dim"]), int(settings["n_buckets"]),
-                        hidden=int(settings.get("head_hidden", 256)))
+                        hidden=int(settings.get("head_hidden", 256)),
+                        meta_skip=bool(settings.get("head_meta_skip", False)))  # older predictors had none
     if heads_state is not None:
         try:
             heads.load_state_dict(heads_state)

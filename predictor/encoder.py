@@ -74,21 +74,31 @@ class MeanPooledEncoder(nn.Module):
 
 
 class LengthHeads(nn.Module):
-    """[pooled text embedding, metadata] → (log length, bucket logits)."""
+    """[pooled text embedding, metadata] → (log length, bucket logits).
+
+    With `meta_skip` the metadata also reaches the log length through a linear path next to the MLP: lengths
+    in log units (the prompt's, the earlier replies') act on log L̂ roughly linearly, and through the MLP
+    alone, among 384 normalized embedding dimensions, they were under-used (measured: docs/predictor.md)."""
 
     def __init__(self, embed_dim: int, meta_dim: int, n_buckets: int, hidden: int = 256, dropout: float = 0.1,
-                 log_length_prior: float = 5.0) -> None:
+                 log_length_prior: float = 5.0, meta_skip: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(embed_dim)
         self.trunk = nn.Sequential(nn.Linear(embed_dim + meta_dim, hidden), nn.GELU(), nn.Dropout(dropout))
         self.regression = nn.Linear(hidden, 1)
         self.classifier = nn.Linear(hidden, n_buckets)
+        self.meta_skip = nn.Linear(meta_dim, 1, bias=False) if meta_skip and meta_dim else None
         nn.init.zeros_(self.regression.weight)
         nn.init.constant_(self.regression.bias, log_length_prior)  # start at the training median
+        if self.meta_skip is not None:
+            nn.init.zeros_(self.meta_skip.weight)
 
     def forward(self, embedding: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.trunk(torch.cat([self.norm(embedding), meta], dim=-1))
-        return self.regression(h).squeeze(-1), self.classifier(h)
+        log_length = self.regression(h).squeeze(-1)
+        if self.meta_skip is not None:
+            log_length = log_length + self.meta_skip(meta).squeeze(-1)
+        return log_length, self.classifier(h)
 
 
 def normalized_entropy(probs: torch.Tensor, k: int) -> torch.Tensor:

@@ -15,9 +15,24 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from odma.errors import PredictorError
+
 CATEGORICAL_FIELDS = ("type", "system_prompt_id", "generator")
-NUMERIC_FIELDS = ("temperature", "depth")
-PROMPT_SCALE = 8.0  # log1p(prompt tokens) / 8 keeps the value near [0, 1.5]
+# Numeric fields. A predictor saves its list and scale; older ones (without those keys) had the first two
+# fields and divided log lengths by 8. Plain log units won: next to 384 layer-normalized embedding
+# dimensions, a length feature squeezed to [0, 1.5] was under-used (docs/predictor.md).
+NUMERIC_FIELDS = ("temperature", "depth", "prior_output_tokens", "last_output_tokens")
+LEGACY_NUMERIC_FIELDS = ("temperature", "depth")
+LEGACY_LOG_LENGTH_SCALE = 8.0
+
+
+def _numeric_value(name: str, value: Any, log_length_scale: float) -> float:
+    if name == "temperature":
+        return float(value)
+    if name == "depth":
+        return math.log1p(max(int(value), 0))
+    # the lengths of the conversation's earlier replies (mean, latest): the strongest cue a later turn carries
+    return math.log1p(max(float(value), 0.0)) / log_length_scale
 
 
 def prompt_tokens_of(request: Any) -> int:
@@ -32,6 +47,8 @@ class MetadataEncoder:
     """Knows which categorical values it saw in training; `size` is fixed once fitted."""
 
     vocab: dict[str, list[str]] = field(default_factory=dict)
+    numeric: tuple[str, ...] = NUMERIC_FIELDS
+    log_length_scale: float = 1.0  # log1p(tokens) / this, for the prompt length and earlier replies
 
     @classmethod
     def fit(cls, requests: Sequence[Any], min_count: int = 5, max_values: int = 16) -> "MetadataEncoder":
@@ -42,25 +59,22 @@ class MetadataEncoder:
             # One value seen everywhere carries no signal inside this trace; keep it only if mixed.
             if len(common) >= 2 or (common and sum(counts.values()) < len(requests)):
                 vocab[name] = sorted(common)
-        return cls(vocab)
+        return cls(vocab, NUMERIC_FIELDS, 1.0)
 
     @property
     def size(self) -> int:
-        return 1 + 2 * len(NUMERIC_FIELDS) + sum(len(v) for v in self.vocab.values())
+        return 1 + 2 * len(self.numeric) + sum(len(v) for v in self.vocab.values())
 
     def encode(self, requests: Sequence[Any]) -> np.ndarray:
         out = np.zeros((len(requests), self.size), dtype=np.float32)
         for i, r in enumerate(requests):
-            out[i, 0] = math.log1p(max(prompt_tokens_of(r), 0)) / PROMPT_SCALE
+            out[i, 0] = math.log1p(max(prompt_tokens_of(r), 0)) / self.log_length_scale
             col = 1
-            temperature = getattr(r, "temperature", None)
-            if temperature is not None:
-                out[i, col], out[i, col + 1] = 1.0, float(temperature)
-            col += 2
-            depth = getattr(r, "depth", None)
-            if depth is not None:
-                out[i, col], out[i, col + 1] = 1.0, math.log1p(max(int(depth), 0))
-            col += 2
+            for name in self.numeric:
+                value = getattr(r, name, None)
+                if value is not None:
+                    out[i, col], out[i, col + 1] = 1.0, _numeric_value(name, value, self.log_length_scale)
+                col += 2
             for name in CATEGORICAL_FIELDS:
                 values = self.vocab.get(name)
                 if not values:
@@ -72,11 +86,16 @@ class MetadataEncoder:
         return out
 
     def to_json(self) -> dict:
-        return {"vocab": self.vocab}
+        return {"vocab": self.vocab, "numeric": list(self.numeric), "log_length_scale": self.log_length_scale}
 
     @classmethod
     def from_json(cls, data: dict) -> "MetadataEncoder":
-        return cls({k: list(v) for k, v in data.get("vocab", {}).items()})
+        numeric = tuple(data.get("numeric", LEGACY_NUMERIC_FIELDS))
+        unknown = [n for n in numeric if n not in NUMERIC_FIELDS]
+        if unknown:
+            raise PredictorError(f"predictor metadata uses unknown numeric fields {unknown}; upgrade odma")
+        scale = float(data.get("log_length_scale", LEGACY_LOG_LENGTH_SCALE))
+        return cls({k: list(v) for k, v in data.get("vocab", {}).items()}, numeric, scale)
 
 
 def drop_metadata(meta: np.ndarray, rate: float, rng: np.random.Generator) -> np.ndarray:

@@ -3,8 +3,10 @@
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from transformers import AutoTokenizer
 
+from odma.errors import PredictorError
 from predictor.encoder import resolve_backbone
 from predictor.features import MetadataEncoder, drop_metadata
 from predictor.text import encode_texts, head_tail
@@ -22,13 +24,29 @@ def test_metadata_present_and_absent():
     enc = MetadataEncoder.fit(train)
     full = enc.encode([req(type="code", temperature=0.7, depth=3, generator="b")])[0]
     bare = enc.encode([req()])[0]
-    assert enc.size == full.shape[0] == 1 + 4 + 2 + 2
+    assert enc.size == full.shape[0] == 1 + 8 + 2 + 2
     assert np.all(bare[1:] == 0)  # absent metadata is the all-zero block training also sees
     assert full[1] == 1.0 and np.isclose(full[2], 0.7) and full[3] == 1.0
     assert full[1:].sum() > 2
     unseen = enc.encode([req(type="never-seen")])[0]
     assert np.all(unseen[1:] == 0)
     assert MetadataEncoder.from_json(enc.to_json()) == enc
+    later = enc.encode([req(depth=2, prior_output_tokens=300.0, last_output_tokens=100)])[0]
+    assert later[5] == 1.0 and np.isclose(later[6], np.log1p(300.0))  # earlier replies' mean length, log units
+    assert later[7] == 1.0 and np.isclose(later[8], np.log1p(100.0))  # and the latest one's
+
+
+def test_old_predictors_keep_their_metadata_layout():
+    """A predictor saved before `prior_output_tokens` existed has no "numeric" key: it gets the old, shorter
+    vector and its log-length scale, so its trained heads still line up; a field this version does not know is
+    a clear error."""
+    enc = MetadataEncoder.from_json({"vocab": {"type": ["chat", "code"]}})
+    assert enc.size == 1 + 4 + 2
+    old = enc.encode([req(prior_output_tokens=300.0)])[0]
+    assert np.all(old[1:] == 0) and np.isclose(old[0], np.log1p(10) / 8)
+    assert np.isclose(MetadataEncoder.fit([req()]).encode([req()])[0][0], np.log1p(10))
+    with pytest.raises(PredictorError, match="unknown numeric"):
+        MetadataEncoder.from_json({"vocab": {}, "numeric": ["temperature", "mood"]})
 
 
 def test_requests_without_attributes_still_encode():

@@ -6,7 +6,7 @@ import numpy as np
 
 from predictor.base import Calibration, Prediction
 from training.data import TrainStats, bucket_index
-from training.metrics import evaluate
+from training.metrics import by_turn, evaluate
 
 BOUNDS = (64, 128, 256, 512)
 
@@ -63,3 +63,21 @@ def test_ranking_bound_rewards_ranking_and_meets_its_target():
     assert perfect["mean_overreservation"] < 0.6 * blind["mean_overreservation"]
     tiny = ranking_bound(cal_y[:10], cal_y[:10], test_y, test_y, target=0.02, cap=5000)
     assert tiny["mean_overreservation"] == round(len(test_y) * 5000 / test_y.sum(), 4)  # too few to calibrate
+
+
+def test_by_turn_splits_first_and_later_turns():
+    """A good prediction on later turns and a constant one on first turns: the pooled numbers would blur
+    the two, the breakdown shows each; a single-turn trace gets no breakdown."""
+    from types import SimpleNamespace
+
+    y = np.array([30, 300, 90, 40, 400, 120])
+    depths = [0, 0, 0, 1, 2, 1]
+    records = [SimpleNamespace(depth=d) for d in depths]
+    preds = [Prediction(100.0, 0.0)] * 3 + [Prediction(float(v), 0.0) for v in y[3:]]
+    cal = Calibration(BOUNDS, 2048, alpha=0.0, tau=math.inf, target=0.02)
+    turns = by_turn(records, preds, y, cal, stats())
+    assert turns["first_turns"]["n"] == 3 and turns["later_turns"]["n"] == 3
+    assert turns["later_turns"]["spearman"] == 1.0 and turns["later_turns"]["mae_tokens"] == 0
+    assert turns["first_turns"]["spearman"] is None
+    assert turns["first_turns"]["mae_tokens"] == round(np.mean(np.abs(100 - y[:3])), 2)
+    assert by_turn([SimpleNamespace(depth=None)] * 6, preds, y, cal, stats()) is None

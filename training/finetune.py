@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from predictor.encoder import LengthHeads, LengthModel, MeanPooledEncoder, _layer_list
 from predictor.features import drop_metadata
+from training.heads import HeadTraining
 from predictor.text import encode_texts
 
 TUNED_FILE = "encoder_tuned.safetensors"
@@ -30,6 +31,7 @@ class FineTuning:
     lr_heads: float = 5e-4
     holdout: float = 0.1
     metadata_dropout: float = 0.25
+    regression_weight: float = HeadTraining.regression_weight  # the same loss balance as the heads alone
     seed: int = 0
 
 
@@ -75,7 +77,7 @@ def fine_tune(encoder: MeanPooledEncoder, heads: LengthHeads, tokenizer, texts: 
         m = drop_metadata(meta[idx], cfg.metadata_dropout, rng) if drop else meta[idx]
         emb = encoder(torch.from_numpy(enc.input_ids), torch.from_numpy(enc.attention_mask))
         reg, logits = heads(emb, torch.from_numpy(m.astype(np.float32)))
-        return F.cross_entropy(logits, t[idx]) + F.smooth_l1_loss(reg, y[idx], beta=0.1)
+        return F.cross_entropy(logits, t[idx]) + cfg.regression_weight * F.smooth_l1_loss(reg, y[idx], beta=0.1)
 
     def held_loss() -> float:
         model.eval()

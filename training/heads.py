@@ -22,8 +22,11 @@ class HeadTraining:
     patience: int = 8
     holdout: float = 0.1  # share of train kept aside for early stopping (never the calibration split)
     metadata_dropout: float = 0.25
-    regression_weight: float = 1.0  # 0: a plain bucket classifier (the S3 baseline)
+    # 0: a plain bucket classifier (the S3 baseline). 4: with 1, the cross-entropy shaped the shared trunk and
+    # the regression under-used the metadata (ShareGPT chat turns, Spearman 0.58 → 0.61 with meta_skip)
+    regression_weight: float = 4.0
     hidden: int = 256
+    meta_skip: bool = True  # LengthHeads' linear metadata path to log L̂
     seed: int = 0
 
 
@@ -49,7 +52,7 @@ def _fit(emb, meta, lengths, labels, n_buckets, cfg: HeadTraining, progress: boo
     y = torch.from_numpy(np.log1p(lengths.astype(np.float32)))
     t = torch.from_numpy(labels.astype(np.int64))
     heads = LengthHeads(emb.shape[1], meta.shape[1], n_buckets, hidden=cfg.hidden,
-                        log_length_prior=float(np.median(np.log1p(lengths[fit]))))
+                        log_length_prior=float(np.median(np.log1p(lengths[fit]))), meta_skip=cfg.meta_skip)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def loss_on(idx: np.ndarray, meta_rows: np.ndarray) -> torch.Tensor:

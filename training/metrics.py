@@ -69,6 +69,24 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
     return report
 
 
+def by_turn(records: Sequence, preds: Sequence[Prediction], realized: np.ndarray, calibration: Calibration,
+            stats: TrainStats) -> dict | None:
+    """The headline metrics for first turns and later turns apart, on a trace with multi-turn conversations:
+    later turns carry their earlier replies' lengths, first turns only the prompt, and a pooled number would
+    hide which of the two a predictor is good at. None for single-turn traces."""
+    later = np.array([(getattr(r, "depth", None) or 0) > 0 for r in records], dtype=bool)
+    if not later.any():
+        return None
+    keys = ("n", "spearman", "mae_tokens", "median_mae_tokens", "underprediction_rate", "mean_overreservation",
+            "constant_mean_overreservation", "s3_bucket_accuracy", "majority_s3_bucket_accuracy")
+    out = {}
+    for name, mask in (("first_turns", ~later), ("later_turns", later)):
+        if mask.any():
+            part = evaluate([p for p, m in zip(preds, mask) if m], np.asarray(realized)[mask], calibration, stats)
+            out[name] = {k: part[k] for k in keys}
+    return out
+
+
 
 def ranking_bound(cal_length: np.ndarray, cal_realized: np.ndarray, length: np.ndarray, realized: np.ndarray,
                   target: float, cap: int, groups: int = 10) -> dict:

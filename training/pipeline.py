@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from predictor.base import Calibration, Manifest, Predictor, load_predictor
 from predictor.calibration import calibrate
 from predictor.features import MetadataEncoder
 from training import data
-from training.metrics import evaluate, ranking_bound
+from training.metrics import by_turn, evaluate, ranking_bound
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ def train(opts: TrainOptions) -> dict:
     report = evaluate(test_pred, y_test, calibration, stats, s3_test_buckets)
     report["ranking_bound"] = ranking_bound([p.length for p in val_pred], y_val, [p.length for p in test_pred], y_test,
                                             opts.target, cap)
+    if (turns := by_turn(test_t.records, test_pred, y_test, calibration, stats)) is not None:
+        report["by_turn"] = turns
     from predictor.latency import measure
 
     lat = measure(predictor, test_t.records, n_single=opts.latency_requests)
@@ -179,12 +182,13 @@ def _train_encoder(opts, trace, train_t, val_t, test_t, y_train, stats, out: Pat
         save_file(tuned_layers, str(out / TUNED_FILE))
     model = LengthModel(encoder, heads).eval()
 
-    probe_records = val_t.records[:8]
+    # the probe is what build.py replays on a rebuilt graph: text and prompt length only, no other metadata
+    probe_records = [SimpleNamespace(prompt=r.prompt, prompt_tokens=r.prompt_tokens) for r in val_t.records[:8]]
     settings = {
         "model": "encoder", "backbone": opts.backbone, "backbone_name": folder.name if opts.backbone != "minilm"
         else "all-MiniLM-L6-v2", "layers": opts.layers, "max_len": opts.max_len, "quantize": opts.quantize,
         "metadata": metadata.to_json(), "meta_dim": metadata.size, "n_buckets": n_buckets,
-        "embed_dim": encoder.hidden, "head_hidden": cfg.hidden, "train_stats": stats.to_json(),
+        "embed_dim": encoder.hidden, "head_hidden": cfg.hidden, "head_meta_skip": cfg.meta_skip, "train_stats": stats.to_json(),
         "trace": trace.name, "length_target": "log(1 + output tokens), L1 (conditional median)",
         "n_train": len(train_t), "tuned_layers": opts.finetune_layers or None,
     }
@@ -279,7 +283,10 @@ def evaluate_existing(spec: str, trace_spec: str, split: str = "all", limit: int
         raise PredictorError(f"the {split} split of {trace_spec!r} is empty")
     y = np.minimum(np.array([r.output_tokens for r in records]), predictor.calibration.large_bound)
     s3 = _saved_s3_buckets(predictor, manifest, records, progress) if s3_baseline else None
-    report = evaluate(predictor.predict(records), y, predictor.calibration, stats, s3)
+    preds = predictor.predict(records)
+    report = evaluate(preds, y, predictor.calibration, stats, s3)
+    if (turns := by_turn(records, preds, y, predictor.calibration, stats)) is not None:
+        report["by_turn"] = turns
     from predictor.latency import measure
 
     lat = measure(predictor, records)
