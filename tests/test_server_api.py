@@ -227,7 +227,14 @@ def test_chat_depth_and_system_prompt_reach_the_length_log(server, client):
     first = chat([system, turns[0]])
     other = chat([{"role": "system", "content": "Be verbose."}, turns[0]])
     bare = chat([turns[0]])
-    assert (deep["depth"], first["depth"], bare["depth"]) == (1, 0, 0)
+    long_reply = "Paris is the capital and largest city of France, on the Seine."
+    deeper = chat([*turns, {"role": "assistant", "content": long_reply}, {"role": "user", "content": "And Spain?"}])
+    assert (deep["depth"], first["depth"], bare["depth"], deeper["depth"]) == (1, 0, 0, 2)
+    count = lambda text: len(server.runtime.engine.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    assert deep["prior_output_tokens"] == deep["last_output_tokens"] == count("Hello")
+    assert first["prior_output_tokens"] is None and first["last_output_tokens"] is None
+    assert deeper["prior_output_tokens"] == (count("Hello") + count(long_reply)) / 2 > count("Hello")
+    assert deeper["last_output_tokens"] == count(long_reply)
     assert deep["system_prompt_id"] == first["system_prompt_id"] != other["system_prompt_id"]
     assert deep["system_prompt_id"].startswith("sys-") and bare["system_prompt_id"] is None
     assert deep["temperature"] == 0.25 and deep["generator"] == server.runtime.engine.generator

@@ -18,6 +18,8 @@ class RequestTags:
 
     depth: int | None = None  # earlier assistant turns in the conversation (0: a first turn)
     system_prompt_id: str | None = None  # a stable hash of the system prompt: recurring ones are learnable
+    prior_output_tokens: float | None = None  # mean tokens of the conversation's earlier assistant replies
+    last_output_tokens: int | None = None  # tokens of the latest of them
 
 
 class Status(Enum):
@@ -70,7 +72,8 @@ class Sequence:
         tags = self.tags or RequestTags()
         return {"prompt": self.prompt_text, "prompt_tokens": len(self.prompt_ids),
                 "temperature": float(self.params.temperature), "generator": generator,
-                "depth": tags.depth, "system_prompt_id": tags.system_prompt_id}
+                "depth": tags.depth, "system_prompt_id": tags.system_prompt_id,
+                "prior_output_tokens": tags.prior_output_tokens, "last_output_tokens": tags.last_output_tokens}
 
     @property
     def num_tokens(self) -> int:

@@ -118,7 +118,8 @@ def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases:
             raise HTTPError(400, f"cannot apply the chat template: {exc}") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling(max_tokens, engine.config.default_max_tokens)
-        return await _respond(request, body, text, params, body.user_text(), chat=True, tags=body.tags())
+        tags = body.tags(lambda reply: len(engine.tokenizer.encode(reply, add_special_tokens=False)))
+        return await _respond(request, body, text, params, body.user_text(), chat=True, tags=tags)
 
     async def _respond(request: Request, body, prompt, params, predictor_text, chat: bool, tags=None):
         handle = runtime.submit(prompt, params, prompt_text=predictor_text, tags=tags)  # 4xx raise here, nothing queued

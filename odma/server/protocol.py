@@ -4,7 +4,7 @@ to `SamplingParams`. Response bodies are plain dicts built in `app.py`."""
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -101,12 +101,16 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequestError("messages must contain some text")
         return msgs
 
-    def tags(self) -> RequestTags:
-        """The predictor's metadata: how deep the conversation is (assistant turns so far) and which system
-        prompt it runs under (a hash: the same instructions recur across a deployment's requests)."""
+    def tags(self, count_tokens: Callable[[str], int]) -> RequestTags:
+        """The predictor's metadata: how deep the conversation is (assistant turns so far), how long those
+        replies were (a conversation's reply lengths go together), and which system prompt it runs under (a
+        hash: the same instructions recur across a deployment's requests)."""
         system = "\n".join(m.text() for m in self.messages if m.role in ("system", "developer"))
         sid = "sys-" + hashlib.sha1(system.encode("utf-8")).hexdigest()[:12] if system.strip() else None
-        return RequestTags(depth=sum(m.role == "assistant" for m in self.messages), system_prompt_id=sid)
+        replies = [count_tokens(m.text()) for m in self.messages if m.role == "assistant"]
+        return RequestTags(depth=len(replies), system_prompt_id=sid,
+                           prior_output_tokens=sum(replies) / len(replies) if replies else None,
+                           last_output_tokens=replies[-1] if replies else None)
 
     def user_text(self) -> str:
         """The last user turn: what the length predictor reads."""
