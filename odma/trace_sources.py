@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def _text_trace(
             output=r["output"],
             type=r.get("type"),
             generator=r.get("generator"),
+            conversation_id=r.get("conversation_id"),
             source=name,
         )
         for r, pt, ot in zip(rows, prompt_counts, output_counts)
@@ -261,18 +263,45 @@ def iter_json_array(text: str):
         yield obj
 
 
-def _sharegpt(tokenizer: str, limit: int | None) -> Trace:
-    """ShareGPT V3: the first human→gpt turn of each conversation that opens with one."""
-    path = sharegpt_path()
-    rows = []
+def _sharegpt_turns(path: Path) -> list[dict]:
+    """Every human→gpt turn of ShareGPT V3, one row each, with what keeps the splits honest.
+
+    `conversation_id` is the chat's *root* id: the file cut long chats into stored parts `<id>_<n>` (with
+    gaps), and the parts of one chat must share a split. A chat whose opening prompt repeats an earlier chat's
+    is dropped: ShareGPT holds many re-shares of one conversation, and kept, 15 % of test prompts were verbatim
+    in train. `depth` counts turns within the stored part, whose history is all a part holds; `opens_part`
+    marks a part's first two messages being that turn."""
+    rows: list[dict] = []
+    openings: set[str] = set()  # normalized opening prompts of the chats kept so far
+    root, keep = None, True
     for conv in iter_json_array(path.read_text(encoding="utf-8")):
+        part = str(conv.get("id", len(rows)))
         turns = conv.get("conversations") or []
-        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+        if re.sub(r"_\d+$", "", part) != root:  # a new chat: the parts of one chat are consecutive in the file
+            root = re.sub(r"_\d+$", "", part)
+            opening = next((t.get("value") or "" for t in turns if t.get("from") == "human"), "")
+            key = " ".join(opening.split()).lower()
+            keep = key not in openings
+            openings.add(key)
+        if not keep:
             continue
-        prompt, output = turns[0].get("value") or "", turns[1].get("value") or ""
-        if not prompt.strip() or not output.strip():
-            continue
-        rows.append({"id": f"sharegpt-{conv.get('id', len(rows))}", "prompt": prompt, "output": output})
+        depth = 0
+        for i in range(len(turns) - 1):
+            if turns[i].get("from") != "human" or turns[i + 1].get("from") != "gpt":
+                continue
+            prompt, output = turns[i].get("value") or "", turns[i + 1].get("value") or ""
+            if not prompt.strip() or not output.strip():
+                break  # the history would have a hole: later turns are no longer what a client sends
+            rows.append({"id": f"sharegpt-{part}-{depth}", "conversation_id": f"sharegpt-{root}", "depth": depth,
+                         "opens_part": i == 0, "prompt": prompt, "output": output})
+            depth += 1
+    return rows
+
+
+def _sharegpt(tokenizer: str, limit: int | None) -> Trace:
+    """ShareGPT V3: the first human→gpt turn of each stored conversation part that opens with one."""
+    path = sharegpt_path()
+    rows = [dict(r, id=r["id"].rsplit("-", 1)[0]) for r in _sharegpt_turns(path) if r["opens_part"]]
     return _text_trace("sharegpt", path, tokenizer, rows, limit)
 
 
@@ -286,22 +315,10 @@ def _sharegpt_chat(tokenizer: str, limit: int | None) -> Trace:
 
     The encoder reads the turn's own user message; `prompt_tokens` counts the whole templated history (earlier
     messages summed per message, `_MESSAGE_OVERHEAD_TOKENS` each); `depth`, `prior_output_tokens` (mean
-    length of the earlier replies) and `last_output_tokens` are what `odma-serve` derives from a chat request's messages."""
+    length of the earlier replies) and `last_output_tokens` are what `odma-serve` derives from a chat
+    request's messages, counted within one stored part (`_sharegpt_turns`)."""
     path = sharegpt_path()
-    rows = []
-    for conv in iter_json_array(path.read_text(encoding="utf-8")):
-        cid = f"sharegpt-{conv.get('id', len(rows))}"
-        turns = conv.get("conversations") or []
-        depth = 0
-        for i in range(len(turns) - 1):
-            if turns[i].get("from") != "human" or turns[i + 1].get("from") != "gpt":
-                continue
-            prompt, output = turns[i].get("value") or "", turns[i + 1].get("value") or ""
-            if not prompt.strip() or not output.strip():
-                break  # the history would have a hole: later turns are no longer what a client sends
-            rows.append({"id": f"{cid}-{depth}", "conversation_id": cid, "depth": depth,
-                         "prompt": prompt, "output": output})
-            depth += 1
+    rows = _sharegpt_turns(path)
     if limit is not None:
         rows = rows[:limit]
     prompt_counts, output_counts = _counted("sharegpt-chat", path, tokenizer,

@@ -117,12 +117,14 @@ def test_sharegpt_first_turns_and_joined_specs():
 
 def test_sharegpt_chat_turns_carry_their_history():
     """Every turn is a request: depth counts the earlier replies, prior_output_tokens is their mean length,
-    prompt_tokens grows with the history, and a conversation's turns never straddle two splits."""
+    prompt_tokens grows with the history, a conversation's turns never straddle two splits, and no two chats
+    open with the same prompt (re-shares of one chat would leak between splits)."""
     trace = load_trace("sharegpt-chat", limit=200)
-    by_conv: dict[str, list[TraceRecord]] = {}
+    by_part: dict[str, list[TraceRecord]] = {}  # a stored part of a chat: "sharegpt-<root>_<n>-<depth>"
     for r in trace:
-        by_conv.setdefault(r.conversation_id, []).append(r)
-    multi = [turns for turns in by_conv.values() if len(turns) >= 3]
+        by_part.setdefault(r.request_id.rsplit("-", 1)[0], []).append(r)
+        assert r.request_id.startswith(r.conversation_id + "_")  # the parts of one chat share its root id
+    multi = [turns for turns in by_part.values() if len(turns) >= 3]
     assert multi, "the first 200 turns hold conversations of 3+ turns"
     for turns in multi:
         assert [r.depth for r in turns] == list(range(len(turns)))
@@ -133,6 +135,8 @@ def test_sharegpt_chat_turns_carry_their_history():
             assert turns[k].last_output_tokens == turns[k - 1].output_tokens
             # the history holds every earlier reply, so the templated prompt is longer than all of them
             assert turns[k].prompt_tokens > turns[k - 1].prompt_tokens + turns[k - 1].output_tokens
+    openings = [" ".join(turns[0].prompt.split()).lower() for turns in by_part.values() if turns[0].request_id.endswith("_0-0")]
+    assert len(openings) == len(set(openings))
     home = {}
     for name, part in zip(("train", "val", "test"), split_trace(trace)):
         for r in part:
