@@ -98,6 +98,7 @@ def _text_trace(
             output=r["output"],
             type=r.get("type"),
             generator=r.get("generator"),
+            depth=r.get("depth"),
             conversation_id=r.get("conversation_id"),
             source=name,
         )
@@ -302,7 +303,7 @@ def _sharegpt(tokenizer: str, limit: int | None) -> Trace:
     """ShareGPT V3: the first human→gpt turn of each stored conversation part that opens with one."""
     path = sharegpt_path()
     rows = [dict(r, id=r["id"].rsplit("-", 1)[0]) for r in _sharegpt_turns(path) if r["opens_part"]]
-    return _text_trace("sharegpt", path, tokenizer, rows, limit)
+    return _text_trace("sharegpt", path, tokenizer, rows, limit)  # depth 0: what a chat's first turn says
 
 
 # chat-template tokens around one message (`<|im_start|>role\n … <|im_end|>\n`): history lengths are summed
@@ -333,7 +334,7 @@ def _sharegpt_chat(tokenizer: str, limit: int | None) -> Trace:
             history_tokens, prior_outputs = 0, []
         records.append(TraceRecord(
             request_id=r["id"], prompt=r["prompt"], prompt_tokens=history_tokens + pt, output_tokens=ot,
-            output=r["output"], type="chat", depth=r["depth"], conversation_id=r["conversation_id"],
+            output=r["output"], depth=r["depth"], conversation_id=r["conversation_id"],
             prior_output_tokens=sum(prior_outputs) / len(prior_outputs) if prior_outputs else None,
             last_output_tokens=prior_outputs[-1] if prior_outputs else None,
             source="sharegpt-chat",

@@ -108,6 +108,8 @@ def test_nq_keeps_censoring_and_azure_keeps_arrivals():
 def test_sharegpt_first_turns_and_joined_specs():
     trace = load_trace("sharegpt", limit=50)
     assert len(trace) == 50 and all(r.prompt and r.output_tokens > 0 for r in trace)
+    # described as odma-serve describes a chat's first turn: depth 0, no type, nothing earlier
+    assert all(r.depth == 0 and r.type is None and r.prior_output_tokens is None for r in trace)
     joined = load_trace(f"sharegpt,{FIXTURES / 'generic_trace.jsonl'}", limit=5)
     assert len(joined) == 9 and len({r.request_id for r in joined}) == 9
     capped = load_trace("nq,sharegpt", limit=5)  # NQ's answers were cut at 512 tokens, ShareGPT's were not
