@@ -13,7 +13,7 @@ from pathlib import Path
 
 from odma.config import default_cache_dir, default_data_dir
 from odma.errors import TraceError
-from odma.traces import Trace, TraceRecord, parse_jsonl_trace
+from odma.traces import Trace, TraceRecord, normalized_prompt, parse_jsonl_trace
 
 NAMED_TRACES = (
     "alpaca", "alpaca-eval:<generator>", "nq", "nq-open", "sharegpt", "sharegpt-chat", "azure-code", "azure-conv",
@@ -278,10 +278,10 @@ def _sharegpt_turns(path: Path) -> list[dict]:
     for conv in iter_json_array(path.read_text(encoding="utf-8")):
         part = str(conv.get("id", len(rows)))
         turns = conv.get("conversations") or []
-        if re.sub(r"_\d+$", "", part) != root:  # a new chat: the parts of one chat are consecutive in the file
-            root = re.sub(r"_\d+$", "", part)
-            opening = next((t.get("value") or "" for t in turns if t.get("from") == "human"), "")
-            key = " ".join(opening.split()).lower()
+        part_root = re.sub(r"_\d+$", "", part)
+        if part_root != root:  # a new chat: the parts of one chat are consecutive in the file
+            root = part_root
+            key = normalized_prompt(next((t.get("value") or "" for t in turns if t.get("from") == "human"), ""))
             keep = key not in openings
             openings.add(key)
         if not keep:

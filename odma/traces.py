@@ -76,13 +76,18 @@ class Splits(NamedTuple):
     test: Trace
 
 
+def normalized_prompt(text: str) -> str:
+    """Whitespace- and case-insensitive form of a prompt: what counts as 'the same prompt'."""
+    return " ".join(text.split()).lower()
+
+
 def _split_key(record: TraceRecord) -> str:
     # Same prompt text → same split, whatever its id; text-free traces fall back to the id. A conversation's
     # turns stay together: a later turn in test must not have its history's answers in train.
     if record.conversation_id is not None:
         return "conversation:" + record.conversation_id
     if record.prompt is not None:
-        return " ".join(record.prompt.split()).lower()
+        return normalized_prompt(record.prompt)
     return record.request_id
 
 

@@ -41,7 +41,8 @@ def main() -> None:
     train, _, test = data.splits(load_trace("sharegpt-chat"))
     opts = TrainOptions(trace="sharegpt-chat", out=".", progress=True)
     _, tokenizer, encoder, cache = _embedder(opts)
-    emb = {name: _embed(opts, tokenizer, encoder, cache, part.records) for name, part in (("train", train), ("test", test))}
+    emb = {name: _embed(opts, tokenizer, encoder, cache, part.records)
+           for name, part in (("train", train), ("test", test))}
     metadata = MetadataEncoder.fit(train.records)
     meta = {"train": metadata.encode(train.records), "test": metadata.encode(test.records)}
     y_train, y_test = (data.capped_lengths(t, data.DEFAULT_MAX_NEW_TOKENS) for t in (train, test))

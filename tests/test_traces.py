@@ -9,7 +9,7 @@ import pytest
 
 from odma.config import default_data_dir
 from odma.errors import TraceError
-from odma.traces import Trace, TraceRecord, load_trace, split_trace, write_jsonl_trace
+from odma.traces import Trace, TraceRecord, load_trace, normalized_prompt, split_trace, write_jsonl_trace
 
 FIXTURES = Path(__file__).resolve().parent.parent / "datasets" / "fixtures"
 needs_shared = pytest.mark.skipif(not default_data_dir().exists(), reason="shared datasets not present")
@@ -137,7 +137,8 @@ def test_sharegpt_chat_turns_carry_their_history():
             assert turns[k].last_output_tokens == turns[k - 1].output_tokens
             # the history holds every earlier reply, so the templated prompt is longer than all of them
             assert turns[k].prompt_tokens > turns[k - 1].prompt_tokens + turns[k - 1].output_tokens
-    openings = [" ".join(turns[0].prompt.split()).lower() for turns in by_part.values() if turns[0].request_id.endswith("_0-0")]
+    openings = [normalized_prompt(turns[0].prompt) for turns in by_part.values()
+                if turns[0].request_id.endswith("_0-0")]
     assert len(openings) == len(set(openings))
     home = {}
     for name, part in zip(("train", "val", "test"), split_trace(trace)):

@@ -188,7 +188,8 @@ def _train_encoder(opts, trace, train_t, val_t, test_t, y_train, stats, out: Pat
         "model": "encoder", "backbone": opts.backbone, "backbone_name": folder.name if opts.backbone != "minilm"
         else "all-MiniLM-L6-v2", "layers": opts.layers, "max_len": opts.max_len, "quantize": opts.quantize,
         "metadata": metadata.to_json(), "meta_dim": metadata.size, "n_buckets": n_buckets,
-        "embed_dim": encoder.hidden, "head_hidden": cfg.hidden, "head_meta_skip": cfg.meta_skip, "train_stats": stats.to_json(),
+        "embed_dim": encoder.hidden, "head_hidden": cfg.hidden, "head_meta_skip": cfg.meta_skip,
+        "train_stats": stats.to_json(),
         "trace": trace.name, "length_target": "log(1 + output tokens), L1 (conditional median)",
         "n_train": len(train_t), "tuned_layers": opts.finetune_layers or None,
     }
