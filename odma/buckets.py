@@ -121,6 +121,7 @@ class BucketManager:
         self.config = config or BucketConfig()
         self.alpha = self.config.alpha
         self.tau = self.config.tau
+        self.ceiling = self.config.ceiling
         self._window: deque[int] = deque(maxlen=self.config.window)
         self._lock = threading.Lock()
         self._since_refresh = 0
@@ -138,14 +139,16 @@ class BucketManager:
 
     @classmethod
     def fixed(
-        cls, bounds: Sequence[int], large_bound: int, alpha: float = 0.0, tau: float = math.inf
+        cls, bounds: Sequence[int], large_bound: int, alpha: float = 0.0, tau: float = math.inf,
+        ceiling: float = math.inf,
     ) -> "BucketManager":
         """Static bounds that never refresh (the S3 baseline, or bounds chosen offline)."""
         bounds = tuple(sorted({int(b) for b in bounds}))
         if not bounds or bounds[0] < 1:
             raise ConfigError(f"fixed bucket bounds must be positive, got {bounds}")
         config = BucketConfig(
-            max_buckets=len(bounds), align=1, large_bound=max(large_bound, bounds[-1]), alpha=alpha, tau=tau
+            max_buckets=len(bounds), align=1, large_bound=max(large_bound, bounds[-1]), alpha=alpha, tau=tau,
+            ceiling=ceiling,
         )
         mgr = cls(config)
         mgr._bounds = bounds
@@ -171,14 +174,15 @@ class BucketManager:
         return self.config.large_bound
 
     def select(self, predicted: float, uncertainty: float = 0.0) -> BucketChoice:
-        """Smallest bucket with bound >= L̂·(1 + α·u); u > τ, or nothing large enough: the large bucket."""
+        """Smallest bucket with bound >= L̂·(1 + α·u), but none above the bucket that holds the ceiling;
+        u > τ, or nothing large enough: the large bucket."""
         if not math.isfinite(predicted) or predicted < 0:
             raise InvalidRequestError(f"predicted length must be a finite number >= 0, got {predicted}")
         if not math.isfinite(uncertainty) or uncertainty < 0:
             raise InvalidRequestError(f"uncertainty must be a finite number >= 0, got {uncertainty}")
         if uncertainty > self.tau:
             return self._large_choice
-        return self._first_at_least(predicted * (1.0 + self.alpha * uncertainty))
+        return self._first_at_least(min(predicted * (1.0 + self.alpha * uncertainty), self.ceiling))
 
     def next_above(self, needed: int) -> BucketChoice:
         """The smallest bucket that holds `needed` output tokens (the growth target of a migration)."""

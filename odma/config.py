@@ -41,6 +41,9 @@ class BucketConfig:
     large_bound: int = 2048  # output tokens the large bucket reserves (the max_new_tokens cap)
     alpha: float = 0.0  # inflation: reserve for L̂·(1 + alpha·u)
     tau: float = math.inf  # u above this goes straight to the large bucket
+    # admission never reserves a bucket above the one holding this many tokens (u > tau aside); a request
+    # that outgrows it migrates. Calibrated, it keeps a weak L̂ from reserving more than one constant would.
+    ceiling: float = math.inf
 
     def __post_init__(self) -> None:
         if self.max_buckets < 1:
@@ -59,6 +62,8 @@ class BucketConfig:
             raise ConfigError(f"alpha must be >= 0, got {self.alpha}")
         if math.isnan(self.tau) or self.tau < 0:
             raise ConfigError(f"tau must be >= 0, got {self.tau}")
+        if math.isnan(self.ceiling) or self.ceiling < 1:
+            raise ConfigError(f"ceiling must be >= 1 token, got {self.ceiling}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,8 @@ class Prediction(NamedTuple):
 
 @dataclass(frozen=True)
 class Calibration:
-    """How predictions become reservations: the bucket bounds the model was calibrated against, and α, τ."""
+    """How predictions become reservations: the bucket bounds the model was calibrated against, α, τ and the
+    reservation ceiling."""
 
     bounds: tuple[int, ...]
     large_bound: int
@@ -30,27 +31,33 @@ class Calibration:
     alpha: float = 0.0
     tau: float = math.inf
     target: float | None = None  # under-prediction rate α and τ were chosen for
+    ceiling: float = math.inf  # no admission reservation above the bucket holding this (absent in old manifests)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["bounds"] = list(self.bounds)
-        d["tau"] = None if math.isinf(self.tau) else self.tau  # JSON has no infinity
+        for key in ("tau", "ceiling"):  # JSON has no infinity
+            d[key] = None if math.isinf(d[key]) else d[key]
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Calibration":
         try:
+            ceiling = math.inf if d.get("ceiling") is None else float(d["ceiling"])
+            if not ceiling >= 1:
+                raise ValueError(f"ceiling must be >= 1 token, got {ceiling}")
             return cls(tuple(int(b) for b in d["bounds"]), int(d["large_bound"]), int(d.get("align", 16)),
                        float(d.get("alpha", 0.0)), math.inf if d.get("tau") is None else float(d["tau"]),
-                       d.get("target"))
+                       d.get("target"), ceiling)
         except (KeyError, TypeError, ValueError) as exc:
             raise PredictorError(f"bad calibration block in {MANIFEST}: {exc}") from None
 
     def bucket_manager(self):
-        """A static manager with these bounds, α and τ: `select` is exactly the allocator's choice."""
+        """A static manager with these bounds, α, τ and ceiling: `select` is exactly the allocator's choice."""
         from odma.buckets import BucketManager
 
-        return BucketManager.fixed(self.bounds, self.large_bound, alpha=self.alpha, tau=self.tau)
+        return BucketManager.fixed(self.bounds, self.large_bound, alpha=self.alpha, tau=self.tau,
+                                   ceiling=self.ceiling)
 
 
 @dataclass

@@ -1,10 +1,17 @@
-"""Choose α (inflation) and τ (large-bucket threshold) on a held-out split so that the under-prediction
-rate (realized length > reserved bound) meets a target — split conformal prediction over the bucket grid.
+"""Choose α (inflation), τ (large-bucket threshold) and the reservation ceiling on a held-out split so that
+the under-prediction rate (realized length > reserved bound) meets a target — split conformal prediction over
+the bucket grid.
 
-For a fixed τ each calibration request has a score: the smallest α at which the bucket manager's choice
-covers it. Taking the ⌈(n+1)(1−ε)⌉-th smallest score as α gives, for exchangeable data, a miss rate of at
-most ε on new requests. τ is then picked from a small grid to minimise the tokens reserved on the same split
-(a mild selection effect; the test split reports the rate actually achieved).
+For a fixed τ and ceiling each calibration request has a score: the smallest α at which the bucket manager's
+choice covers it (inf when its length is above the ceiling's bucket). Taking the ⌈(n+1)(1−ε)⌉-th smallest
+score as α gives, for exchangeable data, a miss rate of at most ε on new requests. τ and the ceiling are then
+picked from small grids to minimise the tokens reserved on the same split (a mild selection effect; the test
+split reports the rate actually achieved).
+
+Why a ceiling: with a weak L̂ one α must lift the requests predicted short far enough to cover their long
+tail, and then sends every request predicted long to the large bucket. A ceiling at the bucket that holds
+the (1 − ε) quantile makes "everyone reserves that bucket" (α = ∞) one of the candidates, so the chosen
+point never reserves more than one constant reservation on the calibration split.
 """
 
 from __future__ import annotations
@@ -23,22 +30,23 @@ ALPHA_MARGIN = 1e-6  # select() needs L̂(1+αu) strictly above the bound below 
 class OperatingPoint:
     alpha: float
     tau: float
+    ceiling: float  # math.inf: none
     underprediction_rate: float  # on the calibration split
     overreservation: float  # reserved tokens / realized tokens on the calibration split
 
 
 def reserved_bounds(pred: np.ndarray, unc: np.ndarray, bounds: tuple[int, ...], large_bound: int,
-                    alpha: float, tau: float) -> np.ndarray:
+                    alpha: float, tau: float, ceiling: float = math.inf) -> np.ndarray:
     """Vectorised `BucketManager.select(L̂, u).bound` (tests pin the two to agree)."""
     b = np.asarray(bounds, dtype=np.float64)
-    target = pred * (1.0 + alpha * unc)
+    target = np.minimum(pred * (1.0 + alpha * unc), ceiling)
     idx = np.searchsorted(b, target, side="left")
     out = np.where(idx < len(b), b[np.minimum(idx, len(b) - 1)], large_bound)
     return np.where(unc > tau, large_bound, out).astype(np.int64)
 
 
 def coverage_scores(pred: np.ndarray, unc: np.ndarray, realized: np.ndarray, bounds: tuple[int, ...],
-                    tau: float) -> np.ndarray:
+                    tau: float, ceiling: float = math.inf) -> np.ndarray:
     """Per request, the smallest α whose reservation holds the realized length (inf: no α does)."""
     b = np.asarray(bounds, dtype=np.float64)
     # The reservation covers y iff the inflated prediction exceeds the largest bound below y.
@@ -48,6 +56,7 @@ def coverage_scores(pred: np.ndarray, unc: np.ndarray, realized: np.ndarray, bou
     with np.errstate(divide="ignore", invalid="ignore"):
         needed = (floor / pred - 1.0) / unc
     score = np.where(pred > floor, 0.0, np.where(unc > 0, needed * (1 + ALPHA_MARGIN) + ALPHA_MARGIN, np.inf))
+    score = np.where(floor >= ceiling, np.inf, score)  # no inflation lifts a reservation past the ceiling
     return np.where(unc > tau, 0.0, score)  # the large bucket holds every (capped) length
 
 
@@ -62,7 +71,7 @@ def conformal_alpha(scores: np.ndarray, target: float) -> float:
 
 def calibrate(pred: np.ndarray, unc: np.ndarray, realized: np.ndarray, bounds: tuple[int, ...],
               large_bound: int, target: float = 0.02, tau_grid: int = 24) -> OperatingPoint:
-    """The (α, τ) meeting `target` that reserves the fewest tokens on this split.
+    """The (α, τ, ceiling) meeting `target` that reserves the fewest tokens on this split.
 
     `realized` must already be capped at `large_bound` (a server never generates past max_new_tokens)."""
     if not 0.0 < target < 1.0:
@@ -71,16 +80,20 @@ def calibrate(pred: np.ndarray, unc: np.ndarray, realized: np.ndarray, bounds: t
     if len(pred) == 0:
         raise ConfigError("calibration needs at least one request")
     taus = [math.inf] + sorted({float(q) for q in np.quantile(unc, np.linspace(0.5, 0.995, tau_grid))}, reverse=True)
+    ceilings = [math.inf] + [float(b) for b in sorted(set(bounds)) if b < large_bound]
     best: OperatingPoint | None = None
     total = max(realized.sum(), 1.0)
-    for tau in taus:
-        alpha = conformal_alpha(coverage_scores(pred, unc, realized, bounds, tau), target)
-        if not math.isfinite(alpha):
-            continue
-        reserved = reserved_bounds(pred, unc, bounds, large_bound, alpha, tau)
-        point = OperatingPoint(alpha, tau, float(np.mean(realized > reserved)), float(reserved.sum() / total))
-        if best is None or point.overreservation < best.overreservation:
-            best = point
+    for ceiling in ceilings:
+        for tau in taus:
+            alpha = conformal_alpha(coverage_scores(pred, unc, realized, bounds, tau, ceiling), target)
+            if not math.isfinite(alpha):
+                continue
+            reserved = reserved_bounds(pred, unc, bounds, large_bound, alpha, tau, ceiling)
+            point = OperatingPoint(alpha, tau, ceiling, float(np.mean(realized > reserved)),
+                                   float(reserved.sum() / total))
+            if best is None or point.overreservation < best.overreservation:
+                best = point
     if best is None:  # nothing but "everything large" meets the target
-        return OperatingPoint(0.0, 0.0, float(np.mean(realized > large_bound)), float(len(pred) * large_bound / total))
+        return OperatingPoint(0.0, 0.0, math.inf, float(np.mean(realized > large_bound)),
+                              float(len(pred) * large_bound / total))
     return best

@@ -11,7 +11,7 @@ import pytest
 from odma.analyze import cli
 from odma.analyze.boundaries import BoundarySpec, analyze
 from odma.analyze.paged import PagedKV
-from odma.analyze.policies import parse_policies, parse_policy
+from odma.analyze.policies import BuildContext, bucket_manager, parse_policies, parse_policy
 from odma.analyze.profiles import GIB, PROFILES, CostModel, StepWork, load_profile
 from odma.errors import ConfigError, UnknownRequestError
 from odma.policy import KVRequest
@@ -77,10 +77,21 @@ def test_policy_names_and_overrides():
     assert [p.name for p in parse_policies("static, paged")] == ["static", "paged"]
     assert len(parse_policies("all")) >= 9
     bad_names = ("nope", "odma/colour=red", "odma/growth=sideways", "oracle/growth=next", "odma/large=1.5",
-                 "static,static", "odma/full=sometimes")
+                 "static,static", "odma/full=sometimes", "odma/ceiling=0", "odma/ceiling=many")
     for bad in bad_names:
         with pytest.raises(ConfigError):
             parse_policies(bad)
+
+
+def test_only_policies_that_take_the_calibration_take_its_ceiling():
+    ctx = BuildContext(total_tokens=1 << 16, max_new_tokens=2048, bootstrap=tuple(range(16, 2048, 8)),
+                       predictor_alpha=3.0, predictor_ceiling=500.0)
+    published = bucket_manager(parse_policy("odma-published"), ctx)
+    assert (published.alpha, published.ceiling) == (3.0, 500.0)
+    assert published.select(1500.0, 0.5).bound == published.next_above(500).bound  # not the large bucket
+    for name in ("s3", "odma", "oracle-bucketed"):  # S3 has no ceiling; odma reserves half of the raw L̂
+        assert bucket_manager(parse_policy(name), ctx).ceiling == math.inf
+    assert bucket_manager(parse_policy("odma/ceiling=300"), ctx).ceiling == 300.0
 
 
 def test_boundaries_of_constant_lengths_are_known():

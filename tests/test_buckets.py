@@ -72,6 +72,16 @@ def test_select_picks_smallest_fitting_bucket_or_large():
     assert bm.next_above(201).bound == 400
 
 
+def test_ceiling_caps_the_admission_bucket_but_not_the_uncertain_route():
+    bm = BucketManager.fixed((100, 200, 400), large_bound=1000, alpha=1.0, tau=0.8, ceiling=150)
+    assert bm.select(90, 0.0).bound == 100
+    assert bm.select(90, 0.5).bound == 200  # 135 → 200: the bucket holding the ceiling is allowed
+    assert bm.select(390, 0.5).bound == 200  # 585 would take the large bucket; the ceiling stops it at 200
+    assert bm.select(390, 0.9).index == LARGE  # u > τ still routes to the large bucket
+    assert bm.next_above(300).bound == 400  # growth is not capped: an outgrowing request migrates up
+    assert BucketManager.fixed((100, 200), 1000, ceiling=250).select(900).index == LARGE  # nothing holds 250
+
+
 @pytest.mark.parametrize("bad", [(-1, 0), (float("nan"), 0), (10, -0.1), (10, float("inf"))])
 def test_select_rejects_bad_input(bad):
     with pytest.raises(InvalidRequestError):
@@ -122,7 +132,8 @@ def test_background_refresh_thread():
         bm.stop()
 
 
-@pytest.mark.parametrize("kw", [{"max_buckets": 0}, {"align": 0}, {"method": "median"}, {"alpha": -1}, {"tau": math.nan}])
+@pytest.mark.parametrize("kw", [{"max_buckets": 0}, {"align": 0}, {"method": "median"}, {"alpha": -1}, {"tau": math.nan},
+                                {"ceiling": 0}, {"ceiling": math.nan}])
 def test_config_validation(kw):
     with pytest.raises(ConfigError):
         BucketConfig(**kw)

@@ -45,10 +45,11 @@ def test_tighter_target_reserves_more(bounds):
 
 def test_vectorised_reservation_is_what_the_bucket_manager_selects(bounds):
     pred, unc, _ = synthetic(500, 4)
-    for alpha, tau in [(0.0, math.inf), (1.7, 0.6), (5.0, 0.9)]:
-        manager = BucketManager.fixed(bounds, CAP, alpha=alpha, tau=tau)
+    for alpha, tau, ceiling in [(0.0, math.inf, math.inf), (1.7, 0.6, math.inf), (5.0, 0.9, 300.0),
+                                (3.0, math.inf, float(bounds[2]))]:
+        manager = BucketManager.fixed(bounds, CAP, alpha=alpha, tau=tau, ceiling=ceiling)
         expected = [manager.select(float(p), float(u)).bound for p, u in zip(pred, unc)]
-        assert reserved_bounds(pred, unc, bounds, CAP, alpha, tau).tolist() == expected
+        assert reserved_bounds(pred, unc, bounds, CAP, alpha, tau, ceiling).tolist() == expected
 
 
 def test_coverage_score_is_the_smallest_covering_alpha(bounds):
@@ -60,6 +61,38 @@ def test_coverage_score_is_the_smallest_covering_alpha(bounds):
         assert manager.select(float(p), float(u)).bound >= y
         if s > 1e-3:  # a little less inflation no longer covers it
             assert BucketManager.fixed(bounds, CAP, alpha=s * 0.99).select(float(p), float(u)).bound < y
+
+
+def test_no_alpha_covers_a_length_above_the_ceilings_bucket(bounds):
+    pred, unc, realized = synthetic(300, 7)
+    ceiling = float(bounds[3])
+    scores = coverage_scores(pred, unc, realized, bounds, math.inf, ceiling)
+    assert np.all(np.isinf(scores[realized > ceiling]))
+    assert np.all(np.isfinite(scores[realized <= bounds[3]]))
+
+
+def weak(n: int, seed: int):
+    """A predictor that knows nothing: L̂ and the realized length are independent, u is uninformative."""
+    rng = np.random.default_rng(seed)
+    realized = np.minimum(np.ceil(np.exp(rng.normal(5.0, 1.0, n))), CAP)
+    return np.exp(rng.normal(5.0, 1.0, n)), rng.uniform(0.6, 0.9, n), realized
+
+
+def test_a_weak_predictor_reserves_no_more_than_one_constant(bounds):
+    """Without the ceiling one α must lift the shortest predictions over the long tail and sends every long
+    prediction to the large bucket; with it the constant bucket is among the candidates."""
+    pred, unc, realized = weak(3000, 8)
+    point = calibrate(pred, unc, realized, bounds, CAP, target=0.05)
+    grid = np.array(list(bounds) + [CAP], dtype=float)
+    ordered = np.sort(realized)
+    constant = grid[np.searchsorted(grid, ordered[math.ceil(3001 * 0.95) - 1])]  # conformal constant bucket
+    assert point.underprediction_rate <= 0.05
+    assert point.overreservation <= constant * len(realized) / realized.sum() + 1e-9
+    assert math.isfinite(point.ceiling)
+    pred, unc, realized = weak(20000, 9)  # fresh draws: the rate holds, and the cost stays at the constant's
+    reserved = reserved_bounds(pred, unc, bounds, CAP, point.alpha, point.tau, point.ceiling)
+    assert abs(float(np.mean(realized > reserved)) - 0.05) < 0.015
+    assert reserved.sum() <= constant * len(realized) * 1.02
 
 
 def test_conformal_alpha_needs_enough_samples():

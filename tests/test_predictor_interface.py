@@ -1,6 +1,7 @@
 """load_predictor specs, the experiment-only oracles, the scikit-learn baseline, clear errors."""
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,7 +50,7 @@ def test_sklearn_round_trip(tmp_path):
     trace = load_trace(str(FIXTURE))
     y = np.array(trace.output_lengths())
     model = SklearnPredictor.fit(trace.records, y, (16, 64, 256, 1024))
-    cal = Calibration((16, 64, 256, 1024), 2048, alpha=1.5, tau=0.9, target=0.05)
+    cal = Calibration((16, 64, 256, 1024), 2048, alpha=1.5, tau=0.9, target=0.05, ceiling=256.0)
     model.save(tmp_path, Manifest("sklearn", cal, {}))
     loaded = load_predictor(str(tmp_path))
     assert loaded.calibration == cal
@@ -71,3 +72,14 @@ def test_committed_default_predictors_load_offline():
         out = p.predict([SimpleNamespace(prompt="Write a long essay about the sea.", prompt_tokens=20)])
         assert len(out) == 1 and out[0].length > 0 and 0 <= out[0].uncertainty <= 1
         assert p.calibration is not None and p.calibration.target is not None
+
+
+def test_calibration_json_keeps_the_ceiling_and_reads_manifests_without_one():
+    cal = Calibration((16, 64, 256), 1024, alpha=2.0, ceiling=64.0)
+    assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
+    assert cal.bucket_manager().select(200.0, 0.5).bound == 64  # 200·2 would take the large bucket
+    old = {"bounds": [16, 64, 256], "large_bound": 1024, "alpha": 2.0, "tau": None}  # session 1-7 manifests
+    assert Calibration.from_json(old).ceiling == math.inf
+    assert Calibration.from_json(json.loads(json.dumps(Calibration((16,), 64).to_json()))).ceiling == math.inf
+    with pytest.raises(PredictorError, match="ceiling"):
+        Calibration.from_json({**old, "ceiling": 0})

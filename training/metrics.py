@@ -27,7 +27,7 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
     manager = calibration.bucket_manager()
     reserved = np.array([manager.select(float(a), float(b)).bound for a, b in zip(length, unc)], dtype=np.float64)
     plain = calibration.bucket_manager()
-    plain.alpha, plain.tau = 0.0, math.inf
+    plain.alpha, plain.tau, plain.ceiling = 0.0, math.inf, math.inf
     ours_bucket = np.array([plain.select(float(a)).index for a in length])
     ours_bucket = np.where(ours_bucket < 0, len(calibration.bounds), ours_bucket)  # LARGE sorts last
     true_bucket = bucket_index(y, calibration.bounds)
@@ -64,6 +64,7 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
         "mean_uncertainty": round(float(unc.mean()), 4) if len(unc) else None,
         "alpha": round(calibration.alpha, 4),
         "tau": None if math.isinf(calibration.tau) else round(calibration.tau, 4),
+        "ceiling": None if math.isinf(calibration.ceiling) else int(calibration.ceiling),
         "large_bound": calibration.large_bound,
     }
     return report

@@ -75,8 +75,8 @@ def train(opts: TrainOptions) -> dict:
     val_pred = predictor.predict(val_t.records)
     point = calibrate(np.array([p.length for p in val_pred]), np.array([p.uncertainty for p in val_pred]),
                       y_val, stats.bounds, cap, target=opts.target)
-    calibration = Calibration(stats.bounds, cap, 16, point.alpha, point.tau, opts.target)
-    _log(opts, f"calibrated alpha={point.alpha:.3f} tau={point.tau:.3f} "
+    calibration = Calibration(stats.bounds, cap, 16, point.alpha, point.tau, opts.target, point.ceiling)
+    _log(opts, f"calibrated alpha={point.alpha:.3f} tau={point.tau:.3f} ceiling={point.ceiling:.0f} "
                f"(calibration split: under-prediction {point.underprediction_rate:.3f}, "
                f"over-reservation {point.overreservation:.2f})")
     predictor.calibration = calibration

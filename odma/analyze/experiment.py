@@ -51,6 +51,7 @@ def run_experiment(spec: ExperimentSpec, trace: Trace | None = None, progress: b
         bootstrap=() if spec.cold_start else workload.bootstrap_lengths[: spec.window],
         predictor_alpha=predictions.alpha if predictions else None,
         predictor_tau=predictions.tau if predictions else None,
+        predictor_ceiling=predictions.ceiling if predictions else None,
     )
     results = {}
     for policy in policies:

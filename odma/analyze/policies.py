@@ -2,7 +2,8 @@
 
 A name is a preset, optionally refined with `/key=value` overrides, e.g. `odma/growth=double/alpha=0.5`.
 Keys: bounds (quantile | optimal | equal-width), growth (next | large | double), large (share of the pool
-held back for the large bucket), alpha (a number, or `cal`: the predictor's calibrated α), tau, scale (L̂ is
+held back for the large bucket), alpha (a number, or `cal`: the predictor's calibrated α), tau, ceiling
+(tokens above which admission reserves no larger bucket; default: the predictor's calibration), scale (L̂ is
 multiplied by this before the bucket choice: < 1 reserves tighter and relies on migration), predict
 (predictor | oracle | none | a constant), k, batch (running requests at most, e.g. vLLM's max_num_seqs:
 `paged/batch=256`), full (stall | preempt: what a request does when it cannot grow; default: --on-full).
@@ -36,6 +37,7 @@ class PolicySpec:
     large_share: float = 0.0
     alpha: float | None = None  # None: the predictor's calibration (`alpha=cal`), else 0
     tau: float | None = None  # None: the predictor's calibration, else inf
+    ceiling: float | None = None  # None: the predictor's calibration, else inf
     scale: float = 1.0
     k: int | None = None  # bucket count; None: the replay's --buckets
     max_batch: int | None = None  # running requests at most for this policy; None: the engine's setting
@@ -52,6 +54,8 @@ class PolicySpec:
             raise ConfigError(f"{self.name}: exact reservation grows by 'double' or 'large'")
         if not 0.0 <= self.large_share < 1.0:
             raise ConfigError(f"{self.name}: large must be in [0, 1), got {self.large_share}")
+        if self.ceiling is not None and not self.ceiling >= 1:
+            raise ConfigError(f"{self.name}: ceiling must be >= 1 token, got {self.ceiling}")
         if not (self.scale > 0 and math.isfinite(self.scale)):
             raise ConfigError(f"{self.name}: scale must be a positive number, got {self.scale}")
         if self.on_full not in (None, "stall", "preempt"):
@@ -68,9 +72,12 @@ class PolicySpec:
 # the others stay as named rows (odma/scale=1, odma-published, ...) so the trade-offs remain visible.
 PRESETS: dict[str, PolicySpec] = {
     "static": PolicySpec("static", "static", predict="none"),
-    "s3": PolicySpec("s3", "bucket", bounds="equal-width", dynamic=False, growth="next", alpha=0.0),
+    "s3": PolicySpec("s3", "bucket", bounds="equal-width", dynamic=False, growth="next", alpha=0.0,
+                     ceiling=math.inf),
     "odma-published": PolicySpec("odma-published", "bucket", bounds="quantile", growth="large", large_share=0.1),
-    "odma": PolicySpec("odma", "bucket", bounds="optimal", growth="next", large_share=0.0, scale=0.5, alpha=0.0),
+    # reserves half of the raw L̂ by design: the calibrated α and ceiling belong to the 2 % target, not to it
+    "odma": PolicySpec("odma", "bucket", bounds="optimal", growth="next", large_share=0.0, scale=0.5, alpha=0.0,
+                       ceiling=math.inf),
     "oracle": PolicySpec("oracle", "exact", predict="oracle", growth="double"),
     "oracle-bucketed": PolicySpec("oracle-bucketed", "bucket", predict="oracle", bounds="optimal", growth="next"),
     "paged": PolicySpec("paged", "paged", predict="none"),
@@ -85,6 +92,7 @@ _KEYS = {
     "large": ("large_share", float),
     "alpha": ("alpha", lambda v: None if v == "cal" else float(v)),
     "tau": ("tau", float),
+    "ceiling": ("ceiling", float),
     "scale": ("scale", float),
     "predict": ("predict", str),
     "k": ("k", int),
@@ -132,6 +140,7 @@ class BuildContext:
     bootstrap: tuple[int, ...] = ()  # realized lengths the dynamic buckets start from
     predictor_alpha: float | None = None
     predictor_tau: float | None = None
+    predictor_ceiling: float | None = None
 
 
 def build_manager(spec: PolicySpec, ctx: BuildContext) -> KVManager:
@@ -155,19 +164,20 @@ def bucket_manager(spec: PolicySpec, ctx: BuildContext) -> BucketManager:
     k = spec.k or ctx.buckets
     alpha = spec.alpha if spec.alpha is not None else (ctx.predictor_alpha or 0.0)
     tau = spec.tau if spec.tau is not None else (ctx.predictor_tau if ctx.predictor_tau is not None else math.inf)
+    ceiling = spec.ceiling if spec.ceiling is not None else (ctx.predictor_ceiling or math.inf)
     if spec.predict == "oracle":  # exact lengths: inflation would only waste memory
-        alpha, tau = 0.0, math.inf
+        alpha, tau, ceiling = 0.0, math.inf, math.inf
     if spec.bounds == "equal-width" or not spec.dynamic:
         bounds = (
             equal_width_bounds(ctx.max_new_tokens, k)
             if spec.bounds == "equal-width"
-            else BucketManager(_config(spec, ctx, k, alpha, tau), ctx.bootstrap or None).bounds
+            else BucketManager(_config(spec, ctx, k, alpha, tau, ceiling), ctx.bootstrap or None).bounds
         )
-        return BucketManager.fixed(bounds, ctx.max_new_tokens, alpha=alpha, tau=tau)
-    return BucketManager(_config(spec, ctx, k, alpha, tau), ctx.bootstrap or None)
+        return BucketManager.fixed(bounds, ctx.max_new_tokens, alpha=alpha, tau=tau, ceiling=ceiling)
+    return BucketManager(_config(spec, ctx, k, alpha, tau, ceiling), ctx.bootstrap or None)
 
 
-def _config(spec: PolicySpec, ctx: BuildContext, k: int, alpha: float, tau: float) -> BucketConfig:
+def _config(spec: PolicySpec, ctx: BuildContext, k: int, alpha: float, tau: float, ceiling: float) -> BucketConfig:
     return BucketConfig(
         max_buckets=k,
         align=ctx.align,
@@ -178,6 +188,7 @@ def _config(spec: PolicySpec, ctx: BuildContext, k: int, alpha: float, tau: floa
         large_bound=ctx.max_new_tokens,
         alpha=alpha,
         tau=tau,
+        ceiling=ceiling,
     )
 
 

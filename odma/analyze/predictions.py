@@ -20,6 +20,7 @@ class Predictions:
     uncertainties: tuple[float, ...]  # u per workload item
     alpha: float | None = None  # the predictor's own calibration, when it has one
     tau: float | None = None
+    ceiling: float | None = None
 
     def summary(self, workload: Workload) -> dict:
         """How far L̂ is from the realized (clipped) lengths."""
@@ -35,6 +36,7 @@ class Predictions:
             "mean_uncertainty": round(sum(self.uncertainties) / n, 4),
             "alpha": self.alpha,
             "tau": None if self.tau is None or math.isinf(self.tau) else self.tau,  # JSON has no infinity
+            "ceiling": None if self.ceiling is None or math.isinf(self.ceiling) else self.ceiling,
         }
 
 
@@ -76,4 +78,5 @@ def predict(workload: Workload, spec: str) -> Predictions:
         uncertainties=tuple(min(1.0, max(0.0, float(p[1]))) for p in preds),
         alpha=None if cal is None else cal.alpha,
         tau=None if cal is None else cal.tau,
+        ceiling=None if cal is None else cal.ceiling,
     )
