@@ -92,6 +92,8 @@ def test_only_policies_that_take_the_calibration_take_its_ceiling():
     for name in ("s3", "odma", "oracle-bucketed"):  # S3 has no ceiling; odma reserves half of the raw L̂
         assert bucket_manager(parse_policy(name), ctx).ceiling == math.inf
     assert bucket_manager(parse_policy("odma/ceiling=300"), ctx).ceiling == 300.0
+    assert bucket_manager(parse_policy("odma/alpha=cal"), ctx).ceiling == 500.0  # α and ceiling come together
+    assert bucket_manager(parse_policy("odma/alpha=cal/ceiling=inf"), ctx).ceiling == math.inf
 
 
 def test_boundaries_of_constant_lengths_are_known():

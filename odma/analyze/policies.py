@@ -2,8 +2,9 @@
 
 A name is a preset, optionally refined with `/key=value` overrides, e.g. `odma/growth=double/alpha=0.5`.
 Keys: bounds (quantile | optimal | equal-width), growth (next | large | double), large (share of the pool
-held back for the large bucket), alpha (a number, or `cal`: the predictor's calibrated α), tau, ceiling
-(tokens above which admission reserves no larger bucket; default: the predictor's calibration), scale (L̂ is
+held back for the large bucket), alpha (a number, or `cal`: the predictor's calibrated α and, unless given,
+its ceiling), tau, ceiling (tokens above which admission reserves no larger bucket; default: the predictor's
+calibration, except in s3 and odma), scale (L̂ is
 multiplied by this before the bucket choice: < 1 reserves tighter and relies on migration), predict
 (predictor | oracle | none | a constant), k, batch (running requests at most, e.g. vLLM's max_num_seqs:
 `paged/batch=256`), full (stall | preempt: what a request does when it cannot grow; default: --on-full).
@@ -116,6 +117,8 @@ def parse_policy(name: str) -> PolicySpec:
             changes[field] = conv(value)
         except ValueError:
             raise ConfigError(f"policy {name!r}: bad value in {item!r}") from None
+    if "alpha" in changes and changes["alpha"] is None and "ceiling" not in changes:
+        changes["ceiling"] = None  # the calibrated α was chosen together with its ceiling
     return dataclasses.replace(PRESETS[base], **changes)
 
 
