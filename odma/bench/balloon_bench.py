@@ -157,7 +157,9 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
         if swap is not None:
             clock += swap.take_seconds()
         if not work:
-            if scheduler.has_work() and idle < 3:  # a preemption frees room: the next round admits again
+            # a round without work preempts the newest running request (room for the others to grow): allow
+            # one such round per running request before calling it stuck
+            if scheduler.has_work() and idle <= len(scheduler.running) + 2:
                 idle += 1
                 continue
             if i < len(pending):
