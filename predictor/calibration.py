@@ -9,9 +9,10 @@ picked from small grids to minimise the tokens reserved on the same split (a mil
 split reports the rate actually achieved).
 
 Why a ceiling: with a weak L̂ one α must lift the requests predicted short far enough to cover their long
-tail, and then sends every request predicted long to the large bucket. A ceiling at the bucket that holds
-the (1 − ε) quantile makes "everyone reserves that bucket" (α = ∞) one of the candidates, so the chosen
-point never reserves more than one constant reservation on the calibration split.
+tail, and then sends every request predicted long to the large bucket. With the ceiling at the bucket that
+holds the (1 − ε) quantile no request reserves more than that bucket, so that candidate (and therefore the
+chosen point) reserves no more on the calibration split than giving everyone that bucket, while L̂ still
+picks smaller buckets for the requests it ranks short.
 """
 
 from __future__ import annotations
