@@ -16,8 +16,8 @@ from torch.nn import functional as F
 
 from predictor.encoder import LengthHeads, LengthModel, MeanPooledEncoder, _layer_list
 from predictor.features import drop_metadata
-from training.heads import HeadTraining
 from predictor.text import encode_texts
+from training.heads import HeadTraining
 
 TUNED_FILE = "encoder_tuned.safetensors"
 

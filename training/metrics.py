@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -26,8 +27,8 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
     unc = np.array([p.uncertainty for p in preds], dtype=np.float64)
     manager = calibration.bucket_manager()
     reserved = np.array([manager.select(float(a), float(b)).bound for a, b in zip(length, unc)], dtype=np.float64)
-    plain = calibration.bucket_manager()
-    plain.alpha, plain.tau, plain.ceiling = 0.0, math.inf, math.inf
+    # the bucket of L̂ itself, without inflation, τ or ceiling
+    plain = dataclasses.replace(calibration, alpha=0.0, tau=math.inf, ceiling=math.inf).bucket_manager()
     ours_bucket = np.array([plain.select(float(a)).index for a in length])
     ours_bucket = np.where(ours_bucket < 0, len(calibration.bounds), ours_bucket)  # LARGE sorts last
     true_bucket = bucket_index(y, calibration.bounds)
@@ -70,6 +71,15 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
     return report
 
 
+def evaluate_records(records: Sequence, preds: Sequence[Prediction], realized: np.ndarray, calibration: Calibration,
+                     stats: TrainStats, s3_baseline_buckets: np.ndarray | None = None) -> dict:
+    """`evaluate`, plus the first/later-turn breakdown (`by_turn`) when the records are multi-turn."""
+    report = evaluate(preds, realized, calibration, stats, s3_baseline_buckets)
+    if (turns := by_turn(records, preds, realized, calibration, stats)) is not None:
+        report["by_turn"] = turns
+    return report
+
+
 def by_turn(records: Sequence, preds: Sequence[Prediction], realized: np.ndarray, calibration: Calibration,
             stats: TrainStats) -> dict | None:
     """The headline metrics for first turns and later turns apart, on a trace with multi-turn conversations:
@@ -86,7 +96,6 @@ def by_turn(records: Sequence, preds: Sequence[Prediction], realized: np.ndarray
             part = evaluate([p for p, m in zip(preds, mask) if m], np.asarray(realized)[mask], calibration, stats)
             out[name] = {k: part[k] for k in keys}
     return out
-
 
 
 def ranking_bound(cal_length: np.ndarray, cal_realized: np.ndarray, length: np.ndarray, realized: np.ndarray,

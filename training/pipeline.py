@@ -17,7 +17,7 @@ from predictor.base import Calibration, Manifest, Predictor, load_predictor
 from predictor.calibration import calibrate
 from predictor.features import MetadataEncoder
 from training import data
-from training.metrics import by_turn, evaluate, ranking_bound
+from training.metrics import evaluate_records, ranking_bound
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,9 @@ def train(opts: TrainOptions) -> dict:
                f"over-reservation {point.overreservation:.2f})")
     predictor.calibration = calibration
     test_pred = predictor.predict(test_t.records)
-    report = evaluate(test_pred, y_test, calibration, stats, s3_test_buckets)
+    report = evaluate_records(test_t.records, test_pred, y_test, calibration, stats, s3_test_buckets)
     report["ranking_bound"] = ranking_bound([p.length for p in val_pred], y_val, [p.length for p in test_pred], y_test,
                                             opts.target, cap)
-    if (turns := by_turn(test_t.records, test_pred, y_test, calibration, stats)) is not None:
-        report["by_turn"] = turns
     from predictor.latency import measure
 
     lat = measure(predictor, test_t.records, n_single=opts.latency_requests)
@@ -284,10 +282,7 @@ def evaluate_existing(spec: str, trace_spec: str, split: str = "all", limit: int
         raise PredictorError(f"the {split} split of {trace_spec!r} is empty")
     y = np.minimum(np.array([r.output_tokens for r in records]), predictor.calibration.large_bound)
     s3 = _saved_s3_buckets(predictor, manifest, records, progress) if s3_baseline else None
-    preds = predictor.predict(records)
-    report = evaluate(preds, y, predictor.calibration, stats, s3)
-    if (turns := by_turn(records, preds, y, predictor.calibration, stats)) is not None:
-        report["by_turn"] = turns
+    report = evaluate_records(records, predictor.predict(records), y, predictor.calibration, stats, s3)
     from predictor.latency import measure
 
     lat = measure(predictor, records)
