@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from odma.config import BucketConfig
+from odma.config import BucketConfig, ReservationTable
 from odma.errors import ConfigError, InvalidRequestError
 
 LARGE = -1  # bucket index of the large bucket
@@ -122,6 +122,7 @@ class BucketManager:
         self.alpha = self.config.alpha
         self.tau = self.config.tau
         self.ceiling = self.config.ceiling
+        self.table = self.config.table
         self._window: deque[int] = deque(maxlen=self.config.window)
         self._lock = threading.Lock()
         self._since_refresh = 0
@@ -140,7 +141,7 @@ class BucketManager:
     @classmethod
     def fixed(
         cls, bounds: Sequence[int], large_bound: int, alpha: float = 0.0, tau: float = math.inf,
-        ceiling: float = math.inf,
+        ceiling: float = math.inf, table: ReservationTable | None = None,
     ) -> "BucketManager":
         """Static bounds that never refresh (the S3 baseline, or bounds chosen offline)."""
         bounds = tuple(sorted({int(b) for b in bounds}))
@@ -148,7 +149,7 @@ class BucketManager:
             raise ConfigError(f"fixed bucket bounds must be positive, got {bounds}")
         config = BucketConfig(
             max_buckets=len(bounds), align=1, large_bound=max(large_bound, bounds[-1]), alpha=alpha, tau=tau,
-            ceiling=ceiling,
+            ceiling=ceiling, table=table,
         )
         mgr = cls(config)
         mgr._bounds = bounds
@@ -174,14 +175,16 @@ class BucketManager:
         return self.config.large_bound
 
     def select(self, predicted: float, uncertainty: float = 0.0) -> BucketChoice:
-        """Smallest bucket with bound >= L̂·(1 + α·u), but none above the bucket that holds the ceiling;
-        u > τ, or nothing large enough: the large bucket."""
+        """Smallest bucket with bound >= L̂·(1 + α·u), but none above the bucket that holds the ceiling, or,
+        with a reservation table, >= the table's tokens for L̂; u > τ, or nothing large enough: the large bucket."""
         if not math.isfinite(predicted) or predicted < 0:
             raise InvalidRequestError(f"predicted length must be a finite number >= 0, got {predicted}")
         if not math.isfinite(uncertainty) or uncertainty < 0:
             raise InvalidRequestError(f"uncertainty must be a finite number >= 0, got {uncertainty}")
         if uncertainty > self.tau:
             return self._large_choice
+        if self.table is not None:
+            return self._first_at_least(self.table.lookup(predicted))
         return self._first_at_least(min(predicted * (1.0 + self.alpha * uncertainty), self.ceiling))
 
     def next_above(self, needed: int) -> BucketChoice:

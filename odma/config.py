@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import dataclass, field
@@ -27,6 +28,36 @@ def default_cache_dir() -> Path:
 
 
 @dataclass(frozen=True, slots=True)
+class ReservationTable:
+    """Admission reservations by L̂ group, calibrated offline (`predictor.calibration.reservation_table`):
+    L̂ < edges[0] reserves tokens[0], edges[i-1] <= L̂ < edges[i] reserves tokens[i], the rest tokens[-1].
+    With a weak L̂ a per-group reservation fits the tail of each group, which one inflation factor cannot."""
+
+    edges: tuple[float, ...]
+    tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.edges) + 1:
+            raise ConfigError(f"a reservation table needs one more token count than edges, got "
+                              f"{len(self.edges)} edges and {len(self.tokens)} token counts")
+        if any(not math.isfinite(e) for e in self.edges) or any(a >= b for a, b in zip(self.edges, self.edges[1:])):
+            raise ConfigError(f"reservation table edges must be finite and increasing, got {self.edges}")
+        if any(t < 1 for t in self.tokens):
+            raise ConfigError(f"reservation table token counts must be >= 1, got {self.tokens}")
+
+    def lookup(self, predicted: float) -> int:
+        return self.tokens[bisect.bisect_right(self.edges, predicted)]
+
+    def to_json(self) -> dict:
+        return {"edges": list(self.edges), "tokens": list(self.tokens)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ReservationTable":
+        """Raises ConfigError, KeyError, TypeError or ValueError on a malformed block."""
+        return cls(tuple(float(e) for e in d["edges"]), tuple(int(t) for t in d["tokens"]))
+
+
+@dataclass(frozen=True, slots=True)
 class BucketConfig:
     """How realized lengths become bucket bounds, and how a prediction picks a bucket."""
 
@@ -44,6 +75,8 @@ class BucketConfig:
     # admission never reserves a bucket above the one holding this many tokens (u > tau aside); a request
     # that outgrows it migrates. Calibrated, it keeps a weak L̂ from reserving more than one constant would.
     ceiling: float = math.inf
+    # when set, admission reserves the first bucket >= table.lookup(L̂) instead of L̂·(1 + α·u) (u > tau aside)
+    table: ReservationTable | None = None
 
     def __post_init__(self) -> None:
         if self.max_buckets < 1:
@@ -64,6 +97,8 @@ class BucketConfig:
             raise ConfigError(f"tau must be >= 0, got {self.tau}")
         if math.isnan(self.ceiling) or self.ceiling < 1:
             raise ConfigError(f"ceiling must be >= 1 token, got {self.ceiling}")
+        if self.table is not None and (self.alpha != 0 or math.isfinite(self.ceiling)):
+            raise ConfigError("a reservation table replaces alpha and the ceiling: set alpha=0 and no ceiling")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from odma.buckets import LARGE, BucketManager, equal_width_bounds, optimal_bounds, quantile_bounds
-from odma.config import BucketConfig
+from odma.config import BucketConfig, ReservationTable
 from odma.errors import ConfigError, InvalidRequestError
 
 
@@ -80,6 +80,32 @@ def test_ceiling_caps_the_admission_bucket_but_not_the_uncertain_route():
     assert bm.select(390, 0.9).index == LARGE  # u > τ still routes to the large bucket
     assert bm.next_above(300).bound == 400  # growth is not capped: an outgrowing request migrates up
     assert BucketManager.fixed((100, 200), 1000, ceiling=250).select(900).index == LARGE  # nothing holds 250
+
+
+def test_a_reservation_table_replaces_inflation_on_any_grid():
+    table = ReservationTable((50.0, 300.0), (120, 200, 900))
+    bm = BucketManager.fixed((100, 200, 400), large_bound=1000, tau=0.8, table=table)
+    assert bm.select(10, 0.5).bound == 200  # 120 tokens → the first bucket holding them
+    assert bm.select(50, 0.0).bound == 200  # an edge belongs to the group above it
+    assert bm.select(299, 0.0).bound == 200
+    assert bm.select(300, 0.0).index == LARGE  # 900 tokens: no bucket below the large one holds them
+    assert bm.select(10, 0.9).index == LARGE  # u > τ still routes to the large bucket
+    assert BucketManager.fixed((128, 256, 1024), 1000, table=table).select(10).bound == 128  # another grid
+
+
+@pytest.mark.parametrize("edges,tokens", [((1.0,), (10,)), ((5.0, 5.0), (1, 2, 3)), ((float("nan"),), (1, 2)),
+                                          ((1.0,), (0, 5))])
+def test_bad_reservation_table(edges, tokens):
+    with pytest.raises(ConfigError):
+        ReservationTable(edges, tokens)
+
+
+def test_a_table_with_inflation_is_ambiguous():
+    table = ReservationTable((), (100,))
+    with pytest.raises(ConfigError, match="replaces"):
+        BucketConfig(alpha=1.0, table=table)
+    with pytest.raises(ConfigError, match="replaces"):
+        BucketConfig(ceiling=500, table=table)
 
 
 @pytest.mark.parametrize("bad", [(-1, 0), (float("nan"), 0), (10, -0.1), (10, float("inf"))])
