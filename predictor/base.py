@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
-from odma.errors import PredictorError
+from odma.config import ReservationTable
+from odma.errors import ConfigError, PredictorError
 
 MANIFEST = "predictor.json"
 FORMAT_VERSION = 1
@@ -23,7 +24,7 @@ class Prediction(NamedTuple):
 @dataclass(frozen=True)
 class Calibration:
     """How predictions become reservations: the bucket bounds the model was calibrated against, α, τ and the
-    reservation ceiling."""
+    reservation ceiling, or a reservation table."""
 
     bounds: tuple[int, ...]
     large_bound: int
@@ -32,12 +33,14 @@ class Calibration:
     tau: float = math.inf
     target: float | None = None  # under-prediction rate α and τ were chosen for
     ceiling: float = math.inf  # no admission reservation above the bucket holding this (absent in old manifests)
+    table: ReservationTable | None = None  # per-L̂-group reservations; replaces α and the ceiling (session 9)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["bounds"] = list(self.bounds)
         for key in ("tau", "ceiling"):  # JSON has no infinity
             d[key] = None if math.isinf(d[key]) else d[key]
+        d["table"] = None if self.table is None else self.table.to_json()
         return d
 
     @classmethod
@@ -46,18 +49,20 @@ class Calibration:
             ceiling = math.inf if d.get("ceiling") is None else float(d["ceiling"])
             if not ceiling >= 1:
                 raise ValueError(f"ceiling must be >= 1 token, got {ceiling}")
+            table = None if d.get("table") is None else ReservationTable.from_json(d["table"])
             return cls(tuple(int(b) for b in d["bounds"]), int(d["large_bound"]), int(d.get("align", 16)),
                        float(d.get("alpha", 0.0)), math.inf if d.get("tau") is None else float(d["tau"]),
-                       d.get("target"), ceiling)
-        except (KeyError, TypeError, ValueError) as exc:
+                       d.get("target"), ceiling, table)
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise PredictorError(f"bad calibration block in {MANIFEST}: {exc}") from None
 
     def bucket_manager(self):
-        """A static manager with these bounds, α, τ and ceiling: `select` is exactly the allocator's choice."""
+        """A static manager with these bounds, α, τ, ceiling and table: `select` is exactly the allocator's
+        choice."""
         from odma.buckets import BucketManager
 
         return BucketManager.fixed(self.bounds, self.large_bound, alpha=self.alpha, tau=self.tau,
-                                   ceiling=self.ceiling)
+                                   ceiling=self.ceiling, table=self.table)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from odma.config import ReservationTable
 from odma.errors import PredictorError
 from odma.traces import load_trace
 from predictor import Prediction, load_predictor
@@ -64,6 +65,19 @@ def test_sklearn_round_trip(tmp_path):
     (tmp_path / "model.joblib").write_bytes(b"garbage")
     with pytest.raises(PredictorError, match="corrupt"):
         load_predictor(str(tmp_path))
+
+
+def test_calibration_json_keeps_the_reservation_table():
+    table = ReservationTable((12.5, 80.0), (16, 64, 256))
+    cal = Calibration((16, 64, 256), 1024, target=0.02, table=table)
+    back = Calibration.from_json(json.loads(json.dumps(cal.to_json())))
+    assert back == cal and back.table == table
+    assert cal.bucket_manager().select(100.0, 0.9).bound == 256
+    assert Calibration.from_json({"bounds": [16], "large_bound": 64}).table is None  # manifests before session 9
+    for bad in ({"edges": [1.0], "tokens": [16]}, {"edges": [2.0, 1.0], "tokens": [1, 2, 3]}, {"tokens": [16]},
+                {"edges": [1.0], "tokens": ["x", 2]}):
+        with pytest.raises(PredictorError, match="calibration"):
+            Calibration.from_json({**cal.to_json(), "table": bad})
 
 
 def test_committed_default_predictors_load_offline():

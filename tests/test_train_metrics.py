@@ -65,6 +65,28 @@ def test_ranking_bound_rewards_ranking_and_meets_its_target():
     assert tiny["mean_overreservation"] == round(len(test_y) * 5000 / test_y.sum(), 4)  # too few to calibrate
 
 
+def test_monotone_bound_is_below_every_monotone_reservation():
+    from predictor.calibration import calibrate, reserved_bounds
+    from training.metrics import monotone_bound
+
+    rng = np.random.default_rng(1)
+    y = np.minimum(rng.lognormal(5, 1, 1000).round() + 1, 2048)
+    perfect = monotone_bound(y, y, 0.02, 2048)["mean_overreservation"]  # L̂ = the length: reserve about it
+    assert 0.9 < perfect <= 1.0  # below 1: the 20 misses allowed reserve less than they generate
+    blind = monotone_bound(np.ones(1000), y, 0.02, 2048)  # one group: the in-sample constant
+    assert blind["groups"] == 1 and blind["misses_allowed"] == 20
+    assert blind["mean_overreservation"] == round(float(np.sort(y)[-21] * 1000 / y.sum()), 4)
+    noisy = y * rng.lognormal(0, 0.7, 1000)
+    bound = monotone_bound(noisy, y, 0.02, 2048)["mean_overreservation"]
+    assert 1.0 < bound < blind["mean_overreservation"]
+    grid = (64, 128, 256, 512, 1024)
+    for groups in (2, 10, 50):  # even calibrated on these very requests, a table reserves no less
+        point = calibrate(noisy, np.zeros(1000), y, grid, 2048, target=0.02, table_groups=groups)
+        reserved = reserved_bounds(noisy, np.zeros(1000), grid, 2048, point.alpha, point.tau, point.ceiling,
+                                   point.table)
+        assert reserved.sum() / y.sum() >= bound
+
+
 def test_by_turn_splits_first_and_later_turns():
     """A good prediction on later turns and a constant one on first turns: the pooled numbers would blur
     the two, the breakdown shows each; a single-turn trace gets no breakdown."""

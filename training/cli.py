@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune-epochs", type=int, default=3)
     p.add_argument("--no-quantize", action="store_true", help="export fp32 instead of int8 weights")
     p.add_argument("--target", type=float, default=0.02, help="under-prediction rate α and τ are calibrated for")
+    p.add_argument("--table-groups", type=int, default=10,
+                   help="L̂ groups of the per-group reservation table calibration may choose (0: only α, τ, ceiling)")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="length cap = the large bucket's bound")
     p.add_argument("--limit", type=int, help="use only the first N requests of the trace")
     p.add_argument("--no-s3-baseline", action="store_true", help="skip training the S3 comparison classifier")
@@ -70,6 +72,8 @@ def _run(args) -> dict:
         raise ConfigError("training needs --out")
     if not 0 < args.target < 1:
         raise ConfigError(f"--target must be in (0, 1), got {args.target}")
+    if args.table_groups < 0:
+        raise ConfigError(f"--table-groups must be >= 0, got {args.table_groups}")
     if args.max_len < 8:
         raise ConfigError(f"--max-len must be >= 8, got {args.max_len}")
     from training.pipeline import TrainOptions, train
@@ -77,7 +81,7 @@ def _run(args) -> dict:
     return train(TrainOptions(
         trace=args.trace, out=args.out, model=args.model, backbone=args.backbone, layers=args.layers or None,
         max_len=args.max_len, quantize=not args.no_quantize, target=args.target, max_new_tokens=args.max_new_tokens,
-        limit=args.limit, s3_baseline=not args.no_s3_baseline, threads=args.threads, seed=args.seed,
+        table_groups=args.table_groups, limit=args.limit, s3_baseline=not args.no_s3_baseline, threads=args.threads, seed=args.seed,
         finetune_layers=args.finetune_layers, finetune_epochs=args.finetune_epochs, progress=not args.quiet))
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
 from predictor.base import Calibration, Prediction
+from predictor.calibration import cheapest_monotone, group_costs
 from training.data import TrainStats, bucket_index
 
 
@@ -27,8 +28,8 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
     unc = np.array([p.uncertainty for p in preds], dtype=np.float64)
     manager = calibration.bucket_manager()
     reserved = np.array([manager.select(float(a), float(b)).bound for a, b in zip(length, unc)], dtype=np.float64)
-    # the bucket of L̂ itself, without inflation, τ or ceiling
-    plain = dataclasses.replace(calibration, alpha=0.0, tau=math.inf, ceiling=math.inf).bucket_manager()
+    # the bucket of L̂ itself, without inflation, τ, ceiling or table
+    plain = dataclasses.replace(calibration, alpha=0.0, tau=math.inf, ceiling=math.inf, table=None).bucket_manager()
     ours_bucket = np.array([plain.select(float(a)).index for a in length])
     ours_bucket = np.where(ours_bucket < 0, len(calibration.bounds), ours_bucket)  # LARGE sorts last
     true_bucket = bucket_index(y, calibration.bounds)
@@ -66,9 +67,27 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
         "alpha": round(calibration.alpha, 4),
         "tau": None if math.isinf(calibration.tau) else round(calibration.tau, 4),
         "ceiling": None if math.isinf(calibration.ceiling) else int(calibration.ceiling),
+        "reservation_table": None if calibration.table is None else calibration.table.to_json(),
         "large_bound": calibration.large_bound,
     }
+    if calibration.target is not None and len(y):
+        report["monotone_bound"] = monotone_bound(length, y, calibration.target, calibration.large_bound)
     return report
+
+
+def monotone_bound(length: np.ndarray, realized: np.ndarray, target: float, cap: int) -> dict:
+    """The fewest tokens a reservation that never reserves less for a longer L̂ can hold while missing at most
+    ⌊target·n⌋ of these requests, fitted to their own realized lengths (in sample, off the bucket grid, one group
+    per distinct L̂). No reservation table, ceiling or bucket grid on top of this L̂ (nor α·u with a constant u)
+    reserves less on this split at this miss rate: only a better predictor can."""
+    length, realized = np.asarray(length, dtype=np.float64), np.asarray(realized, dtype=np.float64)
+    allowed = int(math.floor(target * len(realized)))
+    values, group = np.unique(length, return_inverse=True)
+    choices = np.array(sorted({float(v) for v in realized if v < cap}) + [float(cap)])
+    cost, misses = group_costs(group, len(values), choices, realized)
+    total, _ = cheapest_monotone(cost, misses, allowed, trace_back=False)
+    return {"groups": int(len(values)), "misses_allowed": allowed,
+            "mean_overreservation": round(float(total / max(realized.sum(), 1.0)), 4)}
 
 
 def evaluate_records(records: Sequence, preds: Sequence[Prediction], realized: np.ndarray, calibration: Calibration,
@@ -100,11 +119,11 @@ def by_turn(records: Sequence, preds: Sequence[Prediction], realized: np.ndarray
 
 def ranking_bound(cal_length: np.ndarray, cal_realized: np.ndarray, length: np.ndarray, realized: np.ndarray,
                   target: float, cap: int, groups: int = 10) -> dict:
-    """What reservation L̂'s ranking can buy at all: requests fall into `groups` by L̂ (edges from the
+    """A held-out yardstick for reserving by L̂ group: requests fall into `groups` by L̂ (edges from the
     calibration split), each group reserves its calibration split's (1 − target) quantile (split-conformal rank;
-    the cap when a group is too small; small splits get fewer groups), off the bucket grid and without u. Not what the allocator runs: a
-    yardstick on the test split. When it misses a reservation target, no α, τ or bucket grid on top of this L̂
-    can meet it; only a better predictor can."""
+    the cap when a group is too small; small splits get fewer groups), off the bucket grid and without u. Not
+    a bound: the calibrated reservation table can beat it by spending the misses unevenly across groups;
+    `monotone_bound` is the bound."""
     cal_length, cal_realized = np.asarray(cal_length, float), np.asarray(cal_realized, float)
     length, realized = np.asarray(length, float), np.asarray(realized, float)
     # a group needs (1 − ε)/ε requests before its conformal quantile is below the cap: fewer, larger groups

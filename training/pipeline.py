@@ -30,6 +30,7 @@ class TrainOptions:
     max_len: int = 64
     quantize: bool = True
     target: float = 0.02
+    table_groups: int = 10  # L̂ groups of the reservation table calibration may choose; 0: α, τ, ceiling only
     max_new_tokens: int = data.DEFAULT_MAX_NEW_TOKENS
     limit: int | None = None
     s3_baseline: bool = True
@@ -74,9 +75,11 @@ def train(opts: TrainOptions) -> dict:
     # Calibrate what is served (the exported predictor), on the held-out calibration split.
     val_pred = predictor.predict(val_t.records)
     point = calibrate(np.array([p.length for p in val_pred]), np.array([p.uncertainty for p in val_pred]),
-                      y_val, stats.bounds, cap, target=opts.target)
-    calibration = Calibration(stats.bounds, cap, 16, point.alpha, point.tau, opts.target, point.ceiling)
-    _log(opts, f"calibrated alpha={point.alpha:.3f} tau={point.tau:.3f} ceiling={point.ceiling:.0f} "
+                      y_val, stats.bounds, cap, target=opts.target, table_groups=opts.table_groups)
+    calibration = Calibration(stats.bounds, cap, 16, point.alpha, point.tau, opts.target, point.ceiling, point.table)
+    chosen = (f"table {list(point.table.tokens)}" if point.table is not None
+              else f"alpha={point.alpha:.3f} tau={point.tau:.3f} ceiling={point.ceiling:.0f}")
+    _log(opts, f"calibrated {chosen} "
                f"(calibration split: under-prediction {point.underprediction_rate:.3f}, "
                f"over-reservation {point.overreservation:.2f})")
     predictor.calibration = calibration
