@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,6 +14,7 @@ from odma.analyze.boundaries import BoundarySpec, analyze
 from odma.analyze.paged import PagedKV
 from odma.analyze.policies import BuildContext, bucket_manager, parse_policies, parse_policy
 from odma.analyze.profiles import GIB, PROFILES, CostModel, StepWork, load_profile
+from odma.config import ReservationTable
 from odma.errors import ConfigError, UnknownRequestError
 from odma.policy import KVRequest
 
@@ -94,6 +96,27 @@ def test_only_policies_that_take_the_calibration_take_its_ceiling():
     assert bucket_manager(parse_policy("odma/ceiling=300"), ctx).ceiling == 300.0
     assert bucket_manager(parse_policy("odma/alpha=cal"), ctx).ceiling == 500.0  # α and ceiling come together
     assert bucket_manager(parse_policy("odma/alpha=cal/ceiling=inf"), ctx).ceiling == math.inf
+
+
+def test_the_reservation_table_comes_with_the_calibration_only():
+    table = ReservationTable((100.0,), (200, 1000))
+    ctx = BuildContext(total_tokens=1 << 16, max_new_tokens=2048, bootstrap=tuple(range(16, 2048, 8)),
+                       predictor_alpha=3.0, predictor_ceiling=500.0, predictor_table=table)
+    published = bucket_manager(parse_policy("odma-published"), ctx)
+    assert (published.table, published.alpha, published.ceiling) == (table, 0.0, math.inf)
+    assert published.select(50.0, 0.5).bound == published.next_above(200).bound
+    assert bucket_manager(parse_policy("odma/alpha=cal"), ctx).table == table
+    assert bucket_manager(parse_policy("odma/table=on"), ctx).table == table
+    for name in ("s3", "odma", "oracle-bucketed", "grow-buckets", "odma-published/table=off",
+                 "odma-published/alpha=1", "odma/alpha=cal/ceiling=300"):
+        assert bucket_manager(parse_policy(name), ctx).table is None, name
+    assert bucket_manager(parse_policy("odma-published/table=off"), ctx).alpha == 3.0
+    no_table = dataclasses.replace(ctx, predictor_table=None)
+    assert bucket_manager(parse_policy("odma-published"), no_table).alpha == 3.0
+    with pytest.raises(ConfigError, match="no reservation table"):
+        bucket_manager(parse_policy("odma/table=on"), no_table)
+    with pytest.raises(ConfigError):
+        parse_policy("odma/table=maybe")
 
 
 def test_boundaries_of_constant_lengths_are_known():

@@ -52,6 +52,7 @@ def run_experiment(spec: ExperimentSpec, trace: Trace | None = None, progress: b
         predictor_alpha=predictions.alpha if predictions else None,
         predictor_tau=predictions.tau if predictions else None,
         predictor_ceiling=predictions.ceiling if predictions else None,
+        predictor_table=predictions.table if predictions else None,
     )
     results = {}
     for policy in policies:

@@ -3,7 +3,8 @@
 A name is a preset, optionally refined with `/key=value` overrides, e.g. `odma/growth=double/alpha=0.5`.
 Keys: bounds (quantile | optimal | equal-width), growth (next | large | double), large (share of the pool
 held back for the large bucket), alpha (a number, or `cal`: the predictor's calibrated α and, unless given,
-its ceiling), tau, ceiling (tokens above which admission reserves no larger bucket; default: the predictor's
+its ceiling and reservation table), table (on | off: the predictor's per-L̂-group reservation table in place of
+α and the ceiling; default: on where both are the predictor's), tau, ceiling (tokens above which admission reserves no larger bucket; default: the predictor's
 calibration, except in s3 and odma), scale (L̂ is
 multiplied by this before the bucket choice: < 1 reserves tighter and relies on migration), predict
 (predictor | oracle | none | a constant), k, batch (running requests at most, e.g. vLLM's max_num_seqs:
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from odma.analyze.kv import ContiguousKV, KVManager
 from odma.analyze.paged import PagedKV
 from odma.buckets import BucketManager, equal_width_bounds
-from odma.config import GROWTH_POLICIES, BucketConfig
+from odma.config import GROWTH_POLICIES, BucketConfig, ReservationTable
 from odma.errors import ConfigError
 from odma.policy import BucketPolicy, ExactPolicy, StaticPolicy
 
@@ -39,6 +40,7 @@ class PolicySpec:
     alpha: float | None = None  # None: the predictor's calibration (`alpha=cal`), else 0
     tau: float | None = None  # None: the predictor's calibration, else inf
     ceiling: float | None = None  # None: the predictor's calibration, else inf
+    table: bool | None = None  # the predictor's reservation table; None: where α and ceiling are the predictor's
     scale: float = 1.0
     k: int | None = None  # bucket count; None: the replay's --buckets
     max_batch: int | None = None  # running requests at most for this policy; None: the engine's setting
@@ -94,6 +96,7 @@ _KEYS = {
     "alpha": ("alpha", lambda v: None if v == "cal" else float(v)),
     "tau": ("tau", float),
     "ceiling": ("ceiling", float),
+    "table": ("table", lambda v: {"on": True, "off": False}[v.lower()]),
     "scale": ("scale", float),
     "predict": ("predict", str),
     "k": ("k", int),
@@ -115,7 +118,7 @@ def parse_policy(name: str) -> PolicySpec:
         field, conv = _KEYS[key]
         try:
             changes[field] = conv(value)
-        except ValueError:
+        except (ValueError, KeyError):
             raise ConfigError(f"policy {name!r}: bad value in {item!r}") from None
     if "alpha" in changes and changes["alpha"] is None and "ceiling" not in changes:
         changes["ceiling"] = None  # the calibrated α was chosen together with its ceiling
@@ -144,6 +147,7 @@ class BuildContext:
     predictor_alpha: float | None = None
     predictor_tau: float | None = None
     predictor_ceiling: float | None = None
+    predictor_table: ReservationTable | None = None
 
 
 def build_manager(spec: PolicySpec, ctx: BuildContext) -> KVManager:
@@ -168,19 +172,28 @@ def bucket_manager(spec: PolicySpec, ctx: BuildContext) -> BucketManager:
     alpha = spec.alpha if spec.alpha is not None else (ctx.predictor_alpha or 0.0)
     tau = spec.tau if spec.tau is not None else (ctx.predictor_tau if ctx.predictor_tau is not None else math.inf)
     ceiling = spec.ceiling if spec.ceiling is not None else (ctx.predictor_ceiling or math.inf)
+    table = None  # a table maps the predictor's L̂ only: not an oracle's or a constant's
+    calibrated = spec.alpha is None and spec.ceiling is None  # both the predictor's: so is its table
+    if spec.predict == "predictor" and (spec.table if spec.table is not None else calibrated):
+        if spec.table and ctx.predictor_table is None:
+            raise ConfigError(f"{spec.name}: table=on, but the predictor's calibration has no reservation table")
+        table = ctx.predictor_table
+    if table is not None:  # the table replaces α and the ceiling
+        alpha, ceiling = 0.0, math.inf
     if spec.predict == "oracle":  # exact lengths: inflation would only waste memory
         alpha, tau, ceiling = 0.0, math.inf, math.inf
     if spec.bounds == "equal-width" or not spec.dynamic:
         bounds = (
             equal_width_bounds(ctx.max_new_tokens, k)
             if spec.bounds == "equal-width"
-            else BucketManager(_config(spec, ctx, k, alpha, tau, ceiling), ctx.bootstrap or None).bounds
+            else BucketManager(_config(spec, ctx, k, alpha, tau, ceiling, table), ctx.bootstrap or None).bounds
         )
-        return BucketManager.fixed(bounds, ctx.max_new_tokens, alpha=alpha, tau=tau, ceiling=ceiling)
-    return BucketManager(_config(spec, ctx, k, alpha, tau, ceiling), ctx.bootstrap or None)
+        return BucketManager.fixed(bounds, ctx.max_new_tokens, alpha=alpha, tau=tau, ceiling=ceiling, table=table)
+    return BucketManager(_config(spec, ctx, k, alpha, tau, ceiling, table), ctx.bootstrap or None)
 
 
-def _config(spec: PolicySpec, ctx: BuildContext, k: int, alpha: float, tau: float, ceiling: float) -> BucketConfig:
+def _config(spec: PolicySpec, ctx: BuildContext, k: int, alpha: float, tau: float, ceiling: float,
+            table: ReservationTable | None) -> BucketConfig:
     return BucketConfig(
         max_buckets=k,
         align=ctx.align,
@@ -192,6 +205,7 @@ def _config(spec: PolicySpec, ctx: BuildContext, k: int, alpha: float, tau: floa
         alpha=alpha,
         tau=tau,
         ceiling=ceiling,
+        table=table,
     )
 
 

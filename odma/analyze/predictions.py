@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from odma.analyze.workload import Workload
+from odma.config import ReservationTable
 from odma.errors import PredictorError
 
 
@@ -21,6 +22,7 @@ class Predictions:
     alpha: float | None = None  # the predictor's own calibration, when it has one
     tau: float | None = None
     ceiling: float | None = None
+    table: ReservationTable | None = None
 
     def summary(self, workload: Workload) -> dict:
         """How far L̂ is from the realized (clipped) lengths."""
@@ -37,6 +39,7 @@ class Predictions:
             "alpha": self.alpha,
             "tau": None if self.tau is None or math.isinf(self.tau) else self.tau,  # JSON has no infinity
             "ceiling": None if self.ceiling is None or math.isinf(self.ceiling) else self.ceiling,
+            "table": None if self.table is None else self.table.to_json(),
         }
 
 
@@ -79,4 +82,5 @@ def predict(workload: Workload, spec: str) -> Predictions:
         alpha=None if cal is None else cal.alpha,
         tau=None if cal is None else cal.tau,
         ceiling=None if cal is None else cal.ceiling,
+        table=None if cal is None else cal.table,
     )
