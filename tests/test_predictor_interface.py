@@ -78,6 +78,8 @@ def test_calibration_json_keeps_the_reservation_table():
                 {"edges": [1.0], "tokens": ["x", 2]}):
         with pytest.raises(PredictorError, match="calibration"):
             Calibration.from_json({**cal.to_json(), "table": bad})
+    with pytest.raises(PredictorError, match="replaces alpha"):  # a hand-edited manifest with both
+        Calibration.from_json({**cal.to_json(), "alpha": 2.0})
 
 
 def test_committed_default_predictors_load_offline():
