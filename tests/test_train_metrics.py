@@ -65,7 +65,7 @@ def test_ranking_bound_rewards_ranking_and_meets_its_target():
     assert tiny["mean_overreservation"] == round(len(test_y) * 5000 / test_y.sum(), 4)  # too few to calibrate
 
 
-def test_monotone_bound_is_below_every_monotone_reservation():
+def test_monotone_bound_is_below_every_monotone_reservation(monkeypatch):
     from predictor.calibration import calibrate, reserved_bounds
     from training.metrics import monotone_bound
 
@@ -79,6 +79,9 @@ def test_monotone_bound_is_below_every_monotone_reservation():
     noisy = y * rng.lognormal(0, 0.7, 1000)
     bound = monotone_bound(noisy, y, 0.02, 2048)["mean_overreservation"]
     assert 1.0 < bound < blind["mean_overreservation"]
+    monkeypatch.setattr("training.metrics.MONOTONE_BOUND_MAX_REQUESTS", 500)  # a large split is sampled
+    part = monotone_bound(noisy, y, 0.02, 2048)
+    assert part["n"] == 500 and part["misses_allowed"] == 10
     grid = (64, 128, 256, 512, 1024)
     for groups in (2, 10, 50):  # even calibrated on these very requests, a table reserves no less
         point = calibrate(noisy, np.zeros(1000), y, grid, 2048, target=0.02, table_groups=groups)

@@ -75,18 +75,25 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
     return report
 
 
+MONOTONE_BOUND_MAX_REQUESTS = 6000  # the programme is O(n · target·n · distinct lengths): sample above this
+
+
 def monotone_bound(length: np.ndarray, realized: np.ndarray, target: float, cap: int) -> dict:
     """The fewest tokens a reservation that never reserves less for a longer L̂ can hold while missing at most
     ⌊target·n⌋ of these requests, fitted to their own realized lengths (in sample, off the bucket grid, one group
     per distinct L̂). No reservation table, ceiling or bucket grid on top of this L̂ (nor α·u with a constant u)
-    reserves less on this split at this miss rate: only a better predictor can."""
+    reserves less on this split at this miss rate: only a better predictor can. Splits larger than
+    MONOTONE_BOUND_MAX_REQUESTS are sampled (seed 0; `n` says how many requests it was computed on)."""
     length, realized = np.asarray(length, dtype=np.float64), np.asarray(realized, dtype=np.float64)
+    if len(length) > MONOTONE_BOUND_MAX_REQUESTS:
+        keep = np.random.default_rng(0).choice(len(length), MONOTONE_BOUND_MAX_REQUESTS, replace=False)
+        length, realized = length[keep], realized[keep]
     allowed = int(math.floor(target * len(realized)))
     values, group = np.unique(length, return_inverse=True)
     choices = np.array(sorted({float(v) for v in realized if v < cap}) + [float(cap)])
     cost, misses = group_costs(group, len(values), choices, realized)
     total, _ = cheapest_monotone(cost, misses, allowed, trace_back=False)
-    return {"groups": int(len(values)), "misses_allowed": allowed,
+    return {"n": int(len(length)), "groups": int(len(values)), "misses_allowed": allowed,
             "mean_overreservation": round(float(total / max(realized.sum(), 1.0)), 4)}
 
 
