@@ -82,10 +82,10 @@ def coverage_scores(pred: np.ndarray, unc: np.ndarray, realized: np.ndarray, bou
 
 def conformal_alpha(scores: np.ndarray, target: float) -> float:
     """The ⌈(n+1)(1−ε)⌉-th smallest score; inf when the split is too small for the target."""
-    n = len(scores)
-    if allowed_misses(n, target) < 0:
+    n, misses = len(scores), allowed_misses(len(scores), target)
+    if misses < 0:
         return math.inf
-    return float(np.sort(scores)[n - allowed_misses(n, target) - 1])
+    return float(np.sort(scores)[n - misses - 1])
 
 
 def reservation_table(pred: np.ndarray, realized: np.ndarray, bounds: tuple[int, ...], large_bound: int,
@@ -171,7 +171,7 @@ def calibrate(pred: np.ndarray, unc: np.ndarray, realized: np.ndarray, bounds: t
                                    float(reserved.sum() / total))
             if best is None or point.overreservation < best.overreservation:
                 best = point
-    table = reservation_table(pred, realized, bounds, large_bound, target, table_groups) if table_groups > 1 else None
+    table = reservation_table(pred, realized, bounds, large_bound, target, table_groups)  # None for < 2 groups
     if table is not None:
         reserved = reserved_bounds(pred, unc, bounds, large_bound, 0.0, math.inf, table=table)
         point = OperatingPoint(0.0, math.inf, math.inf, float(np.mean(realized > reserved)),

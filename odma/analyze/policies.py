@@ -3,9 +3,9 @@
 A name is a preset, optionally refined with `/key=value` overrides, e.g. `odma/growth=double/alpha=0.5`.
 Keys: bounds (quantile | optimal | equal-width), growth (next | large | double), large (share of the pool
 held back for the large bucket), alpha (a number, or `cal`: the predictor's calibrated α and, unless given,
-its ceiling and reservation table), table (on | off: the predictor's per-L̂-group reservation table in place of
-α and the ceiling; default: on where both are the predictor's), tau, ceiling (tokens above which admission reserves no larger bucket; default: the predictor's
-calibration, except in s3 and odma), scale (L̂ is
+its ceiling and reservation table), tau, ceiling (tokens above which admission reserves no larger bucket;
+default: the predictor's calibration, except in s3 and odma), table (on | off: the predictor's per-L̂-group
+reservation table in place of α and the ceiling; default: on where both are the predictor's), scale (L̂ is
 multiplied by this before the bucket choice: < 1 reserves tighter and relies on migration), predict
 (predictor | oracle | none | a constant), k, batch (running requests at most, e.g. vLLM's max_num_seqs:
 `paged/batch=256`), full (stall | preempt: what a request does when it cannot grow; default: --on-full).
