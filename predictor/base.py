@@ -47,15 +47,12 @@ class Calibration:
     def from_json(cls, d: dict) -> "Calibration":
         try:
             ceiling = math.inf if d.get("ceiling") is None else float(d["ceiling"])
-            if not ceiling >= 1:
-                raise ValueError(f"ceiling must be >= 1 token, got {ceiling}")
             table = None if d.get("table") is None else ReservationTable.from_json(d["table"])
-            if table is not None and (float(d.get("alpha", 0.0)) != 0 or math.isfinite(ceiling)):
-                raise ValueError("a reservation table replaces alpha and the ceiling: it comes with alpha 0 and "
-                                 "no ceiling")
-            return cls(tuple(int(b) for b in d["bounds"]), int(d["large_bound"]), int(d.get("align", 16)),
-                       float(d.get("alpha", 0.0)), math.inf if d.get("tau") is None else float(d["tau"]),
-                       d.get("target"), ceiling, table)
+            cal = cls(tuple(int(b) for b in d["bounds"]), int(d["large_bound"]), int(d.get("align", 16)),
+                      float(d.get("alpha", 0.0)), math.inf if d.get("tau") is None else float(d["tau"]),
+                      d.get("target"), ceiling, table)
+            cal.bucket_manager()  # the allocator's own checks (a ceiling < 1, a table with α, bad bounds) at load
+            return cal
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise PredictorError(f"bad calibration block in {MANIFEST}: {exc}") from None
 

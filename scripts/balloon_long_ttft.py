@@ -26,11 +26,11 @@ WORKLOADS += [(f"192 short, seed {s}", ["--num-long", "4", "--num-short", "192",
 FLAT_STEPS = "1:62,256:70"  # ms per decode step by batch: the batch-1 cost at every batch
 
 
+_need = ElasticKV._need
+
+
 def no_activation_wait(self: ElasticKV, prefill_tokens: int) -> int:
     return min(_need(self, prefill_tokens), self.keep_bytes)
-
-
-_need = ElasticKV._need
 
 
 def run(extra: list[str]) -> dict:

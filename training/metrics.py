@@ -70,8 +70,6 @@ def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Cal
         "reservation_table": None if calibration.table is None else calibration.table.to_json(),
         "large_bound": calibration.large_bound,
     }
-    if calibration.target is not None and len(y):
-        report["monotone_bound"] = monotone_bound(length, y, calibration.target, calibration.large_bound)
     return report
 
 
@@ -90,7 +88,7 @@ def monotone_bound(length: np.ndarray, realized: np.ndarray, target: float, cap:
         length, realized = length[keep], realized[keep]
     allowed = int(math.floor(target * len(realized)))
     values, group = np.unique(length, return_inverse=True)
-    choices = np.array(sorted({float(v) for v in realized if v < cap}) + [float(cap)])
+    choices = np.append(np.unique(realized[realized < cap]), float(cap))
     cost, misses = group_costs(group, len(values), choices, realized)
     total, _ = cheapest_monotone(cost, misses, allowed, trace_back=False)
     return {"n": int(len(length)), "groups": int(len(values)), "misses_allowed": allowed,
@@ -101,6 +99,9 @@ def evaluate_records(records: Sequence, preds: Sequence[Prediction], realized: n
                      stats: TrainStats, s3_baseline_buckets: np.ndarray | None = None) -> dict:
     """`evaluate`, plus the first/later-turn breakdown (`by_turn`) when the records are multi-turn."""
     report = evaluate(preds, realized, calibration, stats, s3_baseline_buckets)
+    if calibration.target is not None and len(preds):  # once per report: by_turn's parts do not carry it
+        report["monotone_bound"] = monotone_bound([p.length for p in preds], realized, calibration.target,
+                                                  calibration.large_bound)
     if (turns := by_turn(records, preds, realized, calibration, stats)) is not None:
         report["by_turn"] = turns
     return report
