@@ -66,6 +66,28 @@ class MemoryInfo:
         return iter((self.free_bytes, self.total_bytes))
 
 
+def copy_kv(view: Callable[[Block], torch.Tensor], src: Block, dst: Block, n_tokens: int) -> None:
+    """The migration copy: the first n_tokens of every layer's K and V, sequentially. `dst` may be `src`
+    grown in place (same offset, larger capacity): a block's layout depends on its capacity, so each
+    layer's K and V move further right; the last move first, each through a temporary of one K or V slice
+    (a slice can overlap its own new place, never a later slice's old one)."""
+    if n_tokens > min(src.capacity, dst.capacity) or n_tokens < 0:
+        raise ConfigError(f"cannot copy {n_tokens} tokens from {src} to {dst}")
+    if not n_tokens:
+        return
+    if src.offset < dst.end and dst.offset < src.end:
+        if src.offset != dst.offset or dst.capacity < src.capacity:
+            raise ConfigError(f"overlapping copy from {src} to {dst} (only growth in place is supported)")
+        if dst.capacity == src.capacity:
+            return
+        old, new = view(src), view(dst)  # one storage, two layouts
+        for layer in reversed(range(old.shape[0])):
+            for kv in (1, 0):
+                new[layer, kv, :n_tokens].copy_(old[layer, kv, :n_tokens].clone())
+        return
+    view(dst)[:, :, :n_tokens].copy_(view(src)[:, :, :n_tokens])
+
+
 class Arena:
     """One flat device tensor holding every block; a block is one contiguous range of it."""
 
@@ -92,11 +114,8 @@ class Arena:
         return flat.view(lay.layers, 2, block.capacity, lay.kv_heads, lay.head_dim)
 
     def copy(self, src: Block, dst: Block, n_tokens: int) -> None:
-        """The migration copy: the first n_tokens of every layer's K and V, sequentially."""
-        if n_tokens > min(src.capacity, dst.capacity) or n_tokens < 0:
-            raise ConfigError(f"cannot copy {n_tokens} tokens from {src} to {dst}")
-        if n_tokens:
-            self.view(dst)[:, :, :n_tokens].copy_(self.view(src)[:, :, :n_tokens])
+        """The migration copy (`copy_kv`)."""
+        copy_kv(self.view, src, dst, n_tokens)
 
     def release(self) -> None:
         """Drop the storage (the arena can no longer view anything); the backend decides where bytes go."""

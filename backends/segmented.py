@@ -11,7 +11,7 @@ import bisect
 
 import torch
 
-from backends.base import Arena, KVLayout
+from backends.base import Arena, KVLayout, copy_kv
 from odma.allocator import Block
 from odma.errors import ConfigError
 
@@ -67,8 +67,5 @@ class SegmentedArena:
         return arena.view(local)
 
     def copy(self, src: Block, dst: Block, n_tokens: int) -> None:
-        """The migration copy, also between segments (each side is one contiguous range)."""
-        if n_tokens > min(src.capacity, dst.capacity) or n_tokens < 0:
-            raise ConfigError(f"cannot copy {n_tokens} tokens from {src} to {dst}")
-        if n_tokens:
-            self.view(dst)[:, :, :n_tokens].copy_(self.view(src)[:, :, :n_tokens])
+        """The migration copy (`copy_kv`), also between segments (each side is one contiguous range)."""
+        copy_kv(self.view, src, dst, n_tokens)

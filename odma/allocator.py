@@ -32,9 +32,7 @@ from odma.errors import (
 )
 from odma.extents import ExtentMap
 from odma.policy import Reservation, ReservationPolicy, SizedRequest, validate_request
-from odma.pool_segments import SegmentHooks
-
-MAIN, LARGE_REGION = "main", "large"
+from odma.pool_segments import LARGE_REGION, MAIN, SegmentHooks
 
 
 class Block(NamedTuple):
@@ -81,6 +79,7 @@ class PoolStats:
     migrations: int = 0
     migrated_tokens: int = 0
     migration_refusals: int = 0
+    grown_in_place: int = 0  # of the migrations: blocks extended over the free units after them
     releases: int = 0
     free_list_hits: int = 0
     flushes: int = 0
@@ -110,6 +109,7 @@ class _Counters:
     migrations: int = 0
     migrated_tokens: int = 0
     migration_refusals: int = 0
+    grown_in_place: int = 0  # of the migrations: blocks extended over the free units after them
     releases: int = 0
     free_list_hits: int = 0
     flushes: int = 0
@@ -135,6 +135,7 @@ class KVPool(SegmentHooks):
         mover: BlockMover | None = None,
         on_release: Callable[[SizedRequest, int, Block], None] | None = None,
         free_list_limit: int = 1024,
+        worst_case_prompt_share: float = 1.0,
     ) -> None:
         if align < 1 or total_tokens < align:
             raise InvalidRequestError(f"pool of {total_tokens} tokens cannot hold one {align}-token unit")
@@ -146,6 +147,9 @@ class KVPool(SegmentHooks):
         self.mover = mover
         self.on_release = on_release
         self.free_list_limit = free_list_limit
+        if not 0.0 < worst_case_prompt_share <= 1.0:
+            raise InvalidRequestError(f"worst_case_prompt_share must be in (0, 1], got {worst_case_prompt_share}")
+        self.worst_case_prompt_share = worst_case_prompt_share
         units = total_tokens // align
         self._large_units = int(units * large_share)
         self._main_units = units - self._large_units
@@ -210,7 +214,7 @@ class KVPool(SegmentHooks):
         with self._lock:
             if rid in self._live:
                 raise DuplicateRequestError(f"request {rid} already holds a block")
-            res = self.policy.initial(req)
+            res = self._initial(req)
             units = -(-(prompt + res.output_tokens) // align)
             segmented = bool(self._segments)  # no segments: the fast path of _largest_range_units, without the calls
             if res.bucket != LARGE and units > (self._largest_range_units(MAIN) if segmented else self._main_units):
@@ -238,7 +242,7 @@ class KVPool(SegmentHooks):
         """Would reserve(req) find room now? Allocates nothing; it flushes the free lists (as a refused reserve
         does) only when their cached blocks could coalesce into the missing room."""
         with self._lock:
-            res = self.policy.initial(req)
+            res = self._initial(req)
             units = -(-(req.prompt_tokens + res.output_tokens) // self.align)
             stack = self._free.lists.get(res.bucket)
             if stack and stack[-1].capacity // self.align >= units:
@@ -273,16 +277,27 @@ class KVPool(SegmentHooks):
             units = min(units, self._largest_range_units())
             if units * self.align < new_len:
                 raise RequestTooLargeError(f"request {r.request_id}: {new_len} tokens exceed the largest block")
-            new = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=True)
+            new = self._grow_in_place(old, units, res.bucket)
+            if new is None:
+                new = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=True)
+            if new is None:  # the failed carve flushed the free lists: the neighbour may be free now
+                new = self._grow_in_place(old, units, res.bucket)
             if new is None:
                 self._n.migration_refusals += 1
                 return None
+            in_place = new.offset == old.offset
             if self.mover is not None:
                 try:
                     self.mover.copy(old, new, live.length)
                 except BaseException:
-                    self._give_back(new)  # the old block is untouched: state as before the call
+                    # the request keeps its old block (after a failed in-place layout its K/V is not to be
+                    # trusted: the error fails it, as a failed step does)
+                    if in_place:
+                        self._regions[old.region].free(old.end // self.align, (new.capacity - old.capacity) // self.align)
+                    else:
+                        self._give_back(new)
                     raise
+            self._n.grown_in_place += in_place
             # the swap: from here on the request's KV is the new block
             live.block, live.reservation = new, res
             self._reserved_units += units - old.capacity // self.align
@@ -290,7 +305,8 @@ class KVPool(SegmentHooks):
             self._n.migrated_tokens += live.length
             self._live_tokens += new_len - live.length
             live.length = new_len
-            self._recycle(old)
+            if not in_place:
+                self._recycle(old)
             return new
 
     def release(self, req: SizedRequest | str, realized_len: int, *, observe: bool = True) -> Block:
@@ -337,6 +353,15 @@ class KVPool(SegmentHooks):
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _initial(self, req: SizedRequest) -> Reservation:
+        """The policy's reservation, or the worst case (the large bucket) for a prompt longer than
+        `worst_case_prompt_share` of the largest range: migrating it would need a second range at least that
+        large while the first is held, so it could grow only in place; the extra reservation is at most
+        max_new_tokens against a prompt that size."""
+        if self.worst_case_prompt_share < 1.0 and req.prompt_tokens > self.worst_case_prompt_share * self.align * self._largest_range_units():
+            return Reservation(req.max_new_tokens, LARGE)
+        return self.policy.initial(req)
+
     def _lookup(self, req: SizedRequest | str) -> _Live:
         rid = req if type(req) is str else getattr(req, "request_id", None)
         live = self._live.get(rid) if type(rid) is str else None
@@ -370,6 +395,14 @@ class KVPool(SegmentHooks):
                 self._flush()
             else:
                 break
+        return None
+
+    def _grow_in_place(self, old: Block, units: int, bucket: int) -> Block | None:
+        """The block extended over the free units right after it, or None. The KV still has to be laid out
+        for the new capacity (the mover's copy of a block onto itself), but no second range is needed: a
+        block of most of the pool can still grow."""
+        if self._regions[old.region].take_front(old.end // self.align, units - old.capacity // self.align):
+            return Block(old.offset, units * self.align, bucket, old.region)
         return None
 
     def _recycle(self, block: Block) -> None:
@@ -440,6 +473,7 @@ class KVPool(SegmentHooks):
                 migrations=n.migrations,
                 migrated_tokens=n.migrated_tokens,
                 migration_refusals=n.migration_refusals,
+                grown_in_place=n.grown_in_place,
                 releases=n.releases,
                 free_list_hits=n.free_list_hits,
                 flushes=n.flushes,

@@ -141,7 +141,7 @@ class BalloonPool:
                 candidates = self.segments()
                 if not candidates:
                     return DeflateResult(False, None, reason="no segment to deflate")
-                segment = min(candidates, key=self._live_tokens_in)
+                segment = min(candidates, key=self.live_tokens_in)
             elif segment.start_unit not in pool.segments():
                 raise ConfigError(f"{segment} is not a segment of this pool")
             pool.fence(segment.start_unit)
@@ -189,7 +189,7 @@ class BalloonPool:
             freed += r.freed_bytes
         return results
 
-    def _live_tokens_in(self, seg: Segment) -> int:
+    def live_tokens_in(self, seg: Segment) -> int:
         return sum(self.pool.length_of(r) for r in self.pool.live_in(seg.start_unit, seg.units))
 
     def _account_moves(self, blocks: int, tokens: int) -> None:

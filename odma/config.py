@@ -112,8 +112,13 @@ class PoolConfig:
     growth: str = "next"  # what a request that outgrows its block migrates to: next | large | double
     # reserve for reserve_scale·L̂ and grow by migration: 0.5 won the replays (docs/analyze.md)
     reserve_scale: float = 0.5
+    # a request whose prompt exceeds this share of the pool's largest range reserves its worst case up front:
+    # growing its block by migration would need a second range at least that large
+    worst_case_prompt_share: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.worst_case_prompt_share <= 1.0:
+            raise ConfigError(f"worst_case_prompt_share must be in (0, 1], got {self.worst_case_prompt_share}")
         if self.budget_bytes <= 0:
             raise ConfigError(f"budget_bytes must be > 0, got {self.budget_bytes}")
         if not 0.0 <= self.large_share < 1.0:

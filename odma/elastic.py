@@ -68,6 +68,28 @@ class ElasticKV:
             return False, moved
         return True, moved
 
+    def prefill_room(self, planned: int, want: int) -> int:
+        """Chunked prefill: how many of `want` prompt tokens a step already prefilling `planned` tokens can feed
+        with the activation room free now, after giving back lent segments that hold no block (nothing
+        moves; segments holding blocks stay lent). The room of `keep_tokens` is never lent, so a step with
+        no other prefill always gets a chunk."""
+        if want <= 0:
+            return 0
+        if self._need(planned + want) > self.room_bytes:
+            for segment in self.balloon.segments():
+                if self._need(planned + want) <= self.room_bytes:
+                    break
+                if not self.balloon.live_tokens_in(segment) and self.balloon.deflate(segment).ok:
+                    self.counters.reclaims += 1
+        lo, hi = 0, want  # the largest chunk whose activation peak fits (the peak grows with the tokens)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._need(planned + mid) <= self.room_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _need(self, prefill_tokens: int) -> int:
         # A prefill longer than the reserve was sized for (a recomputed request, or one prompt longer than
         # max_prefill_tokens) needs all of it: it runs with nothing lent, as it would without ballooning.

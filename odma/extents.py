@@ -117,6 +117,18 @@ class ExtentMap:
         self._insert(start, end - start)
         self.free_units += size
 
+    def take_front(self, start: int, size: int) -> bool:
+        """Remove [start, start+size) if a free extent starts at `start` and holds it (O(1): growing a block
+        into the free units right after it)."""
+        n = self._by_start.get(start)
+        if n is None or n < size or size <= 0:
+            return False
+        self._remove(start, n)
+        if n > size:
+            self._insert(start + size, n - size)
+        self.free_units -= size
+        return True
+
     def take(self, start: int, size: int) -> bool:
         """Remove exactly [start, start+size) if it lies inside one free extent (for shrinking a pool)."""
         for s, n in self._by_start.items():

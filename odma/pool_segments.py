@@ -1,7 +1,13 @@
-"""Ballooning hooks of the KV pool: extra segments, fences that drain a segment, relocation.
+"""Ballooning hooks of the KV pool: extra segments, fences that drain a range, relocation.
 
-Mixed into `KVPool` (it shares the pool's lock and bookkeeping); used by `odma.balloon`. A pool that never
-calls these behaves exactly as without them.
+Mixed into `KVPool` (it shares the pool's lock and bookkeeping); used by `odma.balloon` (segments) and the
+scheduler (the window of a request that holds the queue). A pool that never calls these behaves exactly as
+without them.
+
+A fence withholds a range's free units and every block given back inside it, so the range only empties.
+A segment is fenced to be returned to the device; a window is fenced so that a large request gets one
+contiguous range without waiting for every block in the pool to end: the blocks inside it are relocated
+elsewhere (into lent segments, say) instead of waited for.
 """
 
 from __future__ import annotations
@@ -10,12 +16,13 @@ from typing import TYPE_CHECKING
 
 from odma.buckets import LARGE
 from odma.errors import InvalidRequestError
+from odma.policy import validate_request
 
 if TYPE_CHECKING:
     from odma.allocator import Block
     from odma.policy import SizedRequest
 
-MAIN = "main"
+MAIN, LARGE_REGION = "main", "large"
 
 
 class SegmentHooks:
@@ -108,6 +115,81 @@ class SegmentHooks:
             del self._fences[start_unit], self._segments[start_unit]
             return units * self.align
 
+    # -- the window of a request that holds the queue ----------------------------------------------------
+
+    def clear_window(self, req: SizedRequest) -> tuple[int, bool]:
+        """Make room for `reserve(req)` by moving blocks instead of waiting for them to end: take the range it
+        would need where the fewest live tokens sit and, if the free space outside could hold that range's
+        blocks, relocate them (largest first) with the range fenced, so none lands back inside. Returns
+        (blocks moved, cleared); cleared means the range is free now for the reserve that follows. When a
+        block finds no room (fragmentation), the blocks moved so far stay valid where they went."""
+        validate_request(req)
+        with self._lock:
+            if self._units_for(req.prompt_tokens + req.max_new_tokens) > self._largest_range_units():
+                return 0, False  # reserve() refuses it as too large: nothing to make room for
+            res = self._initial(req)
+            units = self._units_for(req.prompt_tokens + res.output_tokens)
+            large = res.bucket == LARGE or units > self._largest_range_units(MAIN)
+            regions = (MAIN, LARGE_REGION) if large else (MAIN,)
+            best = None
+            for lo, size in self._ranges(regions):
+                for start in self._window_starts(lo, size, units):
+                    inside = self._live_overlapping(start, units)
+                    cost = (sum(live.length for live in inside), len(inside))
+                    if best is None or cost < best[0]:
+                        best = (cost, start, inside)
+            if best is None:
+                return 0, False
+            _, start, inside = best
+            self._flush()  # cached blocks become free extents (and none inside the range is handed out)
+            free_inside = sum(max(0, min(s + n, start + units) - max(s, start))
+                              for r in regions for s, n in self._regions[r].extents())
+            free_outside = sum(self._regions[r].free_units for r in self._regions) - free_inside
+            if sum(live.block.capacity for live in inside) // self.align > free_outside:
+                return 0, False
+            self._fences[start] = units
+            for r in regions:
+                for s, n in list(self._regions[r].extents()):
+                    lo, hi = max(s, start), min(s + n, start + units)
+                    if lo < hi:
+                        taken = self._regions[r].take(lo, hi - lo)
+                        assert taken
+                        self._withheld[lo] = hi - lo
+            moved = 0
+            try:
+                for live in sorted(inside, key=lambda l: -l.block.capacity):
+                    if self.relocate(live.request.request_id) is None:
+                        break
+                    moved += 1
+            finally:  # lift the fence: the range's withheld units (those freed by the moves too) are free again
+                del self._fences[start]
+                for s in [s for s in self._withheld if start <= s < start + units]:
+                    self._regions[MAIN if s < self._main_units else LARGE_REGION].free(s, self._withheld.pop(s))
+            return moved, moved == len(inside)
+
+    def _ranges(self, regions: tuple[str, ...]) -> list[tuple[int, int]]:
+        """The base address range (start unit, units) of each of `regions`. Segments are never windows: they
+        are small, and they are lent to be taken back."""
+        base = {MAIN: (0, self._main_units), LARGE_REGION: (self._main_units, self._large_units)}
+        return [base[r] for r in regions if base[r][1] > 0]
+
+    def _window_starts(self, lo: int, size: int, units: int) -> set[int]:
+        """Candidate starts of a `units` window in [lo, lo + size): the range's ends and the edges of live blocks
+        (a window with the fewest live tokens starts or ends at one of them)."""
+        if units > size:
+            return set()
+        edges = {lo, lo + size}
+        for live in self._live.values():
+            b = live.block
+            s, e = b.offset // self.align, b.end // self.align
+            if lo <= s < lo + size:
+                edges.update((s, e))
+        return {min(max(lo, x - d), lo + size - units) for x in edges for d in (0, units)}
+
+    def _live_overlapping(self, start: int, units: int) -> list:
+        lo, hi = start * self.align, (start + units) * self.align
+        return [live for live in self._live.values() if live.block.offset < hi and lo < live.block.end]
+
     def _segment(self, start_unit: int) -> tuple[int, str]:
         seg = self._segments.get(start_unit)
         if seg is None:
@@ -121,9 +203,17 @@ class SegmentHooks:
         return None
 
     def _withhold_if_fenced(self, block: Block) -> bool:
-        start, units = block.offset // self.align, block.capacity // self.align
-        for f, n in self._fences.items():
-            if f <= start < f + n:
-                self._withheld[start] = units
-                return True
-        return False
+        """Withhold the part of a given-back block inside a fence and free the rest (a block can straddle a
+        window's edge). False: no fence touches it."""
+        start, end = block.offset // self.align, block.end // self.align
+        pos = start
+        for lo, hi in sorted((max(start, f), min(end, f + n)) for f, n in self._fences.items() if f < end and start < f + n):
+            if pos < lo:
+                self._regions[block.region].free(pos, lo - pos)
+            self._withheld[lo] = hi - lo
+            pos = hi
+        if pos == start:
+            return False
+        if pos < end:
+            self._regions[block.region].free(pos, end - pos)
+        return True

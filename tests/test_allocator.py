@@ -282,3 +282,50 @@ def test_reserve_scale_reserves_part_of_the_prediction_and_grows():
     block = pool.reserve(KVRequest("a", 10, 256, predicted_tokens=100))  # 50 → the 64 bucket
     assert block.capacity == 10 + 64
     assert pool.extend("a", 10 + 65).capacity == 10 + 128  # grows into the next bucket
+
+
+def test_growth_in_place_takes_the_free_units_after_the_block():
+    mover = RecordingMover()
+    pool = bucket_pool(total=256, align=1, large_share=0.0, mover=mover)
+    a = pool.reserve(KVRequest("a", 10, 200, predicted_tokens=20))  # [0, 42)
+    grown = pool.extend("a", 43)
+    assert grown.offset == a.offset and grown.capacity == 10 + 64 and grown.bucket == 1
+    assert mover.copies == [(a, grown, 10)]  # the K/V held so far is laid out for the larger capacity
+    b = pool.reserve(KVRequest("b", 10, 200, predicted_tokens=20))  # right after a
+    assert b.offset == grown.end
+    moved = pool.extend("a", 75)  # the neighbour is taken: a migration to a new range
+    assert moved.offset != grown.offset and moved.capacity == 10 + 128
+    s = pool.stats()
+    assert s.migrations == 2 and s.grown_in_place == 1
+    pool.check_invariants()
+
+
+def test_a_block_of_most_of_the_pool_grows_in_place_where_migration_cannot():
+    pool = bucket_pool(total=256, align=1, large_share=0.0)
+    big = pool.reserve(KVRequest("big", 150, 100, predicted_tokens=20))  # 182 of 256: no second range of 214
+    assert pool.extend("big", 183).offset == big.offset
+    pool.check_invariants()
+
+
+def test_failed_in_place_layout_gives_back_only_the_extension():
+    class BrokenMover:
+        def copy(self, src, dst, n):
+            raise RuntimeError("device error")
+
+    pool = bucket_pool(total=256, align=1, large_share=0.0, mover=BrokenMover())
+    a = pool.reserve(KVRequest("a", 10, 100, predicted_tokens=20))
+    before = _snapshot(pool)
+    with pytest.raises(RuntimeError):
+        pool.extend("a", a.capacity + 1)
+    assert _snapshot(pool) == before and pool.block_of("a") == a
+    pool.check_invariants()
+
+
+def test_requests_too_large_to_migrate_reserve_their_worst_case():
+    pool = bucket_pool(total=1024, align=1, large_share=0.0, worst_case_prompt_share=0.5)
+    big = pool.reserve(KVRequest("big", 520, 200, predicted_tokens=20))  # 520 > 512: it could only grow in place
+    small = pool.reserve(KVRequest("small", 100, 200, predicted_tokens=20))  # the policy's 32-token bucket
+    assert big.bucket == LARGE and big.capacity == 720
+    assert small.bucket == 0 and small.capacity == 132
+    with pytest.raises(InvalidRequestError, match="worst_case_prompt_share"):
+        bucket_pool(worst_case_prompt_share=0.0)

@@ -150,3 +150,18 @@ def test_memory_info(backend):
         arena = backend.create_arena((64 << 20) // LAYOUT.bytes_per_token, LAYOUT)
         assert backend.memory_info().framework_bytes >= before + arena.nbytes
         backend.free_arena(arena)
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_growth_in_place_lays_the_kv_out_again_intact(backend, segmented):
+    arena = backend.create_arena(64, LAYOUT)
+    if segmented:  # the engine's arena with ballooning: the same copy through the segment map
+        seg = SegmentedArena(LAYOUT)
+        seg.add(0, arena)
+        arena = seg
+    old, grown = Block(8, 16, 0), Block(8, 40, 1)
+    values = _fill(arena, old, 1.0)
+    arena.copy(old, grown, 12)
+    assert torch.equal(arena.view(grown)[:, :, :12], values[:, :, :12])
+    with pytest.raises(ConfigError, match="overlapping"):
+        arena.copy(Block(8, 16, 0), Block(16, 16, 0), 8)  # overlapping, and not growth in place

@@ -167,3 +167,29 @@ def test_activation_profile_interpolates_and_plans_deflation():
     assert prof.deflate_needed(512, free_device_bytes=3000) == 0
     with pytest.raises(ConfigError):
         ActivationProfile({})
+
+
+def test_clear_window_moves_the_blocks_in_a_large_requests_way_into_a_segment():
+    pool, balloon = _device_balloon(total=256, segment=128)
+    small = [f"s{i}" for i in range(8)]
+    for i, rid in enumerate(small):  # the base range full of 32-token blocks
+        assert pool.reserve(_req(rid)) is not None
+        _write(balloon, pool, rid, float(i + 1))
+    big = _req("big", prompt=96, new=32)  # 128 tokens: no range of that size is free
+    assert pool.clear_window(big) == (0, False)  # no room outside any window: nothing moves
+    assert not pool._fences and not pool._withheld
+    balloon.inflate()  # 128 tokens of lent room
+    moved, cleared = pool.clear_window(big)
+    assert (moved, cleared) == (4, True)
+    block = pool.reserve(big)
+    assert block is not None and block.end <= 256  # in the base range the blocks left
+    for i, rid in enumerate(small):
+        assert torch.all(_read(balloon, pool, rid) == float(i + 1))  # moved or not, intact
+    assert sum(pool.block_of(rid).offset >= 256 for rid in small) == 4
+    pool.check_invariants()
+
+
+def test_clear_window_refuses_what_reserve_would_refuse():
+    pool, _ = _device_balloon(total=256, segment=128)
+    assert pool.clear_window(_req("huge", prompt=250, new=32)) == (0, False)
+    pool.check_invariants()

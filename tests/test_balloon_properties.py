@@ -1,6 +1,7 @@
-"""Random workloads with ballooning: reserve / extend / release interleaved with inflate / deflate on a
-real CPU segmented arena. After every step: no overlap, every unit accounted for (bytes conserved),
-nobody lost, and every live request's KV bytes intact, also across evacuations and rollbacks."""
+"""Random workloads with ballooning: reserve / extend (by migration or in place) / release interleaved with
+inflate / deflate and clearing a window for a large request, on a real CPU segmented arena. After every
+step: no overlap, every unit accounted for (bytes conserved), nobody lost, and every live request's KV bytes
+intact, also across evacuations, rollbacks and in-place growth."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ class BalloonMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.pool is None)
     @rule(total=st.integers(64, 512), bucketed=st.booleans(), segment=st.sampled_from([64, 128, 256]),
-          large_share=st.sampled_from([0.0, 0.2]))
-    def setup(self, total, bucketed, segment, large_share):
+          large_share=st.sampled_from([0.0, 0.2]), worst_case_prompt_share=st.sampled_from([1.0, 0.5]))
+    def setup(self, total, bucketed, segment, large_share, worst_case_prompt_share):
         policy = BucketPolicy(BucketManager.fixed((16, 32), MAX_NEW)) if bucketed else StaticPolicy()
         self.pool = KVPool(total, policy, large_share=large_share, align=8, free_list_limit=4,
-                           bytes_per_token=LAYOUT.bytes_per_token)
+                           bytes_per_token=LAYOUT.bytes_per_token, worst_case_prompt_share=worst_case_prompt_share)
         backend = CPUBackend()
         base = backend.create_arena(self.pool.total_tokens, LAYOUT)
         self.balloon = BalloonPool(self.pool, segment, backend=backend, base_arena=base, layout=LAYOUT)
@@ -74,7 +75,10 @@ class BalloonMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.lengths)))
         limit = self.pool._live[rid].request.prompt_tokens + MAX_NEW
         new_len = min(self.lengths[rid] + grow, limit)
+        in_place = self.pool.stats().grown_in_place
         if self.pool.extend(rid, new_len) is not None:
+            if self.pool.stats().grown_in_place > in_place:
+                SEEN["grown_in_place"] = SEEN.get("grown_in_place", 0) + 1
             self._verify(rid)
             self._write(rid, self.lengths[rid], new_len)
             self.lengths[rid] = new_len
@@ -103,6 +107,22 @@ class BalloonMachine(RuleBasedStateMachine):
         assert result.ok == (seg.start_unit not in self.pool.segments())
         for rid in self.lengths:
             self._verify(rid)
+
+    @precondition(lambda self: self.pool is not None and self.lengths)
+    @rule(prompt=st.integers(16, 400))
+    def clear_window(self, prompt):
+        req = KVRequest(f"r{self.next_id}", prompt, MAX_NEW)
+        self.next_id += 1
+        moved, cleared = self.pool.clear_window(req)
+        for rid in self.lengths:
+            self._verify(rid)
+        if cleared:  # the range is free now: the reserve that follows gets it
+            assert self.pool.reserve(req) is not None
+            self.lengths[req.request_id] = prompt
+            self._write(req.request_id, 0, prompt)
+            SEEN["window_cleared" if moved else "window_free"] = SEEN.get("window_cleared" if moved else "window_free", 0) + 1
+        elif moved:
+            SEEN["window_partial"] = SEEN.get("window_partial", 0) + 1
 
     @invariant()
     def consistent(self):
@@ -141,5 +161,5 @@ def test_random_workloads_reached_every_path():
         import pytest
 
         pytest.skip("run together with TestBalloonProperties")
-    for key in ("inflate", "deflate_ok_moved", "rollback"):
+    for key in ("inflate", "deflate_ok_moved", "rollback", "grown_in_place", "window_cleared"):
         assert SEEN.get(key, 0) > 0, f"no {key} in the random workloads: {SEEN}"

@@ -113,3 +113,21 @@ def test_a_head_without_a_kv_block_does_not_hold_back_lending():
     sched2.add(_seq("blocked", 100, 100))  # refused for KV, so the scheduler would like to lend
     assert _step(sched2) == ["holder", "long"]
     assert e2.lent_bytes == 0  # nothing out of the room of the prefill that can start
+
+
+def test_chunked_prefill_takes_the_free_room_and_never_moves_blocks():
+    pool, e = _elastic()
+    assert e.prefill_room(planned=0, want=100) == 100  # nothing lent: the whole prompt at once
+    e.lend(max_segments=10)  # 5 segments, 200 B of room left
+    held = [KVRequest(f"r{i}", 100, 28) for i in range(7)]
+    assert all(pool.reserve(r) is not None for r in held)  # one in each segment, 2 in the base range
+    assert e.prefill_room(planned=0, want=100) == 20  # 200 B of room: a 20-token chunk
+    assert e.prefill_room(planned=15, want=100) == 5  # a step already prefilling 15 tokens
+    assert e.prefill_room(planned=0, want=0) == 0
+    assert e.balloon.metrics.deflations == 0 and e.balloon.metrics.moved_blocks == 0
+    assert pool.block_of(held[0]).offset >= 256
+    pool.release(held[0], 0)  # its segment is empty now: given back, nothing moves
+    assert e.prefill_room(planned=0, want=100) == 36
+    assert e.balloon.metrics.deflations == 1 and e.balloon.metrics.moved_blocks == 0 and e.counters.reclaims == 1
+    e.check(prefill_tokens=36)
+    pool.check_invariants()

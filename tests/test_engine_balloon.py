@@ -28,10 +28,10 @@ def reference(folder):
     return [s.output_ids for s in engine.generate(SHORT + [LONG], GREEDY)]
 
 
-def _engine(folder, balloon: bool, preempt: str = "wait"):
+def _engine(folder, balloon: bool, preempt: str = "wait", **overrides):
     # 64 KiB at 512 B/token = 128 slots; the reserve for a 64-token prefill is ~180 KiB of activations
     return tiny_engine(folder, kv_budget="64KiB", align=4, max_prefill_tokens=64, balloon=balloon,
-                       balloon_segment_tokens=64, balloon_keep_tokens=8, preempt=preempt)
+                       balloon_segment_tokens=64, balloon_keep_tokens=8, preempt=preempt, **overrides)
 
 
 def _run(engine, prompts, *, late: list | None = None, after: int = 0):
@@ -74,13 +74,24 @@ def test_ballooning_raises_concurrency_and_keeps_tokens(folder, reference):
 
 @pytest.mark.parametrize("preempt", ["wait", "recompute"])
 def test_a_long_prefill_takes_its_room_back(folder, reference, preempt):
-    engine = _engine(folder, True, preempt)
+    engine = _engine(folder, True, preempt, balloon_chunked_prefill=False)  # the prefill waits for its whole room
     seqs, _ = _run(engine, SHORT, late=[LONG], after=6)
     assert [s.output_ids for s in seqs] == reference  # blocks moved out of segments arrive intact
     e = engine.elastic
     assert e.counters.lends > 0 and e.balloon.metrics.deflations > 0
     assert e.balloon.metrics.moved_blocks > 0  # live blocks were evacuated from a segment mid-decode
     assert e.counters.lends < 20  # lent room is not taken back and re-lent every step
+    assert engine.pool.stats().live_blocks == 0
+    assert all(s.finish_reason == "length" for s in seqs)
+
+
+@pytest.mark.parametrize("preempt", ["wait", "recompute"])
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_free_room(folder, reference, preempt):
+    engine = _engine(folder, True, preempt, balloon_chunked_prefill=True, clear_window=True)
+    seqs, _ = _run(engine, SHORT, late=[LONG], after=6)
+    assert [s.output_ids for s in seqs] == reference  # chunks attend to the K/V of the chunks before them
+    c = engine.scheduler.counters
+    assert c.prefill_chunks > 0 and c.activation_refusals == 0  # no prefill waited for lent room
     assert engine.pool.stats().live_blocks == 0
     assert all(s.finish_reason == "length" for s in seqs)
 

@@ -42,9 +42,14 @@ def test_migration_copies_the_live_kv(folder):
     """The block's first n tokens are bitwise equal after the move (what the model then reads)."""
     engine = tiny_engine(folder, policy="s3", predicted=1, align=4)
     seq = engine.add_request([1, 2, 3, 4], GREEDY)
-    while seq.migrations == 0:
-        before = engine.runner.arena.view(seq.block)[:, :, : seq.num_cached].clone() if seq.block else None
+    engine.step()  # prefill: the block holds the prompt
+    for _ in range(GREEDY.max_tokens):
+        block = seq.block
+        before = engine.runner.arena.view(block)[:, :, : seq.num_cached].clone()
         engine.step()
+        if seq.block != block:  # grown (in place: the K/V laid out again for the larger capacity) or moved
+            break
+    assert seq.block != block
     after = engine.runner.arena.view(seq.block)[:, :, : before.shape[2]]
     assert torch.equal(before, after)
     engine.abort(seq.request_id)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from odma.bench.scheduler_bench import DEFAULT_STEP_MS, _step_table
+from odma.config import PoolConfig
+from odma.engine.config import EngineConfig
 
 # SmolLM2-135M fp32 on this CPU, 1 thread, from `odma-bench balloon --calibrate` (docs/BENCHMARKS.md,
 # "Ballooning"): activation peak per prefill token (flat from 512 to 8192 tokens); decode at context
@@ -36,6 +38,7 @@ PREFILL_MS_PER_1K_CONTEXT = 0.448
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    engine = EngineConfig()  # the server's defaults
     p.add_argument("--trace", default="nq", help="where the short requests come from")
     p.add_argument("--num-short", type=int, default=96)
     p.add_argument("--num-long", type=int, default=8)
@@ -51,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--segment-tokens", type=int, default=512)
     p.add_argument("--keep-tokens", type=int, default=512)
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=engine.balloon_chunked_prefill,
+                   help="ballooning on: prefill a prompt whose activation room is lent in chunks of the free room")
+    p.add_argument("--worst-case-prompt-share", type=float, default=engine.pool.worst_case_prompt_share,
+                   help="both runs: a request whose prompt exceeds this share of the pool reserves its worst case up front")
+    p.add_argument("--clear-window", action=argparse.BooleanOptionalAction, default=engine.clear_window,
+                   help="both runs: relocate the blocks in the way of a request that holds the queue")
     p.add_argument("--predictor", default="default")
     p.add_argument("--preempt", default="wait", choices=["wait", "recompute", "swap"],
                    help="the engine's preemption mode in both runs (docs/BENCHMARKS.md used wait)")
@@ -107,8 +116,10 @@ def _result(balloon: bool, *, clock: float, useful: int, steps: int, peak: int, 
         "peak_running": peak, "mean_running": running_time / clock,
         "ttft_short_p50_s": _percentile(ttft[False], 0.5), "ttft_short_p99_s": _percentile(ttft[False], 0.99),
         "ttft_long_p50_s": _percentile(ttft[True], 0.5), "ttft_long_max_s": max(ttft[True], default=float("nan")),
+        "ttft_long_mean_s": sum(ttft[True]) / len(ttft[True]) if ttft[True] else float("nan"),
         "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
-        "admission_refusals": c.admission_refusals, "activation_refusals": c.activation_refusals, **extra,
+        "admission_refusals": c.admission_refusals, "activation_refusals": c.activation_refusals,
+        "prefill_chunks": c.prefill_chunks, "window_clears": c.window_clears, "window_moves": c.window_moves, **extra,
     }
     if elastic is not None:
         e = elastic.snapshot()
@@ -128,7 +139,8 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
 
     cap = args.max_tokens
     budget_tokens = parse_kv_budget(args.kv_budget, 1) // args.bytes_per_token
-    policy, pool = sim_pool("odma", cap, budget_tokens, bytes_per_token=args.bytes_per_token)
+    policy, pool = sim_pool("odma", cap, budget_tokens, bytes_per_token=args.bytes_per_token,
+                            worst_case_prompt_share=args.worst_case_prompt_share)
     act = args.activation_bytes_per_token
     profile = ActivationProfile({1: act, args.max_prefill_tokens: act * args.max_prefill_tokens})
     reserve = profile.peak_bytes(args.max_prefill_tokens)
@@ -137,7 +149,8 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
         elastic = ElasticKV(BalloonPool(pool, args.segment_tokens), profile, reserve, keep_tokens=args.keep_tokens)
     swap = CountingSwap(args.bytes_per_token) if args.preempt == "swap" else None
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                          elastic=elastic, preempt=args.preempt, swapper=swap)
+                          elastic=elastic, preempt=args.preempt, swapper=swap,
+                          chunk_prefills=balloon and args.chunked_prefill, clear_window=args.clear_window)
     xs, ys = _step_table(args.step_ms)
     jobs_of: dict[str, Job] = {}
     target: dict[str, int] = {}
@@ -181,7 +194,7 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
         steps += 1
         peak = max(peak, len(scheduler.running))
         for w in work:
-            if w.seq.num_generated == 0:  # the token this step emits is its first
+            if w.seq.num_generated == 0 and w.start + w.q_len == w.seq.num_tokens:  # it emits its first token
                 job = jobs_of[w.seq.request_id]
                 ttft[job.long].append(clock - job.arrival_s)
         done += len(sim_advance(scheduler, work, policy, target))
@@ -199,12 +212,13 @@ def run_engine(jobs: list[Job], args: argparse.Namespace, *, balloon: bool, long
     import time
 
     from odma.engine import LLMEngine, SamplingParams
-    from odma.engine.config import EngineConfig
 
     cfg = EngineConfig(model=args.model, kv_budget=args.kv_budget, balloon=balloon, max_prefill_tokens=args.max_prefill_tokens,
                        max_tokens_cap=args.max_tokens, default_max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
                        balloon_segment_tokens=args.segment_tokens, balloon_keep_tokens=args.keep_tokens,
-                       length_log=None, predictor=args.predictor, preempt=args.preempt)
+                       length_log=None, predictor=args.predictor, preempt=args.preempt,
+                       balloon_chunked_prefill=args.chunked_prefill, clear_window=args.clear_window,
+                       pool=replace(PoolConfig(), worst_case_prompt_share=args.worst_case_prompt_share))
     engine = LLMEngine(cfg)
     tok = engine.tokenizer
     pending = sorted(jobs, key=lambda j: j.arrival_s)
@@ -320,6 +334,8 @@ def run(args: argparse.Namespace) -> dict:
         "mode": "engine" if args.engine else "step-time model",
         "kv_budget_bytes": kv, "activation_reserve_bytes": reserve, "total_memory_bytes": kv + reserve,
         "max_prefill_tokens": args.max_prefill_tokens, "segment_tokens": args.segment_tokens,
+        "chunked_prefill": args.chunked_prefill, "clear_window": args.clear_window,
+        "worst_case_prompt_share": args.worst_case_prompt_share,
         "step_ms": args.step_ms, "kv_ms_per_1k": args.kv_ms_per_1k, "prefill_ms_per_token": args.prefill_ms_per_token,
         "prefill_ms_per_1k_context": args.prefill_ms_per_1k_context,
         "runs": runs,

@@ -70,7 +70,7 @@ class CountingSwap:
 
 
 def sim_pool(policy: str, max_tokens: int, budget_tokens: int, *, reserve_scale: float | None = None,
-             bytes_per_token: int = 1):
+             bytes_per_token: int = 1, worst_case_prompt_share: float | None = None):
     """The engine's reservation policy for `policy` and a bookkeeping-only pool over `budget_tokens`."""
     from odma.allocator import KVPool
     from odma.config import BucketConfig, PoolConfig
@@ -78,11 +78,13 @@ def sim_pool(policy: str, max_tokens: int, budget_tokens: int, *, reserve_scale:
     from odma.engine.memory import build_policy
 
     pool_cfg = PoolConfig() if reserve_scale is None else replace(PoolConfig(), reserve_scale=reserve_scale)
+    if worst_case_prompt_share is not None:
+        pool_cfg = replace(pool_cfg, worst_case_prompt_share=worst_case_prompt_share)
     cfg = EngineConfig(policy=policy, max_tokens_cap=max_tokens, default_max_tokens=max_tokens, length_log=None,
                        pool=pool_cfg, buckets=replace(BucketConfig(), large_bound=max_tokens))
     kv_policy = build_policy(cfg, [])
     return kv_policy, KVPool(budget_tokens, kv_policy, large_share=0.0, align=cfg.pool.align,
-                             bytes_per_token=bytes_per_token)
+                             bytes_per_token=bytes_per_token, worst_case_prompt_share=cfg.pool.worst_case_prompt_share)
 
 
 def sim_sequence(request_id: str, prompt_tokens: int, max_tokens: int, prediction: tuple | None):
@@ -99,12 +101,15 @@ def sim_sequence(request_id: str, prompt_tokens: int, max_tokens: int, predictio
 
 
 def sim_advance(scheduler, work, kv_policy, target: dict[str, int]) -> list:
-    """What a model step does to the bookkeeping: every item's tokens are cached and it emits one token;
-    requests that reached their target length finish (their blocks are released). Returns those."""
+    """What a model step does to the bookkeeping: every item's tokens are cached and it emits one token
+    (none after a chunk of a longer prefill); requests that reached their target length finish (their blocks
+    are released). Returns those."""
     finished = []
     for w in work:
         seq = w.seq
         seq.num_cached = w.start + w.q_len
+        if seq.num_cached < seq.num_tokens:
+            continue
         seq.output_ids.append(0)
         if seq.num_generated >= target[seq.request_id]:
             scheduler.finish(seq, "stop")

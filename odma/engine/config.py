@@ -66,6 +66,12 @@ class EngineConfig:
     balloon: bool = False
     balloon_segment_tokens: int = 512  # KV tokens per lent segment
     balloon_keep_tokens: int = 512  # the activation room of a prefill this long is never lent
+    # with ballooning, a prompt whose activation room is lent is prefilled in chunks of the room that is free
+    # (False: it waits until the lent segments can be taken back, their blocks migrating out)
+    balloon_chunked_prefill: bool = True
+    # a request that holds the queue without a contiguous range gets one: the range with the fewest live tokens
+    # is fenced and its blocks relocated elsewhere (into lent segments, say) instead of waited for
+    clear_window: bool = True
     pool: PoolConfig = field(default_factory=PoolConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
 

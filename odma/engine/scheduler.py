@@ -46,6 +46,9 @@ class SchedulerCounters:
     theta_refusals: int = 0  # admitting would have pushed reservations past θ of the pool (eLLM Algorithm 1)
     activation_refusals: int = 0  # ballooning: the prefill's activation room could not be freed yet
     bucket_matched_admissions: int = 0  # admitted ahead of FIFO order into a just-freed bucket
+    prefill_chunks: int = 0  # prefill steps that fed part of a prompt (ballooning: the rest of its room was lent)
+    window_clears: int = 0  # a held queue head got its range by relocating the blocks in it
+    window_moves: int = 0  # blocks relocated for it
 
 
 class Scheduler:
@@ -61,6 +64,8 @@ class Scheduler:
         elastic: ElasticKV | None = None,
         swapper: Swapper | None = None,
         admission_theta: float = 1.0,
+        chunk_prefills: bool = False,
+        clear_window: bool = False,
     ) -> None:
         if preempt not in PREEMPT_MODES:
             raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
@@ -81,6 +86,14 @@ class Scheduler:
         # none), so there is no hold-and-wait; offloading others to let a prefill in is what swap preemption
         # does on the growth path.
         self.admission_theta = admission_theta
+        # Ballooning: a prefill whose whole activation room is lent runs in chunks of the room that is free,
+        # instead of waiting until the segments holding blocks drain.
+        self.chunk_prefills = chunk_prefills
+        # A head that holds the queue but finds no contiguous range gets one: the range with the fewest live
+        # tokens is fenced and its blocks relocated (into lent segments, say), instead of waiting for them.
+        # Not with ballooning that reclaims lent room for whole prefills: the reclaim would move the cleared
+        # blocks straight back out of the segments (measured: segments lent and taken back every step).
+        self.clear_window = clear_window and (elastic is None or chunk_prefills)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -98,7 +111,7 @@ class Scheduler:
         refusals = self.counters.admission_refusals
         work, stalled = self._grow_running()
         if not stalled:  # requests waiting to grow come first: admitting others would starve them
-            work += self._admit()
+            work += self._admit(sum(w.q_len for w in work if w.q_len > 1))
         elif not work:  # everyone is stuck and nobody finishes: free the newest block to make progress
             self._preempt(self.running[-1])
             work, _ = self._grow_running()
@@ -117,6 +130,7 @@ class Scheduler:
     def _grow_running(self) -> tuple[list[Work], list[Sequence]]:
         work: list[Work] = []
         stalled: list[Sequence] = []
+        prefill = 0
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
@@ -127,7 +141,13 @@ class Scheduler:
                         seq.migrations += 1
                         self.counters.migrations += 1
                     seq.block = block
-                    work.append(Work(seq, seq.num_cached, seq.num_tokens - seq.num_cached))
+                    q_len = seq.num_tokens - seq.num_cached
+                    if q_len > 1:  # the rest of a chunked prefill
+                        q_len = self._prefill_chunk(prefill, q_len, self.max_prefill_tokens - prefill)
+                        prefill += q_len
+                        self.counters.prefill_chunks += q_len > 0
+                    if q_len:
+                        work.append(Work(seq, seq.num_cached, q_len))
                     break
                 if self.preempt_mode == "wait":
                     self.counters.stalls += 1
@@ -151,10 +171,12 @@ class Scheduler:
         self.counters.preemptions += 1
         self.counters.swap_outs += swapped
 
-    def _admit(self) -> list[Work]:
+    def _admit(self, prefill: int = 0) -> list[Work]:
+        """Admit waiting requests into this step, which already prefills `prefill` tokens of running ones."""
         work: list[Work] = []
-        budget = self.max_prefill_tokens
-        prefill = 0
+        budget = self.max_prefill_tokens - prefill
+        if self.clear_window:
+            self._clear_way()
         candidates = self._admission_order()
         if self.elastic is not None:
             self.elastic.begin_round()
@@ -171,7 +193,15 @@ class Scheduler:
                 if self._head_holds(seq):
                     break
                 continue
-            if self.elastic is not None and not self._activation_room(prefill + need):
+            q_len = need
+            if self.chunk_prefills and need > 1:
+                q_len = self._prefill_chunk(prefill, need, budget)
+                if not q_len:  # no activation room left in this step (or no prefill budget)
+                    self.counters.activation_refusals += budget > 0
+                    if self._head_holds(seq):
+                        break
+                    continue
+            elif self.elastic is not None and not self._activation_room(prefill + need):
                 if self._head_holds(seq):
                     break
                 continue
@@ -196,15 +226,36 @@ class Scheduler:
                 self.swapper.swap_in(seq)
                 seq.swapped = False
                 self.counters.swap_ins += 1
-            work.append(Work(seq, seq.num_cached, need))
-            budget -= need
-            prefill += need
+            work.append(Work(seq, seq.num_cached, q_len))
+            self.counters.prefill_chunks += q_len < need
+            budget -= q_len
+            prefill += q_len
             if budget <= 0:
                 break
         for seq in self.waiting:
             seq.waited_steps += 1
         self._freed_buckets.clear()
         return work
+
+    def _prefill_chunk(self, planned: int, want: int, budget: int) -> int:
+        """Prompt tokens to feed now (0: none) of `want` left, in a step already prefilling `planned` tokens:
+        all of them without chunking, else what the free activation room and the step's budget allow."""
+        if not self.chunk_prefills or self.elastic is None:
+            return want
+        return self.elastic.prefill_room(planned, min(want, max(0, budget)))
+
+    def _clear_way(self) -> None:
+        """A head that holds the queue without a range to fit in: relocate the blocks in the range it would need
+        (into lent segments, say) when there is room for them elsewhere, so it is admitted in this round."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or not self._head_holds(head) or self.pool.could_reserve(head):
+            return
+        moved, cleared = self.pool.clear_window(head)
+        self.counters.window_clears += cleared
+        if moved:
+            self.counters.window_moves += moved
+            for seq in self.running:
+                seq.block = self.pool.block_of(seq)
 
     def _head_holds(self, seq: Sequence) -> bool:
         """The head of the queue has been bypassed `max_skips` rounds: nobody overtakes it any more."""

@@ -53,7 +53,7 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
     # static blocks never grow and never use the large bucket: give it the whole budget as one region
     large_share = 0.0 if config.policy == "static" else config.pool.large_share
     pool = KVPool(total_tokens, policy, large_share=large_share, align=config.pool.align,
-                  bytes_per_token=bytes_per_token, mover=runner.arena)
+                  bytes_per_token=bytes_per_token, mover=runner.arena, worst_case_prompt_share=config.pool.worst_case_prompt_share)
     elastic = _build_elastic(config, backend, runner, pool) if config.balloon else None
     swap = None
     if config.preempt == "swap":
@@ -63,7 +63,9 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         capacity = parse_kv_budget(config.swap_space, backend.memory_info().total_bytes)
         swap = HostSwap(backend, runner, OffloadController(OffloadConfig(capacity_bytes=capacity)))
     scheduler = Scheduler(pool, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-                          preempt=config.preempt, elastic=elastic, swapper=swap, admission_theta=config.admission_theta)
+                          preempt=config.preempt, elastic=elastic, swapper=swap, admission_theta=config.admission_theta,
+                          chunk_prefills=config.balloon and config.balloon_chunked_prefill,
+                          clear_window=config.clear_window)
     log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); decode attention: %s", device, budget / 2**20,
              total_tokens, bytes_per_token, "backend kernel" if runner.decode_kernel is not None else "SDPA per request")
     return DeviceWorker(device, backend, runner, pool, scheduler, elastic, swap)

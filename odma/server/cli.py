@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balloon", action="store_true",
                    help="lend the activation reserve (a max-prefill-tokens prefill's peak) to the KV pool while requests wait")
     p.add_argument("--balloon-segment-tokens", type=int, default=d.balloon_segment_tokens, help="KV tokens per lent segment")
+    p.add_argument("--balloon-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.balloon_chunked_prefill,
+                   help="with --balloon: prefill a prompt whose activation room is lent in chunks of the free room")
+    p.add_argument("--clear-window", action=argparse.BooleanOptionalAction, default=d.clear_window,
+                   help="relocate the blocks in the way of a request that holds the queue instead of waiting for them")
+    p.add_argument("--worst-case-prompt-share", type=float, default=d.pool.worst_case_prompt_share,
+                   help="a request whose prompt exceeds this share of the pool reserves prompt + max_tokens up front")
     p.add_argument("--predictor", default=d.predictor, help="length predictor: default, sklearn, oracle, a folder, or median")
     p.add_argument("--length-log", default=str(d.length_log), help="JSONL of realized lengths ('' to disable)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
@@ -71,7 +77,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,
         balloon=args.balloon, balloon_segment_tokens=args.balloon_segment_tokens,
-        pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale),
+        balloon_chunked_prefill=args.balloon_chunked_prefill, clear_window=args.clear_window,
+        pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale,
+                     worst_case_prompt_share=args.worst_case_prompt_share),
         buckets=replace(BucketConfig(), large_bound=args.max_tokens_cap),
     )
 

@@ -106,6 +106,8 @@ class _EngineCollector:
         yield counter("odma_migrations", "Blocks moved to a larger range mid-decode", pool.migrations)
         yield counter("odma_migrated_tokens", "Tokens copied by migrations", pool.migrated_tokens)
         yield counter("odma_migration_refusals", "Growths refused for lack of room", pool.migration_refusals)
+        yield counter("odma_grown_in_place", "Growths over the free units after a block (counted in migrations too)",
+                      pool.grown_in_place)
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
         yield counter("odma_theta_refusals", "Admissions deferred to keep reservations within theta (eLLM Alg. 1)",
                       sched.theta_refusals)
@@ -120,6 +122,11 @@ class _EngineCollector:
                         sum(x.controller.logical_bytes for x in swaps))
         yield counter("odma_activation_refusals", "Prefills deferred until their activation room was freed",
                       sched.activation_refusals)
+        yield counter("odma_prefill_chunks", "Prefill steps that fed part of a prompt (its activation room was lent)",
+                      sched.prefill_chunks)
+        yield counter("odma_window_clears", "Held queue heads admitted by relocating the blocks in their way",
+                      sched.window_clears)
+        yield counter("odma_window_moves", "Blocks relocated to clear those windows", sched.window_moves)
         elastics = [w.elastic.snapshot() for w in engine.workers if w.elastic is not None]
         if elastics:
             e = _Sum(elastics)
