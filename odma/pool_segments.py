@@ -59,20 +59,14 @@ class SegmentHooks:
             if start_unit in self._fences:
                 return
             self._flush()  # cached blocks inside the segment must not be handed out
-            self._fences[start_unit] = units
-            for s, n in [(s, n) for s, n in self._regions[region].extents() if start_unit <= s < start_unit + units]:
-                taken = self._regions[region].take(s, n)
-                assert taken
-                self._withheld[s] = n
+            self._fence_range(start_unit, units, region)
 
     def unfence(self, start_unit: int) -> None:
         """Rollback of `fence`: the segment's withheld units become free again."""
         with self._lock:
             units, region = self._segment(start_unit)
-            if self._fences.pop(start_unit, None) is None:
-                return
-            for s in [s for s in self._withheld if start_unit <= s < start_unit + units]:
-                self._regions[region].free(s, self._withheld.pop(s))
+            if start_unit in self._fences:
+                self._lift_fence(start_unit, units, region)
 
     def live_in(self, start_unit: int, units: int) -> list[str]:
         """Requests whose block lies in [start_unit, start_unit + units)."""
@@ -147,24 +141,16 @@ class SegmentHooks:
             free_outside = sum(self._regions[r].free_units for r in self._regions) - free_inside
             if sum(live.block.capacity for live in inside) // self.align > free_outside:
                 return 0, False
-            self._fences[start] = units
-            for r in regions:
-                for s, n in list(self._regions[r].extents()):
-                    lo, hi = max(s, start), min(s + n, start + units)
-                    if lo < hi:
-                        taken = self._regions[r].take(lo, hi - lo)
-                        assert taken
-                        self._withheld[lo] = hi - lo
+            region = MAIN if start < self._main_units else LARGE_REGION  # a window lies in one base range
+            self._fence_range(start, units, region)
             moved = 0
             try:
                 for live in sorted(inside, key=lambda l: -l.block.capacity):
                     if self.relocate(live.request.request_id) is None:
                         break
                     moved += 1
-            finally:  # lift the fence: the range's withheld units (those freed by the moves too) are free again
-                del self._fences[start]
-                for s in [s for s in self._withheld if start <= s < start + units]:
-                    self._regions[MAIN if s < self._main_units else LARGE_REGION].free(s, self._withheld.pop(s))
+            finally:  # the range's withheld units (those freed by the moves too) are free again
+                self._lift_fence(start, units, region)
             return moved, moved == len(inside)
 
     def _ranges(self, regions: tuple[str, ...]) -> list[tuple[int, int]]:
@@ -189,6 +175,23 @@ class SegmentHooks:
     def _live_overlapping(self, start: int, units: int) -> list:
         lo, hi = start * self.align, (start + units) * self.align
         return [live for live in self._live.values() if live.block.offset < hi and lo < live.block.end]
+
+    def _fence_range(self, start: int, units: int, region: str) -> None:
+        """Withhold the free units of `region` inside [start, start + units) and, from now on, every block given
+        back there (`_withhold_if_fenced`)."""
+        self._fences[start] = units
+        for s, n in list(self._regions[region].extents()):
+            lo, hi = max(s, start), min(s + n, start + units)
+            if lo < hi:
+                taken = self._regions[region].take(lo, hi - lo)
+                assert taken
+                self._withheld[lo] = hi - lo
+
+    def _lift_fence(self, start: int, units: int, region: str) -> None:
+        """Undo `_fence_range`: the range's withheld units become free units of `region` again."""
+        del self._fences[start]
+        for s in [s for s in self._withheld if start <= s < start + units]:
+            self._regions[region].free(s, self._withheld.pop(s))
 
     def _segment(self, start_unit: int) -> tuple[int, str]:
         seg = self._segments.get(start_unit)
