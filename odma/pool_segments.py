@@ -12,6 +12,8 @@ elsewhere (into lent segments, say) instead of waited for.
 
 from __future__ import annotations
 
+import bisect
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from odma.buckets import LARGE
@@ -124,57 +126,60 @@ class SegmentHooks:
             res = self._initial(req)
             units = self._units_for(req.prompt_tokens + res.output_tokens)
             large = res.bucket == LARGE or units > self._largest_range_units(MAIN)
-            regions = (MAIN, LARGE_REGION) if large else (MAIN,)
+            # The window's blocks must fit in the free space outside it, so the pool needs `units` free in
+            # all: checked first, because a held head asks every round while memory stays full.
+            if sum(r.free_units for r in self._regions.values()) + self._free.units < units:
+                return 0, False
             best = None
-            for lo, size in self._ranges(regions):
-                for start in self._window_starts(lo, size, units):
-                    inside = self._live_overlapping(start, units)
-                    cost = (sum(live.length for live in inside), len(inside))
-                    if best is None or cost < best[0]:
-                        best = (cost, start, inside)
+            for lo, size, region in self._ranges((MAIN, LARGE_REGION) if large else (MAIN,)):
+                found = self._emptiest_window(lo, size, units)
+                if found is not None and (best is None or found[0] < best[0]):
+                    best = (*found, region)
             if best is None:
                 return 0, False
-            _, start, inside = best
+            _, start, inside, region = best
             self._flush()  # cached blocks become free extents (and none inside the range is handed out)
-            free_inside = sum(max(0, min(s + n, start + units) - max(s, start))
-                              for r in regions for s, n in self._regions[r].extents())
-            free_outside = sum(self._regions[r].free_units for r in self._regions) - free_inside
-            if sum(live.block.capacity for live in inside) // self.align > free_outside:
-                return 0, False
-            region = MAIN if start < self._main_units else LARGE_REGION  # a window lies in one base range
             self._fence_range(start, units, region)
             moved = 0
             try:
-                for live in sorted(inside, key=lambda l: -l.block.capacity):
-                    if self.relocate(live.request.request_id) is None:
-                        break
-                    moved += 1
+                # after fencing, the free units counted are those outside the window
+                if sum(live.block.capacity for live in inside) // self.align <= sum(r.free_units for r in self._regions.values()):
+                    for live in sorted(inside, key=lambda l: -l.block.capacity):
+                        if self.relocate(live.request.request_id) is None:
+                            break
+                        moved += 1
             finally:  # the range's withheld units (those freed by the moves too) are free again
                 self._lift_fence(start, units, region)
             return moved, moved == len(inside)
 
-    def _ranges(self, regions: tuple[str, ...]) -> list[tuple[int, int]]:
-        """The base address range (start unit, units) of each of `regions`. Segments are never windows: they
-        are small, and they are lent to be taken back."""
+    def _ranges(self, regions: tuple[str, ...]) -> list[tuple[int, int, str]]:
+        """The base address range (start unit, units, region) of each of `regions`. Segments are never
+        windows: they are small, and they are lent to be taken back."""
         base = {MAIN: (0, self._main_units), LARGE_REGION: (self._main_units, self._large_units)}
-        return [base[r] for r in regions if base[r][1] > 0]
+        return [(*base[r], r) for r in regions if base[r][1] > 0]
 
-    def _window_starts(self, lo: int, size: int, units: int) -> set[int]:
-        """Candidate starts of a `units` window in [lo, lo + size): the range's ends and the edges of live blocks
-        (a window with the fewest live tokens starts or ends at one of them)."""
+    def _emptiest_window(self, lo: int, size: int, units: int) -> tuple[tuple[int, int], int, list] | None:
+        """((live tokens, blocks), start, live blocks inside) of the `units` window in [lo, lo + size) that
+        holds the fewest live tokens, or None. Such a window starts or ends at a range end or a block edge;
+        blocks never overlap, so sorted by offset their ends are sorted too, and the blocks a window overlaps
+        are one run of them (found by bisection, their tokens summed by prefix sums)."""
         if units > size:
-            return set()
-        edges = {lo, lo + size}
-        for live in self._live.values():
-            b = live.block
-            s, e = b.offset // self.align, b.end // self.align
-            if lo <= s < lo + size:
-                edges.update((s, e))
-        return {min(max(lo, x - d), lo + size - units) for x in edges for d in (0, units)}
-
-    def _live_overlapping(self, start: int, units: int) -> list:
-        lo, hi = start * self.align, (start + units) * self.align
-        return [live for live in self._live.values() if live.block.offset < hi and lo < live.block.end]
+            return None
+        a = self.align
+        lives = sorted((l for l in self._live.values() if lo * a <= l.block.offset < (lo + size) * a),
+                       key=lambda l: l.block.offset)
+        offsets = [l.block.offset for l in lives]
+        ends = [l.block.end for l in lives]
+        tokens = list(accumulate((l.length for l in lives), initial=0))
+        edges = {lo, lo + size} | {o // a for o in offsets} | {e // a for e in ends}
+        best = None
+        for start in sorted({min(max(lo, x - d), lo + size - units) for x in edges for d in (0, units)}):
+            i = bisect.bisect_right(ends, start * a)  # first block ending after the window starts
+            j = bisect.bisect_left(offsets, (start + units) * a)  # first block starting after it ends
+            cost = (tokens[j] - tokens[i], j - i)
+            if best is None or cost < best[0]:
+                best = (cost, start, lives[i:j])
+        return best
 
     def _fence_range(self, start: int, units: int, region: str) -> None:
         """Withhold the free units of `region` inside [start, start + units) and, from now on, every block given
