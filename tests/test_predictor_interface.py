@@ -83,6 +83,11 @@ def test_calibration_json_keeps_the_reservation_table():
 
 
 def test_committed_default_predictors_load_offline():
+    from predictor.default import load_default_encoder
+
+    # the encoder itself, not load_default's logged fallback to sklearn: its graph is rebuilt on this machine and
+    # must pass the probe check here (an int8-only check refused it on AVX2 CPUs, and serving fell back silently)
+    assert load_default_encoder().manifest.kind == "encoder"
     for spec in ("sklearn", "default"):
         p = load_predictor(spec)
         out = p.predict([SimpleNamespace(prompt="Write a long essay about the sea.", prompt_tokens=20)])

@@ -8,6 +8,7 @@ import pytest
 
 from odma.errors import PredictorError, TraceError
 from predictor import load_predictor
+from predictor.build import QUANTIZATION_TOLERANCE
 from training.cli import main
 from training.pipeline import TrainOptions, train
 
@@ -46,7 +47,8 @@ def test_onnx_agrees_with_torch(trained):
     check = report["onnx_vs_torch"]
     assert check["fp32"]["max_abs_diff_log_length"] < 1e-4
     assert check["fp32"]["max_abs_diff_uncertainty"] < 1e-4
-    assert check["int8"]["max_abs_diff_log_length"] < 0.25  # int8 weights: close, not identical
+    # int8 weights: close, not identical, and CPU-dependent (0.31 on an AVX2 EPYC, under 0.25 where recorded)
+    assert check["int8"]["max_abs_diff_log_length"] < QUANTIZATION_TOLERANCE
 
 
 def test_load_and_predict(trained):
@@ -79,12 +81,34 @@ def test_heads_only_folder_rebuilds_the_same_graph(trained, tmp_path, monkeypatc
     rebuilt = load_predictor(str(folder)).predict(records)
     original = load_predictor(str(out)).predict(records)
     assert np.allclose([p.length for p in rebuilt], [p.length for p in original], rtol=1e-4)
-    # a manifest whose probe disagrees (another backbone) fails loudly
-    manifest = json.loads((folder / "predictor.json").read_text())
-    manifest["settings"]["probe"]["length"] = [x * 3 for x in manifest["settings"]["probe"]["length"]]
-    (folder / "predictor.json").write_text(json.dumps(manifest))
-    with pytest.raises(PredictorError, match="probe"):
-        load_predictor(str(folder))
+
+    def rebuild_with_probe(**changes):
+        manifest = json.loads((out / "predictor.json").read_text())
+        probe = manifest["settings"]["probe"]
+        for k, change in changes.items():  # in order: a later None removes a key an earlier change read
+            if change is None:
+                del probe[k]
+            else:
+                probe[k] = change(probe)
+        (folder / "predictor.json").write_text(json.dumps(manifest))
+        (folder / "predictor.onnx").unlink(missing_ok=True)
+        monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+        return load_predictor(str(folder))
+
+    # the backbone is checked on fp32 outputs: a probe they disagree with (another backbone) fails loudly
+    with pytest.raises(PredictorError, match="backbone"):
+        rebuild_with_probe(fp32_length=lambda p: [x * 3 for x in p["fp32_length"]])
+    # manifests before session 12 hold only the int8 graph's probe from the training machine: another CPU's int8
+    # kernels may differ from it by ~0.1 in log L̂ (accepted), another backbone by far more (refused)
+    rebuild_with_probe(length=lambda p: [x * 1.1 for x in p["fp32_length"]], fp32_length=None, fp32_uncertainty=None)
+    with pytest.raises(PredictorError, match="backbone"):
+        rebuild_with_probe(length=lambda p: [x * 3 for x in p["fp32_length"]], fp32_length=None, fp32_uncertainty=None)
+    # an exported graph that does not compute its torch model is refused and not cached
+    monkeypatch.setattr("predictor.build.QUANTIZATION_TOLERANCE", 0.0)
+    with pytest.raises(PredictorError, match="exported graph"):
+        rebuild_with_probe()
+    assert list((tmp_path / "cache").rglob("*.onnx")) == []
 
 
 def test_eval_only_uses_saved_calibration(trained, tmp_path):

@@ -153,6 +153,7 @@ def _embed(opts, tokenizer, encoder, cache, records) -> np.ndarray:
 def _train_encoder(opts, trace, train_t, val_t, test_t, y_train, stats, out: Path):
     from safetensors.torch import save_file
 
+    from predictor.build import probe_outputs
     from predictor.encoder import LengthModel
     from predictor.onnx_export import compare_with_torch, export_onnx
     from predictor.onnx_runtime import HEADS_FILE, ONNX_FILE, TOKENIZER_DIR, OnnxPredictor
@@ -221,9 +222,12 @@ def _train_encoder(opts, trace, train_t, val_t, test_t, y_train, stats, out: Pat
     _log(opts, f"ONNX vs torch: {check}")
     predictor = OnnxPredictor(out, threads=opts.threads)
     probe = predictor.run_batch(probe_records)
+    probe_fp32 = probe_outputs(model, feed(probe_records))  # what a rebuild checks its backbone against
     settings["probe"] = {"prompts": [r.prompt for r in probe_records],
                          "prompt_tokens": [r.prompt_tokens for r in probe_records],
-                         "length": [float(x) for x in probe[0]], "uncertainty": [float(x) for x in probe[1]]}
+                         "length": [float(x) for x in probe[0]], "uncertainty": [float(x) for x in probe[1]],
+                         "fp32_length": [float(x) for x in probe_fp32[0]],
+                         "fp32_uncertainty": [float(x) for x in probe_fp32[1]]}
     Manifest("encoder", None, settings).save(out)
     predictor.manifest = Manifest.load(out)
     return predictor, check, s3_test_buckets
