@@ -2,10 +2,11 @@
 long prompts per run, one run's long-request median TTFT is the mean of two requests, so single runs swing
 by ±30 % on ordering alone. This pools them.
 
-    .venv/bin/python scripts/balloon_seeds.py [--seeds 10] [odma-bench balloon flags ...]   # about a minute
+    .venv/bin/python scripts/balloon_seeds.py [--seeds 10] [--runs] [odma-bench balloon flags ...]   # about a minute
 
 Three workload families (the six-run table's L = 4 and L = 8 with max-num-seqs 128, and the 192-short one),
-each over seeds 0..N-1, with the given flags on both sides. Prints one Markdown row per family.
+each over seeds 0..N-1, with the given flags on both sides. Prints one Markdown row per family (`--runs`: and a line
+per run after it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ FAMILIES = {
 def main(argv: list[str]) -> None:
     top = argparse.ArgumentParser()
     top.add_argument("--seeds", type=int, default=10)
+    top.add_argument("--runs", action="store_true", help="also print each run's numbers")
     ours, extra = top.parse_known_args(argv)
     print("| workload | runs | peak batch ≥ 1.5× | peak batch ratio, median | throughput ratio, median "
           "| long TTFT p50 ratio, median | runs with long p50 > +5 % | pooled long TTFT mean off → on s "
@@ -44,6 +46,13 @@ def main(argv: list[str]) -> None:
               f"| {med('peak_batch_ratio'):.2f} | {med('throughput_ratio'):.2f} | {med('ttft_long_p50_ratio'):.2f} "
               f"| {sum(r['ttft_long_p50_ratio'] > 1.05 for r in rows)} | {off_long:.0f} → {on_long:.0f} "
               f"| {med('ttft_short_p50_ratio'):.2f} | {sum(_meets(r) for r in rows)} |", flush=True)
+        for seed, r in enumerate(rows if ours.runs else []):
+            off, on = r["runs"]
+            print(f"  seed {seed}: peak {off['peak_running']} → {on['peak_running']} ({r['peak_batch_ratio']:.2f}), "
+                  f"long TTFT p50 {off['ttft_long_p50_s']:.0f} → {on['ttft_long_p50_s']:.0f} s "
+                  f"({r['ttft_long_p50_ratio']:.2f}), short p50 ratio {r['ttft_short_p50_ratio']:.2f}, "
+                  f"throughput ratio {r['throughput_ratio']:.2f}, stalls {off['stalls']} → {on['stalls']}"
+                  f"{', meets the target' if _meets(r) else ''}", flush=True)
 
 
 def _meets(r: dict) -> bool:
