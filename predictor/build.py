@@ -57,7 +57,7 @@ def build_onnx_from_heads(folder: Path, manifest: Manifest, dest: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from predictor.onnx_export import export_onnx, session
+    from predictor.onnx_export import compare_with_torch, export_onnx
     from predictor.onnx_runtime import HEADS_FILE
 
     try:
@@ -95,13 +95,13 @@ def build_onnx_from_heads(folder: Path, manifest: Manifest, dest: Path) -> None:
         _check_probe(fp32, ref, tolerance,
                      f"the installed backbone {settings['backbone']!r} is not the one it was trained with; retrain")
     export_onnx(model, dest, feed, quantize=bool(settings.get("quantize")))
-    served = session(dest).run(None, feed)[:2]
-    try:
-        _check_probe(served, fp32, QUANTIZATION_TOLERANCE if settings.get("quantize") else FP32_PROBE_TOLERANCE,
-                     "the exported graph does not compute its torch model (onnx / onnxruntime version?)")
-    except PredictorError:
+    graph = compare_with_torch(model, dest, [feed])
+    tolerance = QUANTIZATION_TOLERANCE if settings.get("quantize") else FP32_PROBE_TOLERANCE
+    if max(graph.max_abs_diff_log_length, graph.max_abs_diff_uncertainty) > tolerance:
         dest.unlink(missing_ok=True)
-        raise
+        raise PredictorError(f"the exported graph does not compute its torch model (|Δlog L̂|="
+                             f"{graph.max_abs_diff_log_length:.3f}, |Δu|={graph.max_abs_diff_uncertainty:.3f}, "
+                             f"allowed {tolerance}; onnx / onnxruntime version?)")
 
 
 def probe_outputs(model, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
