@@ -2,36 +2,35 @@
 
 from __future__ import annotations
 
-from backends.base import Arena, Backend, Capabilities, KVLayout, MemoryInfo, NullEvent, NullStream
+from backends.base import Arena, Backend, Capabilities, KVLayout, MemoryInfo, NullEvent, NullStream, Span
 from backends.cpu import CPUBackend
+from backends.errors import BackendError
 from backends.segmented import SegmentedArena
 
 __all__ = [
-    "Arena", "Backend", "CPUBackend", "Capabilities", "KVLayout", "MemoryInfo", "NullEvent", "NullStream",
-    "SegmentedArena", "available_devices", "get_backend", "parse_device",
+    "Arena", "Backend", "BackendError", "CPUBackend", "Capabilities", "KVLayout", "MemoryInfo", "NullEvent", "NullStream",
+    "SegmentedArena", "Span", "available_devices", "get_backend", "parse_device",
 ]
 
 KINDS = ("cpu", "cuda", "mlu")
 
 
 def parse_device(device: str) -> tuple[str, int]:
-    """'cpu' | 'cuda' | 'cuda:1' | 'mlu:0' → (kind, index); ConfigError on anything else."""
-    from odma.errors import ConfigError
-
+    """'cpu' | 'cuda' | 'cuda:1' | 'mlu:0' → (kind, index); BackendError on anything else."""
     if not isinstance(device, str):
-        raise ConfigError(f"device must be a string such as 'cpu', 'cuda:0' or 'mlu:0', got {device!r}")
+        raise BackendError(f"device must be a string such as 'cpu', 'cuda:0' or 'mlu:0', got {device!r}")
     kind, _, idx = device.strip().lower().partition(":")
     if kind not in KINDS:
-        raise ConfigError(f"unknown device {device!r}: expected one of {', '.join(KINDS)} (optionally ':N')")
+        raise BackendError(f"unknown device {device!r}: expected one of {', '.join(KINDS)} (optionally ':N')")
     if idx == "":
         return kind, 0
     if not idx.isdigit():
-        raise ConfigError(f"device index in {device!r} must be a non-negative integer")
+        raise BackendError(f"device index in {device!r} must be a non-negative integer")
     return kind, int(idx)
 
 
 def get_backend(device: str = "cpu") -> Backend:
-    """The backend for 'cpu', 'cuda[:N]' or 'mlu[:N]'; ConfigError if that device cannot be used here."""
+    """The backend for 'cpu', 'cuda[:N]' or 'mlu[:N]'; BackendError if that device cannot be used here."""
     kind, index = parse_device(device)
     if kind == "cpu":
         return CPUBackend()

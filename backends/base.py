@@ -10,15 +10,35 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NamedTuple, Protocol
 
 import torch
 
-from odma.allocator import Block
-from odma.errors import ConfigError
+from backends.errors import BackendError
 
 if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention
+
+
+class Block(Protocol):
+    """A contiguous range of token slots: what an arena views and copies (the pool's blocks have these fields)."""
+
+    offset: int
+    capacity: int
+
+    @property
+    def end(self) -> int: ...
+
+
+class Span(NamedTuple):
+    """A range of token slots built on this side (a segment-local range, a scratch range for profiling)."""
+
+    offset: int
+    capacity: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +52,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         if min(self.layers, self.kv_heads, self.head_dim) < 1:
-            raise ConfigError(f"KV layout dimensions must be >= 1, got {self}")
+            raise BackendError(f"KV layout dimensions must be >= 1, got {self}")
 
     @property
     def elements_per_token(self) -> int:
@@ -72,12 +92,12 @@ def copy_kv(view: Callable[[Block], torch.Tensor], src: Block, dst: Block, n_tok
     layer's K and V move further right; the last move first, each through a temporary of one K or V slice
     (a slice can overlap its own new place, never a later slice's old one)."""
     if n_tokens > min(src.capacity, dst.capacity) or n_tokens < 0:
-        raise ConfigError(f"cannot copy {n_tokens} tokens from {src} to {dst}")
+        raise BackendError(f"cannot copy {n_tokens} tokens from {src} to {dst}")
     if not n_tokens:
         return
     if src.offset < dst.end and dst.offset < src.end:
         if src.offset != dst.offset or dst.capacity < src.capacity:
-            raise ConfigError(f"overlapping copy from {src} to {dst} (only growth in place is supported)")
+            raise BackendError(f"overlapping copy from {src} to {dst} (only growth in place is supported)")
         if dst.capacity == src.capacity:
             return
         old, new = view(src), view(dst)  # one storage, two layouts
@@ -108,7 +128,7 @@ class Arena:
         """[layers, 2, capacity, kv_heads, head_dim] over the block's range (a view, no copy)."""
         lay = self.layout
         if block.offset < 0 or block.end > self.total_tokens:
-            raise ConfigError(f"block {block} lies outside the arena of {self.total_tokens} tokens")
+            raise BackendError(f"block {block} lies outside the arena of {self.total_tokens} tokens")
         e = lay.elements_per_token
         flat = self.storage[block.offset * e : block.end * e]
         return flat.view(lay.layers, 2, block.capacity, lay.kv_heads, lay.head_dim)
@@ -177,14 +197,14 @@ class Backend(ABC):
 
     def create_arena(self, total_tokens: int, layout: KVLayout) -> Arena:
         if total_tokens < 1:
-            raise ConfigError(f"arena needs at least one token, got {total_tokens}")
+            raise BackendError(f"arena needs at least one token, got {total_tokens}")
         storage = torch.zeros(total_tokens * layout.elements_per_token, dtype=layout.dtype, device=self.device)
         return Arena(storage, layout, total_tokens)
 
     def create_segment(self, total_tokens: int, layout: KVLayout) -> Arena:
         """An additional arena (a ballooning segment); uninitialised, since blocks are written before read."""
         if total_tokens < 1:
-            raise ConfigError(f"segment needs at least one token, got {total_tokens}")
+            raise BackendError(f"segment needs at least one token, got {total_tokens}")
         storage = torch.empty(total_tokens * layout.elements_per_token, dtype=layout.dtype, device=self.device)
         return Arena(storage, layout, total_tokens)
 
@@ -205,7 +225,7 @@ class Backend(ABC):
     def host_buffer(self, n_tokens: int, layout: KVLayout) -> torch.Tensor:
         """A host tensor [layers, 2, n_tokens, kv_heads, head_dim], page-locked when the backend can."""
         if n_tokens < 1:
-            raise ConfigError(f"host buffer needs at least one token, got {n_tokens}")
+            raise BackendError(f"host buffer needs at least one token, got {n_tokens}")
         shape = (layout.layers, 2, n_tokens, layout.kv_heads, layout.head_dim)
         return torch.empty(shape, dtype=layout.dtype, device="cpu", pin_memory=self.capabilities.pinned_host)
 
@@ -214,11 +234,11 @@ class Backend(ABC):
         """Copy the block's first n_tokens to host; returns the host tensor (`out` if given). With a stream
         on an asynchronous backend the copy is queued on it: synchronize it before reading the result."""
         if not 0 <= n_tokens <= block.capacity:
-            raise ConfigError(f"cannot offload {n_tokens} tokens of {block}")
+            raise BackendError(f"cannot offload {n_tokens} tokens of {block}")
         if out is None:
             out = self.host_buffer(max(n_tokens, 1), arena.layout)
         if out.shape[2] < n_tokens:
-            raise ConfigError(f"host buffer holds {out.shape[2]} tokens, {n_tokens} needed")
+            raise BackendError(f"host buffer holds {out.shape[2]} tokens, {n_tokens} needed")
         with self._on(stream):
             out[:, :, :n_tokens].copy_(arena.view(block)[:, :, :n_tokens], non_blocking=self._async(stream))
         return out
@@ -227,7 +247,7 @@ class Backend(ABC):
         """Copy host[:, :, :n_tokens] into the block's first n_tokens (the inverse of `offload`). With a
         stream the copy is queued: keep `host` alive and synchronize before the block is read."""
         if not 0 <= n_tokens <= min(block.capacity, host.shape[2]):
-            raise ConfigError(f"cannot fetch {n_tokens} tokens into {block} from a {host.shape[2]}-token buffer")
+            raise BackendError(f"cannot fetch {n_tokens} tokens into {block} from a {host.shape[2]}-token buffer")
         with self._on(stream):
             arena.view(block)[:, :, :n_tokens].copy_(host[:, :, :n_tokens], non_blocking=self._async(stream))
 

@@ -166,15 +166,20 @@ def load() -> DecodeAttention | None:
     return _loaded
 
 
-def _build(flags: tuple[str, ...]) -> Path:
-    from odma.config import default_cache_dir
+def kernel_dir() -> Path:
+    """Where built kernels are kept: kernels/ under $ODMA_CACHE_DIR, else under ~/.cache/odma (the folder odma
+    caches into; read from the environment here, because backends know nothing of odma)."""
+    env = os.environ.get("ODMA_CACHE_DIR")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "odma") / "kernels"
 
+
+def _build(flags: tuple[str, ...]) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(flags).encode() + compiler.encode() + _cpu_signature()).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / f"decode_attention-{key}.so"
+    target = kernel_dir() / f"decode_attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -9,23 +9,23 @@ import importlib
 
 import torch
 
+from backends.errors import BackendError
 from backends.torch_device import TorchDeviceBackend
-from odma.errors import ConfigError
 
 
 def load_torch_mlu():
-    """Import torch_mlu and return `torch.mlu`, or raise ConfigError saying what is missing."""
+    """Import torch_mlu and return `torch.mlu`, or raise BackendError saying what is missing."""
     try:
         importlib.import_module("torch_mlu")
     except ImportError as e:
-        raise ConfigError(
+        raise BackendError(
             "the MLU backend needs torch_mlu (Cambricon's PyTorch extension, shipped with the Cambricon "
             f"SDK, not on PyPI), which could not be imported: {e}. Install the torch_mlu build that matches "
             f"torch {torch.__version__}, or choose --device cpu / cuda"
         ) from e
     module = getattr(torch, "mlu", None)
     if module is None:
-        raise ConfigError("torch_mlu was imported but did not register torch.mlu; check the torch_mlu version")
+        raise BackendError("torch_mlu was imported but did not register torch.mlu; check the torch_mlu version")
     return module
 
 

@@ -11,9 +11,8 @@ import bisect
 
 import torch
 
-from backends.base import Arena, KVLayout, copy_kv
-from odma.allocator import Block
-from odma.errors import ConfigError
+from backends.base import Arena, Block, KVLayout, Span, copy_kv
+from backends.errors import BackendError
 
 
 class SegmentedArena:
@@ -25,14 +24,14 @@ class SegmentedArena:
     def add(self, base: int, arena: Arena) -> None:
         """Map `arena` at pool token `base`; it must not overlap a mapped segment."""
         if arena.layout != self.layout:
-            raise ConfigError(f"segment layout {arena.layout} differs from the pool's {self.layout}")
+            raise BackendError(f"segment layout {arena.layout} differs from the pool's {self.layout}")
         if base < 0 or base in self._arenas:
-            raise ConfigError(f"a segment is already mapped at token {base}")
+            raise BackendError(f"a segment is already mapped at token {base}")
         i = bisect.bisect_left(self._bases, base)
         if i > 0 and self._end(self._bases[i - 1]) > base:
-            raise ConfigError(f"segment at {base} overlaps the one at {self._bases[i - 1]}")
+            raise BackendError(f"segment at {base} overlaps the one at {self._bases[i - 1]}")
         if i < len(self._bases) and base + arena.total_tokens > self._bases[i]:
-            raise ConfigError(f"segment at {base} overlaps the one at {self._bases[i]}")
+            raise BackendError(f"segment at {base} overlaps the one at {self._bases[i]}")
         self._bases.insert(i, base)
         self._arenas[base] = arena
 
@@ -40,7 +39,7 @@ class SegmentedArena:
         """Unmap the segment at `base` and return its arena (the caller frees it through the backend)."""
         arena = self._arenas.pop(base, None)
         if arena is None:
-            raise ConfigError(f"no segment is mapped at token {base}")
+            raise BackendError(f"no segment is mapped at token {base}")
         self._bases.remove(base)
         return arena
 
@@ -54,13 +53,13 @@ class SegmentedArena:
     def _end(self, base: int) -> int:
         return base + self._arenas[base].total_tokens
 
-    def locate(self, block: Block) -> tuple[Arena, Block]:
+    def locate(self, block: Block) -> tuple[Arena, Span]:
         """The segment holding the block, and the block in that segment's own coordinates."""
         i = bisect.bisect_right(self._bases, block.offset) - 1
         if i < 0 or block.end > self._end(self._bases[i]):
-            raise ConfigError(f"block {block} does not lie inside one mapped segment")
+            raise BackendError(f"block {block} does not lie inside one mapped segment")
         base = self._bases[i]
-        return self._arenas[base], block._replace(offset=block.offset - base)
+        return self._arenas[base], Span(block.offset - base, block.capacity)
 
     def view(self, block: Block) -> torch.Tensor:
         arena, local = self.locate(block)

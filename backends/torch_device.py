@@ -11,16 +11,16 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from backends.base import Backend, Capabilities, MemoryInfo
-from odma.errors import ConfigError
+from backends.errors import BackendError
 
 
 class TorchDeviceBackend(Backend):
     def __init__(self, kind: str, module: ModuleType, index: int = 0) -> None:
         if not module.is_available():
-            raise ConfigError(f"backend {kind}:{index}: torch.{kind}.is_available() is False (no device visible)")
+            raise BackendError(f"backend {kind}:{index}: torch.{kind}.is_available() is False (no device visible)")
         count = module.device_count()
         if not 0 <= index < count:
-            raise ConfigError(f"backend {kind}:{index}: device index out of range ({count} device(s) visible)")
+            raise BackendError(f"backend {kind}:{index}: device index out of range ({count} device(s) visible)")
         self.name = kind
         self._mod = module
         self._device = torch.device(kind, index)

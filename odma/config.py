@@ -1,11 +1,16 @@
-"""One typed configuration for the whole system; CLI flags map onto these fields one to one."""
+"""The memory core's typed configuration (buckets, pool, reservation table) and the data and cache folders.
+
+The engine's `odma.engine.config.EngineConfig` holds one `PoolConfig` and one `BucketConfig`: together they are
+the one configuration of a serving process, and `odma-serve`'s flags map onto them (docs/serving.md says which
+fields are config-only).
+"""
 
 from __future__ import annotations
 
 import bisect
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from odma.errors import ConfigError
@@ -105,7 +110,6 @@ class BucketConfig:
 class PoolConfig:
     """The KV pool of one device."""
 
-    budget_bytes: int = 256 << 20
     # share held back for uncertain and overflowing requests; 0 by default: it never helped in the replays
     large_share: float = 0.0
     align: int = 16  # block capacities and offsets are multiples of this many tokens
@@ -119,8 +123,6 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.worst_case_prompt_share <= 1.0:
             raise ConfigError(f"worst_case_prompt_share must be in (0, 1], got {self.worst_case_prompt_share}")
-        if self.budget_bytes <= 0:
-            raise ConfigError(f"budget_bytes must be > 0, got {self.budget_bytes}")
         if not 0.0 <= self.large_share < 1.0:
             raise ConfigError(f"large_share must be in [0, 1), got {self.large_share}")
         if self.align < 1:
@@ -132,19 +134,3 @@ class PoolConfig:
 
 
 GROWTH_POLICIES = ("next", "large", "double")
-
-
-@dataclass(frozen=True, slots=True)
-class DataConfig:
-    data_dir: Path = field(default_factory=default_data_dir)
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    tokenizer: str = "smollm2"
-
-
-@dataclass(frozen=True, slots=True)
-class OdmaConfig:
-    """The whole system's configuration."""
-
-    data: DataConfig = field(default_factory=DataConfig)
-    buckets: BucketConfig = field(default_factory=BucketConfig)
-    pool: PoolConfig = field(default_factory=PoolConfig)

@@ -1,4 +1,4 @@
-"""The one predictor interface: requests → [(L̂, u)], batched; and `load_predictor(spec)`."""
+"""The one predictor interface: requests → [(L̂, u)], batched; what a saved predictor folder holds."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class Calibration:
     def bucket_manager(self):
         """A static manager with these bounds, α, τ, ceiling and table: `select` is exactly the allocator's
         choice."""
-        from odma.buckets import BucketManager
+        from odma.kv import BucketManager
 
         return BucketManager.fixed(self.bounds, self.large_bound, alpha=self.alpha, tau=self.tau,
                                    ceiling=self.ceiling, table=self.table)
@@ -110,43 +110,3 @@ class Predictor(ABC):
 
     def predict_one(self, request: Any) -> Prediction:
         return self.predict([request])[0]
-
-
-def load_predictor(spec: str) -> Predictor:
-    """`default`, `sklearn` (the committed baseline), `oracle`, `noisy-oracle:SIGMA`, or a predictor folder."""
-    from predictor import oracle
-
-    if spec == "default":
-        from predictor.default import load_default
-
-        return load_default()
-    if spec == "sklearn":
-        from predictor.default import load_default_sklearn
-
-        return load_default_sklearn()
-    if spec == "oracle":
-        return oracle.OraclePredictor()
-    if spec.startswith("noisy-oracle"):
-        _, _, sigma = spec.partition(":")
-        try:
-            return oracle.NoisyOraclePredictor(float(sigma) if sigma else 0.5)
-        except ValueError:
-            raise PredictorError(f"noisy-oracle needs a number, as in noisy-oracle:0.5; got {spec!r}") from None
-    return load_predictor_folder(Path(spec).expanduser())
-
-
-def load_predictor_folder(folder: Path) -> Predictor:
-    if not folder.is_dir():
-        raise PredictorError(
-            f"unknown predictor {str(folder)!r}: use default, sklearn, oracle, noisy-oracle:SIGMA or a folder"
-        )
-    manifest = Manifest.load(folder)
-    if manifest.kind == "encoder":
-        from predictor.onnx_runtime import OnnxPredictor
-
-        return OnnxPredictor(folder, manifest)
-    if manifest.kind == "sklearn":
-        from predictor.sklearn_baseline import SklearnPredictor
-
-        return SklearnPredictor.load(folder, manifest)
-    raise PredictorError(f"{folder}: unknown predictor kind {manifest.kind!r}")

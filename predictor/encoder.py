@@ -31,7 +31,8 @@ def resolve_backbone(name: str) -> Path:
     return path
 
 
-def _layer_list(model: nn.Module) -> tuple[nn.Module, str]:
+def layer_list(model: nn.Module) -> tuple[nn.Module, str]:
+    """(module, attribute) of the ModuleList that holds a BERT-like backbone's transformer layers."""
     for owner_path, attr in (("encoder", "layer"), ("transformer", "layer")):  # BERT-likes, DistilBERT
         owner = getattr(model, owner_path, None)
         if owner is not None and isinstance(getattr(owner, attr, None), nn.ModuleList):
@@ -49,7 +50,7 @@ def load_backbone(name: str, layers: int | None = None) -> nn.Module:
     except (OSError, ValueError) as exc:
         raise PredictorError(f"cannot load backbone {name!r}: {exc}") from exc
     if layers is not None:
-        owner, attr = _layer_list(model)
+        owner, attr = layer_list(model)
         blocks = getattr(owner, attr)
         if not 1 <= layers <= len(blocks):
             raise PredictorError(f"layers must be in 1..{len(blocks)}, got {layers}")

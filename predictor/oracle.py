@@ -38,6 +38,14 @@ class NoisyOraclePredictor(Predictor):
         self.sigma = sigma
         self.name = f"noisy-oracle:{sigma:g}"
 
+    @classmethod
+    def from_spec(cls, sigma: str) -> "NoisyOraclePredictor":
+        """From the text after `noisy-oracle:` (empty: σ = 0.5)."""
+        try:
+            return cls(float(sigma) if sigma else 0.5)
+        except ValueError:
+            raise PredictorError(f"noisy-oracle needs a number, as in noisy-oracle:0.5; got {sigma!r}") from None
+
     def predict(self, requests: Sequence[Any]) -> list[Prediction]:
         out = []
         for r in requests:

@@ -17,7 +17,7 @@ import argparse
 from unittest import mock
 
 from odma.bench import balloon_bench
-from odma.elastic import ElasticKV
+from odma.kv import ElasticKV
 
 WORKLOADS = [(f"L={n} seed {s}", ["--num-long", str(n), "--seed", str(s), "--max-num-seqs", "128"])
              for n in (4, 8) for s in (0, 1, 2)]

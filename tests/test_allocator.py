@@ -6,8 +6,7 @@ import copy
 
 import pytest
 
-from odma.allocator import KVPool
-from odma.buckets import LARGE, BucketManager
+from odma.kv import BucketManager, BucketPolicy, ExactPolicy, KVPool, KVRequest, LARGE, StaticPolicy
 from odma.config import BucketConfig
 from odma.errors import (
     DuplicateRequestError,
@@ -16,7 +15,6 @@ from odma.errors import (
     RequestTooLargeError,
     UnknownRequestError,
 )
-from odma.policy import BucketPolicy, ExactPolicy, KVRequest, StaticPolicy
 
 
 def bucket_pool(total=1024, bounds=(32, 64, 128), large_bound=256, **kw) -> KVPool:

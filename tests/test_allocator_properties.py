@@ -11,11 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from backends import CPUBackend, KVLayout
-from odma.allocator import KVPool
-from odma.buckets import BucketManager
+from odma.kv import BucketManager, BucketPolicy, ExactPolicy, KVPool, KVRequest, StaticPolicy
 from odma.config import BucketConfig
 from odma.errors import RequestTooLargeError
-from odma.policy import BucketPolicy, ExactPolicy, KVRequest, StaticPolicy
 
 # ODMA_PROPERTY_EXAMPLES lowers the count for quick local runs; CI runs the full 10,000.
 EXAMPLES = int(os.environ.get("ODMA_PROPERTY_EXAMPLES", "10000"))

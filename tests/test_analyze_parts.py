@@ -11,12 +11,11 @@ import pytest
 
 from odma.analyze import cli
 from odma.analyze.boundaries import BoundarySpec, analyze
-from odma.analyze.paged import PagedKV
+from odma.kv import KVRequest, PagedKV
 from odma.analyze.policies import BuildContext, bucket_manager, parse_policies, parse_policy
 from odma.analyze.profiles import GIB, PROFILES, CostModel, StepWork, load_profile
 from odma.config import ReservationTable
 from odma.errors import ConfigError, UnknownRequestError
-from odma.policy import KVRequest
 
 FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "analyze_trace.jsonl"
 
@@ -58,13 +57,16 @@ def test_profile_from_a_json_file(tmp_path):
 
 def test_paged_counts_pages_and_keeps_a_watermark():
     kv = PagedKV(total_tokens=160, page_tokens=16, watermark=0.1)  # 10 pages, 1 held back at admission
-    assert kv.admit(KVRequest("a", 15, 100)) == 16  # prompt + first token = 16 → one page
-    assert kv.admit(KVRequest("b", 16, 100)) == 32  # 17 tokens → two pages
-    assert kv.grow("a", 16, 17).capacity == 32
-    assert kv.grow("a", 17, 18).capacity == 32  # same page, nothing allocated
+    a = kv.admit(KVRequest("a", 15, 100))
+    assert a.capacity == 16 and a.block is None  # prompt + first token = 16 → one page; pages are no range
+    assert kv.admit(KVRequest("b", 16, 100)).capacity == 32  # 17 tokens → two pages
+    assert kv.grow("a", 17).capacity == 32 and a.capacity == 32  # the handle follows
+    assert kv.grow("a", 18).capacity == 32  # same page, nothing allocated
+    assert not kv.can_admit(KVRequest("c", 80, 100))
     assert kv.admit(KVRequest("c", 80, 100)) is None  # 6 pages would leave 0 < watermark 1
-    assert kv.grow("b", 32, 33 + 16 * 5).capacity == 16 * 8  # growth may use the watermark
-    assert kv.grow("b", 33 + 16 * 5, 33 + 16 * 6) is None
+    assert kv.grow("b", 33 + 16 * 5).capacity == 16 * 8  # growth may use the watermark
+    assert kv.reserved_tokens == 16 * 10
+    assert kv.grow("b", 33 + 16 * 6) is None
     kv.release("a", 3)
     kv.evict("b")
     kv.check()

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from odma.allocator import KVPool
+from odma.kv import ContiguousKV, KVPool
 from odma.analyze.experiment import ExperimentSpec, run_experiment
-from odma.analyze.kv import ContiguousKV
 from odma.analyze.policies import BuildContext, build_manager, parse_policy
 from odma.analyze.predictions import oracle_predictions
 from odma.analyze.profiles import PROFILES, CostModel

@@ -7,10 +7,8 @@ import pytest
 import torch
 
 from backends import CPUBackend, KVLayout
-from odma.allocator import KVPool
-from odma.balloon import ActivationProfile, BalloonPool
+from odma.kv import ActivationProfile, BalloonPool, KVPool, KVRequest, StaticPolicy
 from odma.errors import ConfigError, InvalidRequestError
-from odma.policy import KVRequest, StaticPolicy
 
 LAYOUT = KVLayout(layers=1, kv_heads=1, head_dim=2)
 
@@ -177,7 +175,7 @@ def test_clear_window_moves_the_blocks_in_a_large_requests_way_into_a_segment():
         _write(balloon, pool, rid, float(i + 1))
     big = _req("big", prompt=96, new=32)  # 128 tokens: no range of that size is free
     assert pool.clear_window(big) == (0, False)  # no room outside any window: nothing moves
-    assert not pool._fences and not pool._withheld
+    assert not pool.draining and pool.capacity_tokens == pool.total_tokens  # nothing left fenced or withheld
     balloon.inflate()  # 128 tokens of lent room
     moved, cleared = pool.clear_window(big)
     assert (moved, cleared) == (4, True)

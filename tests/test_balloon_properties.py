@@ -13,11 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from backends import CPUBackend, KVLayout
-from odma.allocator import KVPool
-from odma.balloon import BalloonPool
-from odma.buckets import BucketManager
+from odma.kv import BalloonPool, BucketManager, BucketPolicy, KVPool, KVRequest, StaticPolicy
 from odma.errors import RequestTooLargeError
-from odma.policy import BucketPolicy, KVRequest, StaticPolicy
 
 EXAMPLES = int(os.environ.get("ODMA_BALLOON_EXAMPLES", "150"))
 LAYOUT = KVLayout(layers=1, kv_heads=1, head_dim=1)
@@ -136,7 +133,7 @@ class BalloonMachine(RuleBasedStateMachine):
         m = self.balloon.metrics
         assert m.segment_bytes_now == sum(s.tokens for s in segs) * LAYOUT.bytes_per_token
         assert m.inflated_bytes - m.deflated_bytes == m.segment_bytes_now
-        assert not self.pool._fences and not self.pool._withheld  # every deflate finished or rolled back
+        assert not self.pool.draining  # every deflate finished or rolled back (check_invariants: nothing withheld outside a fence)
 
     def teardown(self):
         if self.pool is None:

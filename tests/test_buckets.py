@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from odma.buckets import LARGE, BucketManager, equal_width_bounds, optimal_bounds, quantile_bounds
+from odma.kv import BucketManager, LARGE, equal_width_bounds, optimal_bounds, quantile_bounds
 from odma.config import BucketConfig, ReservationTable
 from odma.errors import ConfigError, InvalidRequestError
 

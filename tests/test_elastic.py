@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from odma.allocator import KVPool
-from odma.balloon import ActivationProfile, BalloonPool
-from odma.elastic import ElasticKV
+from odma.kv import ActivationProfile, BalloonPool, ContiguousKV, ElasticKV, KVPool, KVRequest, StaticPolicy
 from odma.errors import ConfigError
-from odma.policy import KVRequest, StaticPolicy
 
 PER_TOKEN = 10  # activation bytes per prefill token; KV is 1 byte per token
 
@@ -99,14 +96,14 @@ def test_a_head_without_a_kv_block_does_not_hold_back_lending():
     from odma.engine.scheduler import Scheduler
 
     pool, e = _elastic()
-    sched = Scheduler(pool, max_num_seqs=8, max_prefill_tokens=256, elastic=e)
+    sched = Scheduler(ContiguousKV(pool, elastic=e), max_num_seqs=8, max_prefill_tokens=256)
     sched.add(_seq("holder", 100, 100))  # 200 of the 256 base tokens
     assert _step(sched) == ["holder"]
     sched.add(_seq("long", 90, 10))  # needs 100 KV tokens (56 free) and a 900 B prefill room
     assert _step(sched) == ["holder"]
     assert e.lent_bytes == 4 * 160  # lent while "long" cannot get its block (4 segments per step at most)
     pool2, e2 = _elastic()
-    sched2 = Scheduler(pool2, max_num_seqs=8, max_prefill_tokens=256, elastic=e2)
+    sched2 = Scheduler(ContiguousKV(pool2, elastic=e2), max_num_seqs=8, max_prefill_tokens=256)
     sched2.add(_seq("holder", 60, 60))  # 120 tokens: "long" fits beside it
     _step(sched2)
     sched2.add(_seq("long", 90, 10))

@@ -150,7 +150,7 @@ def test_released_lengths_feed_the_bucket_manager_and_the_log(folder, tmp_path):
 def test_bucket_bounds_are_bootstrapped_from_this_models_log(folder, tmp_path):
     import json
 
-    from odma.buckets import default_bounds
+    from odma.kv.buckets import default_bounds
 
     log = tmp_path / "lengths.jsonl"
     rows = [{"request_id": f"r{i}", "prompt_tokens": 5, "output_tokens": 20 + i % 5, "model": str(folder)} for i in range(80)]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from odma.allocator import KVPool
-from odma.buckets import BucketManager
+from odma.kv import BucketManager, BucketPolicy, ContiguousKV, KVPool
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
 from odma.engine.sequence import Sequence
-from odma.policy import BucketPolicy
 
 BOUNDS = (8, 16, 32)  # a request reserves 8 prompt tokens + its bucket's bound
 
@@ -21,7 +19,7 @@ def _seq(i: int, bucket: int) -> Sequence:
 
 def _scheduler(**kw) -> Scheduler:
     pool = KVPool(48, BucketPolicy(BucketManager.fixed(BOUNDS, 32)), large_share=0.0, align=8)
-    return Scheduler(pool, **kw)
+    return Scheduler(ContiguousKV(pool), **kw)
 
 
 def _admitted(sched: Scheduler) -> list[str]:
@@ -43,7 +41,7 @@ def test_a_request_tagged_with_a_just_freed_bucket_goes_first():
     # both cannot fit together (56 > 48): the bucket-matched one takes b's block, the big one waits
     assert _admitted(sched) == ["r2"]
     assert sched.counters.bucket_matched_admissions == 1
-    sched.pool.check_invariants()
+    sched.kv.check()
 
 
 def test_a_bypassed_head_of_queue_stops_being_overtaken():
@@ -62,7 +60,7 @@ def test_a_bypassed_head_of_queue_stops_being_overtaken():
     assert _admitted(sched) == []  # big has waited max_skips rounds: memory is held for it
     sched.finish(holder, "stop")
     assert _admitted(sched)[0] == "r1"
-    sched.pool.check_invariants()
+    sched.kv.check()
 
 
 def test_admission_theta_keeps_headroom_for_growth_but_never_blocks_an_idle_pool():
@@ -79,9 +77,9 @@ def test_admission_theta_keeps_headroom_for_growth_but_never_blocks_an_idle_pool
     for i in (2, 3):
         sched.add(_seq(i, 0))
     assert _admitted(sched) == ["r1"]  # 16 ≤ 24; a second 16 would make 32 > 24
-    assert sched.pool.reserved_tokens == 16
+    assert sched.kv.reserved_tokens == 16
     free = _scheduler(max_num_seqs=8)
     for i in range(3):
         free.add(_seq(i, 0))
     assert _admitted(free) == ["r0", "r1", "r2"]  # 48 slots: the whole pool
-    sched.pool.check_invariants()
+    sched.kv.check()

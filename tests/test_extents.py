@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from odma.extents import ExtentMap, class_floor, size_class
+from odma.kv.extents import ExtentMap, class_floor, size_class
 
 
 def test_size_classes_are_monotone_and_floors_are_tight():

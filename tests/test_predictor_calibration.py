@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from odma.buckets import BucketManager, quantile_bounds
+from odma.kv import BucketManager, quantile_bounds
 from odma.errors import ConfigError
 from odma.config import ReservationTable
 from predictor.calibration import (allowed_misses, calibrate, conformal_alpha, coverage_scores, reservation_table,

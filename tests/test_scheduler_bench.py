@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
+from odma.analyze.profiles import StepWork
+from odma.analyze.simulate import TableStepModel, parse_step_table
 from odma.bench import scheduler_bench
 
 
@@ -28,8 +32,11 @@ def test_every_policy_completes_the_same_tokens_and_static_never_grows():
 
 
 def test_step_time_table_is_interpolated():
-    xs, ys = scheduler_bench._step_table("1:10,11:110")
-    assert xs == [0.0, 1.0, 11.0] and ys == [0.0, 0.01, 0.11]
+    table = parse_step_table("1:10,11:110")
+    assert table == ([0.0, 1.0, 11.0], [0.0, 0.01, 0.11])
+    model = TableStepModel(table, prefill_ms_per_token=2.0)
+    assert model.step_seconds(StepWork(6, 0, 0)) == pytest.approx(0.06)  # between 1 (10 ms) and 11 (110 ms)
+    assert model.step_seconds(StepWork(1, 0, 30, prefill_chunks=((0, 10), (0, 20)))) == pytest.approx(0.07)
 
 
 def test_swap_keeps_the_cached_tokens_instead_of_recomputing_them():

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from odma.buckets import BucketManager, align_up, equal_width_bounds
+from odma.kv import BucketManager, align_up, equal_width_bounds
 from odma.config import BucketConfig
 from odma.errors import TraceError
 from odma.traces import Trace, load_trace, split_trace

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from predictor.encoder import LengthHeads, LengthModel, MeanPooledEncoder, _layer_list
+from predictor.encoder import LengthHeads, LengthModel, MeanPooledEncoder, layer_list
 from predictor.features import drop_metadata
 from predictor.text import encode_texts
 from training.heads import HeadTraining
@@ -36,7 +36,7 @@ class FineTuning:
 
 
 def tuned_parameter_names(encoder: MeanPooledEncoder, n_layers: int) -> list[str]:
-    owner, attr = _layer_list(encoder.backbone)
+    owner, attr = layer_list(encoder.backbone)
     blocks = getattr(owner, attr)
     keep = {id(p) for block in list(blocks)[-n_layers:] for p in block.parameters()}
     return [name for name, p in encoder.named_parameters() if id(p) in keep]

@@ -13,7 +13,8 @@ import numpy as np
 
 from odma.config import default_cache_dir
 from odma.errors import PredictorError
-from predictor.base import Calibration, Manifest, Predictor, load_predictor
+from predictor.base import Calibration, Manifest, Predictor
+from predictor.registry import load_predictor
 from predictor.calibration import calibrate
 from predictor.features import MetadataEncoder
 from training import data

@@ -12,7 +12,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from odma.buckets import BucketManager
+from odma.kv import BucketManager
 from odma.config import BucketConfig
 from odma.errors import ConfigError
 

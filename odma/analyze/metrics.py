@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from odma.analyze.kv import KVManager
+from odma.kv import KVManager
 from odma.analyze.policies import PolicySpec
 from odma.analyze.predictions import Predictions
 from odma.analyze.workload import Workload

@@ -17,12 +17,19 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from odma.analyze.kv import ContiguousKV, KVManager
-from odma.analyze.paged import PagedKV
-from odma.buckets import BucketManager, equal_width_bounds
 from odma.config import GROWTH_POLICIES, BucketConfig, ReservationTable
 from odma.errors import ConfigError
-from odma.policy import BucketPolicy, ExactPolicy, StaticPolicy
+from odma.kv import (
+    BucketManager,
+    BucketPolicy,
+    ContiguousKV,
+    ExactPolicy,
+    KVManager,
+    KVPool,
+    PagedKV,
+    StaticPolicy,
+    equal_width_bounds,
+)
 
 KINDS = ("static", "bucket", "exact", "paged")
 BOUNDS = ("quantile", "optimal", "equal-width")
@@ -162,9 +169,9 @@ def build_manager(spec: PolicySpec, ctx: BuildContext) -> KVManager:
     else:
         buckets = bucket_manager(spec, ctx)
         policy = BucketPolicy(buckets, growth=spec.growth, name=spec.name)
-    return ContiguousKV(
-        spec.name, policy, ctx.total_tokens, large_share=spec.large_share, align=ctx.align, buckets=buckets
-    )
+    # the replays reserve the policy's size for every prompt (no worst case up front for long prompts)
+    pool = KVPool(ctx.total_tokens, policy, large_share=spec.large_share, align=ctx.align, worst_case_prompt_share=1.0)
+    return ContiguousKV(pool, name=spec.name, buckets=buckets)
 
 
 def bucket_manager(spec: PolicySpec, ctx: BuildContext) -> BucketManager:

@@ -54,7 +54,7 @@ def predict(workload: Workload, spec: str) -> Predictions:
     if spec == "oracle":
         return oracle_predictions(workload)
     try:
-        from predictor.base import load_predictor
+        from predictor import load_predictor
     except ImportError as exc:  # the predictor package is optional for the replay's own baselines
         raise PredictorError(f"predictor {spec!r} needs the predictor package: {exc}") from exc
     try:

@@ -149,6 +149,9 @@ class StepWork:
     kv_tokens_read: int  # Σ context tokens those requests attend over
     prefill_tokens: int  # prompt tokens prefilled this step
     copied_tokens: int = 0  # tokens moved by migrations this step
+    # (tokens cached before, tokens fed) of each prefill chunk, for models that charge attention over long
+    # prompts (the CPU table of `odma.analyze.simulate`); the roofline leaves that term out (docs/analyze.md)
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
 
 
 class CostModel:

@@ -15,14 +15,13 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from odma.analyze.kv import KVManager
 from odma.analyze.metrics import Totals, progress_bar, summarize
 from odma.analyze.policies import PolicySpec, predicted_for
 from odma.analyze.predictions import Predictions
 from odma.analyze.profiles import CostModel, StepWork
 from odma.analyze.workload import WorkItem, Workload
 from odma.errors import ConfigError
-from odma.policy import KVRequest
+from odma.kv import KVManager, KVRequest
 
 GROW, DONE = 0, 1
 
@@ -128,7 +127,7 @@ class Replay:
         p = r.item.prompt_tokens
         g = r.generated(step)
         while True:
-            grown = self.manager.grow(r.item.request_id, p + g, p + g + 1)
+            grown = self.manager.grow(r.item.request_id, p + g + 1, held=p + g)
             if grown is not None:
                 break
             if not self.preempt_on_full:
@@ -230,8 +229,8 @@ class Replay:
                     break
                 if admitted and prefill + r.item.prompt_tokens > eng.max_prefill_tokens:
                     break
-                cap = mgr.admit(r.kv)
-                if cap is None:
+                handle = mgr.admit(r.kv)
+                if handle is None:
                     memory_bound = True
                     last_refusal = step
                     break
@@ -239,7 +238,7 @@ class Replay:
                 if last_refusal >= r.queued_step and not r.waited:  # memory turned it away at least once
                     r.waited = True
                     t.waited += 1
-                r.cap, r.seq = cap, admitted_total
+                r.cap, r.seq = handle.capacity, admitted_total
                 admitted_total += 1
                 admitted.append(r)
                 prefill += r.item.prompt_tokens

@@ -7,9 +7,7 @@ import gc
 import random
 import time
 
-from odma.allocator import KVPool
-from odma.buckets import BucketManager
-from odma.policy import BucketPolicy, KVRequest
+from odma.kv import BucketManager, BucketPolicy, KVPool, KVRequest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -29,8 +29,7 @@ from typing import Callable
 
 import torch
 
-from backends import KVLayout, get_backend
-from odma.allocator import Block
+from backends import KVLayout, Span, get_backend
 from odma.errors import ConfigError
 
 PAGE = 16
@@ -76,7 +75,7 @@ class _Caches:
         layout = KVLayout(layers=1, kv_heads=hk, head_dim=d, dtype=dtype)
         cap = context + 2 * PAGE
         self.arena = backend.create_arena(b * (cap + PAGE), layout)
-        self.blocks = [Block(offset=i * (cap + PAGE), capacity=cap, bucket=0) for i in range(b)]
+        self.blocks = [Span(offset=i * (cap + PAGE), capacity=cap) for i in range(b)]
         # paged: scattered 16-token pages, K and V in separate per-layer caches
         pages = context // PAGE
         perm = torch.randperm(b * pages, generator=gen)

@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from odma.bench.scheduler_bench import DEFAULT_STEP_MS, _step_table
+from odma.bench.scheduler_bench import DEFAULT_STEP_MS
 from odma.config import PoolConfig
 from odma.engine.config import EngineConfig
 
@@ -129,13 +129,11 @@ def _result(balloon: bool, *, clock: float, useful: int, steps: int, peak: int, 
 
 
 def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon: bool) -> dict:
-    import numpy as np
-
-    from odma.balloon import ActivationProfile, BalloonPool
-    from odma.bench.scheduler_bench import CountingSwap, sim_advance, sim_pool, sim_sequence
-    from odma.elastic import ElasticKV
+    from odma.analyze.simulate import SimJob, TableStepModel, parse_step_table, simulate as drive
+    from odma.bench.scheduler_bench import CountingSwap, sim_pool
     from odma.engine.config import parse_kv_budget
     from odma.engine.scheduler import Scheduler
+    from odma.kv import ActivationProfile, BalloonPool, ContiguousKV, ElasticKV
 
     cap = args.max_tokens
     budget_tokens = parse_kv_budget(args.kv_budget, 1) // args.bytes_per_token
@@ -148,62 +146,23 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
     if balloon:
         elastic = ElasticKV(BalloonPool(pool, args.segment_tokens), profile, reserve, keep_tokens=args.keep_tokens)
     swap = CountingSwap(args.bytes_per_token) if args.preempt == "swap" else None
-    scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                          elastic=elastic, preempt=args.preempt, swapper=swap,
+    scheduler = Scheduler(ContiguousKV(pool, elastic=elastic), max_num_seqs=args.max_num_seqs,
+                          max_prefill_tokens=args.max_prefill_tokens, preempt=args.preempt, swapper=swap,
                           chunk_prefills=balloon and args.chunked_prefill, clear_window=args.clear_window)
-    xs, ys = _step_table(args.step_ms)
-    jobs_of: dict[str, Job] = {}
-    target: dict[str, int] = {}
-    pending = sorted(enumerate(zip(jobs, predictions)), key=lambda x: x[1][0].arrival_s)
-    clock = 0.0
-    i = steps = peak = idle = done = 0
-    running_time = 0.0  # ∫ running requests dt
-    ttft: dict[bool, list[float]] = {False: [], True: []}
-    while done < len(jobs):
-        while i < len(pending) and pending[i][1][0].arrival_s <= clock:
-            n, (job, pred) = pending[i]
-            seq = sim_sequence(f"r{n}", job.prompt_tokens, cap, pred)
-            jobs_of[seq.request_id], target[seq.request_id] = job, job.output_tokens
-            scheduler.add(seq)
-            i += 1
-        work = scheduler.schedule()
-        if swap is not None:
-            clock += swap.take_seconds()
-        if not work:
-            # a round without work preempts the newest running request (room for the others to grow): allow
-            # one such round per running request before calling it stuck
-            if scheduler.has_work() and idle <= len(scheduler.running) + 2:
-                idle += 1
-                continue
-            if i < len(pending):
-                clock = max(clock, pending[i][1][0].arrival_s)
-                continue
-            raise RuntimeError(f"requests remain but nothing can be scheduled: {len(scheduler.running)} running, "
-                               f"{len(scheduler.waiting)} waiting, {pool.stats()}")
-        idle = 0
-        decode = [w for w in work if w.q_len == 1]
-        prefills = [w for w in work if w.q_len > 1]
-        if elastic is not None:
-            elastic.check(sum(w.q_len for w in prefills))
-        context = sum(w.start for w in decode)
-        prefill_ms = sum(w.q_len * (args.prefill_ms_per_token + args.prefill_ms_per_1k_context * (w.start + w.q_len) / 1e3)
-                         for w in prefills)
-        dt = float(np.interp(len(decode), xs, ys)) + (args.kv_ms_per_1k * context / 1e3 + prefill_ms) / 1e3
-        running_time += len(scheduler.running) * dt
-        clock += dt
-        steps += 1
-        peak = max(peak, len(scheduler.running))
-        for w in work:
-            if w.seq.num_generated == 0 and w.start + w.q_len == w.seq.num_tokens:  # it emits its first token
-                job = jobs_of[w.seq.request_id]
-                ttft[job.long].append(clock - job.arrival_s)
-        done += len(sim_advance(scheduler, work, policy, target))
-        if steps % 100 == 0:
-            pool.check_invariants()
-    pool.check_invariants()
+    step_model = TableStepModel(parse_step_table(args.step_ms), args.prefill_ms_per_token, args.kv_ms_per_1k,
+                                args.prefill_ms_per_1k_context)
+    sim_jobs = [SimJob(f"r{n}", job.arrival_s, job.prompt_tokens, job.output_tokens, cap, pred)
+                for n, (job, pred) in enumerate(zip(jobs, predictions))]
+    check = None if elastic is None else (lambda work, step: elastic.check(step.prefill_tokens))
+    sim = drive(sim_jobs, scheduler, step_model, buckets=policy.buckets, swap=swap, on_step=check)
     assert pool.stats().live_blocks == 0
-    return _result(balloon, clock=clock, useful=sum(j.output_tokens for j in jobs), steps=steps, peak=peak,
-                   running_time=running_time, ttft=ttft, counters=scheduler.counters, elastic=elastic, completed=done)
+    long_of = {f"r{n}": job.long for n, job in enumerate(jobs)}
+    ttft: dict[bool, list[float]] = {False: [], True: []}
+    for rec in sorted(sim.records.values(), key=lambda r: r.first_token_s):  # in the order they got a first token
+        ttft[long_of[rec.job.request_id]].append(rec.ttft_s)
+    return _result(balloon, clock=sim.clock, useful=sum(j.output_tokens for j in jobs), steps=sim.steps,
+                   peak=sim.peak_running, running_time=sim.running_time, ttft=ttft, counters=scheduler.counters,
+                   elastic=elastic, completed=sim.completed)
 
 
 def run_engine(jobs: list[Job], args: argparse.Namespace, *, balloon: bool, long_ids: list[int]) -> dict:
@@ -263,7 +222,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     import torch
 
     from backends import get_backend
-    from odma.allocator import Block
+    from backends import Span
     from odma.engine.model_runner import ModelRunner
     from odma.models import load_model, resolve_model
     from odma.models.llama import SeqSlot
@@ -273,7 +232,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     sizes = (512, 4096, 8192)
     runner = ModelRunner(model, get_backend("cpu"), max(sizes) + 16)  # its arena holds the decode contexts
     peaks = runner.profile_activations(list(sizes))  # what the engine profiles at start-up
-    kv = runner.arena.view(Block(0, max(sizes) + 16, 0))
+    kv = runner.arena.view(Span(0, max(sizes) + 16))
     out: dict = {"model": args.model, "kv_bytes_per_token": runner.bytes_per_token, "threads": 1}
     with torch.inference_mode():
         for n in sizes:

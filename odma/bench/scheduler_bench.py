@@ -35,11 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-ms-per-token", type=float, default=3.5)
 
 
-def _step_table(spec: str) -> tuple[list[float], list[float]]:
-    pairs = sorted((float(b), float(ms) / 1000) for b, ms in (item.split(":") for item in spec.split(",")))
-    return [0.0] + [b for b, _ in pairs], [0.0] + [s for _, s in pairs]
-
-
 class CountingSwap:
     """A modelled host buffer for swap preemption: unlimited; its copies cost time at `gbps` (payload)."""
 
@@ -72,99 +67,45 @@ class CountingSwap:
 def sim_pool(policy: str, max_tokens: int, budget_tokens: int, *, reserve_scale: float | None = None,
              bytes_per_token: int = 1, worst_case_prompt_share: float | None = None):
     """The engine's reservation policy for `policy` and a bookkeeping-only pool over `budget_tokens`."""
-    from odma.allocator import KVPool
-    from odma.config import BucketConfig, PoolConfig
-    from odma.engine.config import EngineConfig
-    from odma.engine.memory import build_policy
+    from odma.kv import BucketConfig, KVPool, PoolConfig, build_policy
 
     pool_cfg = PoolConfig() if reserve_scale is None else replace(PoolConfig(), reserve_scale=reserve_scale)
     if worst_case_prompt_share is not None:
         pool_cfg = replace(pool_cfg, worst_case_prompt_share=worst_case_prompt_share)
-    cfg = EngineConfig(policy=policy, max_tokens_cap=max_tokens, default_max_tokens=max_tokens, length_log=None,
-                       pool=pool_cfg, buckets=replace(BucketConfig(), large_bound=max_tokens))
-    kv_policy = build_policy(cfg, [])
-    return kv_policy, KVPool(budget_tokens, kv_policy, large_share=0.0, align=cfg.pool.align,
-                             bytes_per_token=bytes_per_token, worst_case_prompt_share=cfg.pool.worst_case_prompt_share)
-
-
-def sim_sequence(request_id: str, prompt_tokens: int, max_tokens: int, prediction: tuple | None):
-    """A sequence of placeholder tokens, tagged with the predictor's (L̂, u) unless `prediction` is None."""
-    from odma.engine.sampling import SamplingParams
-    from odma.engine.sequence import Sequence
-
-    seq = Sequence(request_id, [0] * prompt_tokens, SamplingParams(max_tokens=max_tokens))
-    if prediction is not None:
-        length, u = prediction
-        seq.predicted_length = seq.predicted_tokens = float(length)
-        seq.uncertainty = float(u)
-    return seq
-
-
-def sim_advance(scheduler, work, kv_policy, target: dict[str, int]) -> list:
-    """What a model step does to the bookkeeping: every item's tokens are cached and it emits one token
-    (none after a chunk of a longer prefill); requests that reached their target length finish (their blocks
-    are released). Returns those."""
-    finished = []
-    for w in work:
-        seq = w.seq
-        seq.num_cached = w.start + w.q_len
-        if seq.num_cached < seq.num_tokens:
-            continue
-        seq.output_ids.append(0)
-        if seq.num_generated >= target[seq.request_id]:
-            scheduler.finish(seq, "stop")
-            finished.append(seq)
-    buckets = getattr(kv_policy, "buckets", None)
-    if buckets is not None and buckets.refresh_due():
-        buckets.refresh()
-    return finished
+    kv_policy = build_policy(policy, max_tokens=max_tokens, buckets=BucketConfig(), pool=pool_cfg)
+    return kv_policy, KVPool(budget_tokens, kv_policy, large_share=0.0, align=pool_cfg.align,
+                             bytes_per_token=bytes_per_token, worst_case_prompt_share=pool_cfg.worst_case_prompt_share)
 
 
 def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: int, max_tokens: int,
-             max_num_seqs: int, step_table, prefill_s_per_token: float, reserve_scale: float | None = None,
+             max_num_seqs: int, step_table, prefill_ms_per_token: float, reserve_scale: float | None = None,
              bytes_per_token: int = 46080, swap_gbps: float = 10.0, admission_theta: float = 1.0) -> dict:
-    import numpy as np
-
+    from odma.analyze.simulate import SimJob, TableStepModel, simulate as drive
     from odma.engine.config import EngineConfig
     from odma.engine.scheduler import Scheduler
+    from odma.kv import ContiguousKV
 
     kv_policy, pool = sim_pool(policy, max_tokens, budget_tokens, reserve_scale=reserve_scale)
     swap = CountingSwap(bytes_per_token, swap_gbps) if preempt == "swap" else None
-    scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_prefill_tokens=EngineConfig().max_prefill_tokens,
-                          preempt=preempt, swapper=swap, admission_theta=admission_theta)
-    target: dict[str, int] = {}
-    for i, (rec, pred) in enumerate(zip(records, predictions)):
-        seq = sim_sequence(f"r{i}", rec.prompt_tokens, max_tokens, pred if policy != "static" else None)
-        target[seq.request_id] = max(1, min(max_tokens, rec.output_tokens))
-        scheduler.add(seq)
-    xs, ys = step_table
-    clock = 0.0
-    steps = peak = prefill_tokens = 0
-    while scheduler.has_work():
-        work = scheduler.schedule()
-        if swap is not None:
-            clock += swap.take_seconds()
-        decode = sum(1 for w in work if w.q_len == 1)
-        prefill = sum(w.q_len for w in work if w.q_len > 1)
-        clock += float(np.interp(decode, xs, ys)) + prefill_s_per_token * prefill
-        steps += 1
-        prefill_tokens += prefill
-        peak = max(peak, len(scheduler.running))
-        sim_advance(scheduler, work, kv_policy, target)
-        if steps > 10_000_000:
-            raise RuntimeError("the scheduler made no progress")
-    pool.check_invariants()
+    scheduler = Scheduler(ContiguousKV(pool), max_num_seqs=max_num_seqs,
+                          max_prefill_tokens=EngineConfig().max_prefill_tokens, preempt=preempt, swapper=swap,
+                          admission_theta=admission_theta)
+    jobs = [SimJob(f"r{i}", 0.0, rec.prompt_tokens, max(1, min(max_tokens, rec.output_tokens)), max_tokens,
+                   pred if policy != "static" else None) for i, (rec, pred) in enumerate(zip(records, predictions))]
+    step_model = TableStepModel(step_table, prefill_ms_per_token=prefill_ms_per_token)
+    sim = drive(jobs, scheduler, step_model, buckets=getattr(kv_policy, "buckets", None), swap=swap)
     c = scheduler.counters
-    useful = sum(target.values())
+    useful = sum(j.output_tokens for j in jobs)
     return {"policy": policy, "preempt": preempt, "admission_theta": admission_theta,
-            "theta_refusals": c.theta_refusals, "throughput_tps": useful / clock, "makespan_s": clock, "steps": steps,
-            "peak_running": peak, "migrations": c.migrations, "preemptions": c.preemptions, "stalls": c.stalls,
-            "swap_outs": c.swap_outs, "swapped_bytes": swap.copied_bytes if swap else 0,
-            "peak_host_bytes": swap.peak_held_bytes if swap else 0,
-            "prefill_tokens": prefill_tokens, "completion_tokens": useful}
+            "theta_refusals": c.theta_refusals, "throughput_tps": useful / sim.clock, "makespan_s": sim.clock,
+            "steps": sim.steps, "peak_running": sim.peak_running, "migrations": c.migrations,
+            "preemptions": c.preemptions, "stalls": c.stalls, "swap_outs": c.swap_outs,
+            "swapped_bytes": swap.copied_bytes if swap else 0, "peak_host_bytes": swap.peak_held_bytes if swap else 0,
+            "prefill_tokens": sim.prefill_tokens, "completion_tokens": useful}
 
 
 def run(args: argparse.Namespace) -> dict:
+    from odma.analyze.simulate import parse_step_table
     from odma.bench.serve_bench import _pick
     from odma.engine.config import parse_kv_budget
     from predictor import load_predictor
@@ -179,8 +120,8 @@ def run(args: argparse.Namespace) -> dict:
             for theta in thetas:
                 runs.append(simulate(records, predictions, policy=policy, preempt=preempt, budget_tokens=budget_tokens,
                                      max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
-                                     step_table=_step_table(args.step_ms),
-                                     prefill_s_per_token=args.prefill_ms_per_token / 1000,
+                                     step_table=parse_step_table(args.step_ms),
+                                     prefill_ms_per_token=args.prefill_ms_per_token,
                                      reserve_scale=args.reserve_scale, bytes_per_token=args.bytes_per_token,
                                      swap_gbps=args.swap_gbps, admission_theta=theta))
     static = next((r["throughput_tps"] for r in runs if r["policy"] == "static"), None)

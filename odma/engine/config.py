@@ -8,8 +8,7 @@ from pathlib import Path
 
 from odma.config import BucketConfig, PoolConfig, default_cache_dir
 from odma.errors import ConfigError
-
-POLICIES = ("odma", "static", "s3")
+from odma.kv import POLICY_KINDS as POLICIES
 
 
 def default_threads() -> int:
@@ -25,7 +24,7 @@ class EngineConfig:
     model: str = "smollm2"  # "smollm2", a HF folder, a .gguf file or a hub name
     device: str = "cpu"
     # several devices, one pool each (kv_budget per device), one set of bucket bounds; requests are placed by
-    # memory pressure and compute load (odma.cluster). Empty: just `device`. On CPU, "cpu:0,cpu:1" are two
+    # memory pressure and compute load (odma.kv.placement). Empty: just `device`. On CPU, "cpu:0,cpu:1" are two
     # pools over the same cores and weights: a test bed for placement, not a speed-up.
     devices: tuple[str, ...] = ()
     # run several devices' model steps concurrently (one thread each); None = on for accelerators, off for

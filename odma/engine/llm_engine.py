@@ -14,18 +14,16 @@ from typing import Any
 
 import torch
 
-from odma.allocator import KVPool
-from odma.cluster import rank_devices
 from odma.engine.config import EngineConfig, parse_kv_budget
 from odma.engine.length_log import LengthLog, read_realized_lengths
 from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor
-from odma.engine.memory import build_policy
 from odma.engine.model_runner import ModelRunner
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
 from odma.engine.sequence import RequestTags, Sequence, Status
 from odma.engine.worker import DeviceWorker, build_worker
-from odma.errors import InvalidRequestError, RequestTooLargeError
+from odma.errors import ConfigError, InvalidRequestError, RequestTooLargeError
+from odma.kv import KVPool, build_policy, rank_devices
 from odma.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -37,6 +35,16 @@ class StepOutput:
     seq: Sequence
     token: int | None  # the new token (None: the request only finished, e.g. cancelled)
     finished: bool
+
+
+def open_backend(device: str):
+    """The backend of `device`; ConfigError when it is absent or not supported here."""
+    from backends import BackendError, get_backend
+
+    try:
+        return get_backend(device)
+    except BackendError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class NullMetrics:
@@ -57,12 +65,10 @@ class LLMEngine:
         predictor: LoadedPredictor | None = None,
         metrics: Any = None,
     ) -> None:
-        from backends import get_backend
-
         self.config = config
         torch.set_num_threads(config.threads)
         devices = config.device_list
-        backends = [get_backend(d) for d in devices]  # ConfigError when a device is absent or not supported yet
+        backends = [open_backend(d) for d in devices]
         for b in backends:  # fail on a bad budget before loading anything
             parse_kv_budget(config.kv_budget, b.memory_info().total_bytes)
         folder = None
@@ -82,7 +88,8 @@ class LLMEngine:
         if config.length_log and config.bootstrap_from_log:
             bootstrap = read_realized_lengths(config.length_log, model=config.model)
         # one policy object for every device: one set of bucket bounds, one window of realized lengths
-        self.policy = build_policy(config, bootstrap)
+        self.policy = build_policy(config.policy, max_tokens=config.max_tokens_cap, buckets=config.buckets,
+                                   pool=config.pool, s3_buckets=config.s3_buckets, bootstrap=bootstrap)
         kv_dtype = DTYPES[config.resolved_kv_dtype]
         models = {str(model.device): model}  # devices that are the same torch device share the weights
         self.workers: list[DeviceWorker] = []
@@ -95,11 +102,11 @@ class LLMEngine:
                                                                 dtype=model.dtype, device=str(backend.device))
             self.workers.append(build_worker(config, device, backend, here, self.policy, kv_dtype))
         self._worker_of: dict[str, DeviceWorker] = {}
-        self._pool = None
+        self._device_threads = None  # one thread per device when their model steps run concurrently
         if len(self.workers) > 1 and config.parallel_devices_resolved:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(len(self.workers), thread_name_prefix="odma-device")
+            self._device_threads = ThreadPoolExecutor(len(self.workers), thread_name_prefix="odma-device")
         self.predictor = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.metrics = metrics or NullMetrics()
         from odma.models.weights import model_name
@@ -191,7 +198,7 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
                 f"context of {self.max_model_len} tokens"
             )
-        limit = max(w.pool.max_request_tokens for w in self.workers)
+        limit = max(w.kv.max_request_tokens for w in self.workers)
         if not self._fits(total, limit):
             raise RequestTooLargeError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the KV pool's largest "
@@ -230,8 +237,8 @@ class LLMEngine:
         interpreter lock inside its kernels), else one after another."""
         outputs = self._drain_inbox()
         batches = [(w, work) for w in self.workers if (work := w.scheduler.schedule())]
-        if len(batches) > 1 and self._pool is not None:
-            results = list(self._pool.map(lambda b: self._run(*b), batches))
+        if len(batches) > 1 and self._device_threads is not None:
+            results = list(self._device_threads.map(lambda b: self._run(*b), batches))
         else:
             results = [self._run(w, work) for w, work in batches]
         for (worker, work), (tokens, error, seconds) in zip(batches, results):
@@ -369,13 +376,13 @@ class LLMEngine:
                 seq.bucket = select(seq.predicted_length, seq.uncertainty).index
 
     def _place(self, seq: Sequence) -> DeviceWorker:
-        """The device with the least memory pressure and compute load (odma.cluster's score, the queue
+        """The device with the least memory pressure and compute load (odma.kv.placement's score, the queue
         counted as load) among those whose pool can ever hold the request; it stays there to the end."""
         if len(self.workers) == 1:
             return self.workers[0]
         need = self.policy.initial_tokens(seq)
         total = seq.prompt_tokens + seq.params.max_tokens
-        fits = [w for w in self.workers if self._fits(total, w.pool.max_request_tokens)]
+        fits = [w for w in self.workers if self._fits(total, w.kv.max_request_tokens)]
         by_name = {w.device: w for w in fits or self.workers}
         return by_name[rank_devices([w.load() for w in by_name.values()], need)[0]]
 
@@ -408,7 +415,7 @@ class LLMEngine:
         return sum(len(w.scheduler.running) for w in self.workers)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._device_threads is not None:
+            self._device_threads.shutdown(wait=True)
         if self.length_log is not None:
             self.length_log.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backends import Arena, Backend, KVLayout
+from backends import Arena, Backend, KVLayout, Span
 from odma.engine.scheduler import Work
 from odma.engine.sampling import Sampler
 from odma.models.llama import CausalLM, SeqSlot
@@ -54,8 +54,6 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_activations(self, token_counts: list[int]) -> dict[int, int]:
         """Peak activation bytes of a prefill of each token count (a throwaway arena holds its KV)."""
-        from odma.allocator import Block
-
         out = {}
         device = self.backend.device
         for n in token_counts:
@@ -63,7 +61,7 @@ class ModelRunner:
             try:
                 ids = torch.zeros(n, dtype=torch.long, device=device)
                 positions = torch.arange(n, dtype=torch.long, device=device)
-                slot = [SeqSlot(arena.view(Block(0, n, 0)), 0, n)]
+                slot = [SeqSlot(arena.view(Span(0, n)), 0, n)]
                 out[n] = self.backend.activation_peak_bytes(lambda: self.model(ids, positions, slot))
             finally:
                 self.backend.free_arena(arena)

@@ -1,5 +1,6 @@
 """Which requests run this step: decode all running ones (growing or migrating their blocks), then admit
-waiting ones whose blocks can be reserved. Pure bookkeeping over the KVPool; no tensors."""
+waiting ones whose memory can be reserved. Pure bookkeeping; memory is asked through `odma.kv.KVManager`
+(admit / grow / release / evict / make_way), whose handles stay current when blocks move. No tensors."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
-from odma.allocator import KVPool
-from odma.elastic import ElasticKV
 from odma.engine.sequence import Sequence, Status
+from odma.kv import KVManager
 
 PREEMPT_MODES = ("wait", "recompute", "swap")
 
@@ -54,14 +54,13 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(
         self,
-        pool: KVPool,
+        kv: KVManager,
         *,
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 2048,
         preempt: str = "wait",
         lookahead: int = 16,
         max_skips: int = 8,
-        elastic: ElasticKV | None = None,
         swapper: Swapper | None = None,
         admission_theta: float = 1.0,
         chunk_prefills: bool = False,
@@ -71,13 +70,13 @@ class Scheduler:
             raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
         if preempt == "swap" and swapper is None:
             raise ValueError("preempt='swap' needs a swapper (the engine's host buffer)")
-        self.pool = pool
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.preempt_mode = preempt
         self.lookahead = lookahead  # waiting requests considered per admission round
         self.max_skips = max_skips  # rounds a head-of-queue request may be bypassed before it blocks others
-        self.elastic = elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
+        self.elastic = kv.elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
         self.swapper = swapper
         if not 0 < admission_theta <= 1:
             raise ValueError(f"admission_theta must be in (0, 1], got {admission_theta}")
@@ -93,7 +92,7 @@ class Scheduler:
         # tokens is fenced and its blocks relocated (into lent segments, say), instead of waiting for them.
         # Not with ballooning that reclaims lent room for whole prefills: the reclaim would move the cleared
         # blocks straight back out of the segments (measured: segments lent and taken back every step).
-        self.clear_window = clear_window and (elastic is None or chunk_prefills)
+        self.clear_window = clear_window and (self.elastic is None or chunk_prefills)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -120,7 +119,7 @@ class Scheduler:
             # the next waiting prefill needs (lending it would only be taken back at once)
             step_prefill = sum(w.q_len for w in work if w.q_len > 1)
             head = 0
-            if self.waiting and self.pool.could_reserve(self.waiting[0]):
+            if self.waiting and self.kv.can_admit(self.waiting[0]):
                 # a head that cannot get its KV block yet is not about to prefill: its room may be lent now
                 # and is taken back (blocks migrate out) once its block fits
                 head = self.waiting[0].num_tokens - self.waiting[0].num_cached
@@ -135,12 +134,11 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             while True:
-                block = self.pool.extend(seq, seq.num_tokens)
-                if block is not None:
-                    if block.offset != seq.block.offset:  # moved (a block grown in place keeps its offset)
+                growth = self.kv.grow(seq.request_id, seq.num_tokens)
+                if growth is not None:
+                    if growth.moved:  # a block grown in place keeps its offset
                         seq.migrations += 1
                         self.counters.migrations += 1
-                    seq.block = block
                     q_len = seq.num_tokens - seq.num_cached
                     if q_len > 1:  # the rest of a chunked prefill
                         q_len = self._prefill_chunk(prefill, q_len, self.max_prefill_tokens - prefill)
@@ -164,7 +162,7 @@ class Scheduler:
         # buffer is full the request is recomputed as in recompute mode
         swapped = self.preempt_mode == "swap" and seq.num_cached > 0 and self.swapper.swap_out(seq)
         kept = seq.num_cached if swapped else 0
-        self.pool.release(seq, self._realized(seq), observe=False)
+        self.kv.evict(seq.request_id)
         self.running.remove(seq)
         seq.reset_for_recompute(kept)
         self.waiting.appendleft(seq)  # first in line when room appears
@@ -186,7 +184,7 @@ class Scheduler:
             need = seq.num_tokens - seq.num_cached
             if work and need > budget:
                 continue
-            if self.elastic is not None and need > 1 and not self.pool.could_reserve(seq):
+            if self.elastic is not None and need > 1 and not self.kv.can_admit(seq):
                 # no KV block for it yet: do not deflate segments (migrating blocks) for a prefill that
                 # could not start anyway
                 self.counters.admission_refusals += 1
@@ -210,8 +208,8 @@ class Scheduler:
                 if self._head_holds(seq):
                     break
                 continue
-            block = self.pool.reserve(seq)
-            if block is None:
+            handle = self.kv.admit(seq)
+            if handle is None:
                 self.counters.admission_refusals += 1
                 if self._head_holds(seq):
                     break  # the head has waited long enough: hold memory for it
@@ -219,7 +217,7 @@ class Scheduler:
             if seq is not self.waiting[0]:
                 self.counters.bucket_matched_admissions += seq.bucket in self._freed_buckets
             self.waiting.remove(seq)
-            seq.block = block
+            seq.kv = handle
             seq.status = Status.RUNNING
             self.running.append(seq)
             if seq.swapped:  # its K/V comes back from the host: only the uncached tail is computed
@@ -248,14 +246,11 @@ class Scheduler:
         """A head that holds the queue without a range to fit in: relocate the blocks in the range it would need
         (into lent segments, say) when there is room for them elsewhere, so it is admitted in this round."""
         head = self.waiting[0] if self.waiting else None
-        if head is None or not self._head_holds(head) or self.pool.could_reserve(head):
+        if head is None or not self._head_holds(head) or self.kv.can_admit(head):
             return
-        moved, cleared = self.pool.clear_window(head)
+        moved, cleared = self.kv.make_way(head)
         self.counters.window_clears += cleared
-        if moved:
-            self.counters.window_moves += moved
-            for seq in self.running:
-                seq.block = self.pool.block_of(seq)
+        self.counters.window_moves += moved
 
     def _head_holds(self, seq: Sequence) -> bool:
         """The head of the queue has been bypassed `max_skips` rounds: nobody overtakes it any more."""
@@ -264,16 +259,13 @@ class Scheduler:
     def _under_theta(self, seq: Sequence) -> bool:
         if self.admission_theta >= 1.0:
             return True
-        need = self.pool.policy.initial_tokens(seq)
-        return self.pool.reserved_tokens + need <= self.admission_theta * self.pool.capacity_tokens
+        need = self.kv.initial_tokens(seq)
+        return self.kv.reserved_tokens + need <= self.admission_theta * self.kv.capacity_tokens
 
     def _activation_room(self, prefill_tokens: int) -> bool:
         """Ballooning: free the activation room of this step's prefill (segments lent to the KV pool are
-        taken back; their blocks migrate, so running requests pick up their new blocks)."""
-        ok, moved = self.elastic.make_room(prefill_tokens)
-        if moved:
-            for seq in self.running:
-                seq.block = self.pool.block_of(seq)
+        taken back; their blocks migrate, and the requests' handles follow)."""
+        ok, _ = self.elastic.make_room(prefill_tokens)
         if not ok:
             self.counters.activation_refusals += 1
         return ok
@@ -294,13 +286,18 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, *, observe: bool = True) -> None:
         """Release the request's block (if any) and drop it from the queues. observe=False: the length is
         not a realized one (cancelled or failed), so the bucket manager does not learn from it."""
-        if seq.block is not None:
-            # a recomputed request's block was reserved for the tail only: it reports the tail's length
-            self.pool.release(seq, self._realized(seq), observe=observe and seq.preemptions == 0)
-            if observe and seq.preemptions:
-                self.pool.policy.observe(seq.num_generated)
-            self._freed_buckets[seq.block.bucket] += 1
-            seq.block = None
+        if seq.kv is not None:
+            # a recomputed request's block was reserved for the tail only: the bucket window learns the whole
+            # length instead of the tail's
+            if observe and not seq.preemptions:
+                self.kv.release(seq.request_id, self._realized(seq))
+            else:
+                self.kv.evict(seq.request_id)
+                if observe:
+                    self.kv.observe(seq.num_generated)
+            if seq.block is not None:
+                self._freed_buckets[seq.block.bucket] += 1
+            seq.kv = None
         if seq.swapped:
             self.swapper.drop(seq)
             seq.swapped = False

@@ -8,8 +8,8 @@ from enum import Enum
 
 import torch
 
-from odma.allocator import Block
 from odma.engine.sampling import SamplingParams
+from odma.kv import Block, KVHandle
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
-    block: Block | None = None
+    kv: KVHandle | None = None  # its KV memory while it holds some (kept current by the pool when it moves)
     num_cached: int = 0  # tokens whose K/V are in the block
     prompt_tokens: int = 0  # pool view, see the class docstring
     max_new_tokens: int = 0
@@ -65,6 +65,11 @@ class Sequence:
         self.max_new_tokens = self.params.max_tokens
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def block(self) -> Block | None:
+        """The contiguous block its K/V lives in now (None while it holds no memory)."""
+        return None if self.kv is None else self.kv.block
 
     def predictor_fields(self, generator: str | None) -> dict:
         """What the length predictor reads about this request, under `TraceRecord`'s names: the engine predicts
@@ -94,7 +99,7 @@ class Sequence:
     def reset_for_recompute(self, kept: int = 0) -> None:
         """After preemption: the block is gone, so every token so far counts as prompt for the next block;
         `kept` tokens of K/V were swapped to the host and come back instead of being recomputed."""
-        self.block = None
+        self.kv = None
         self.num_cached = kept
         self.swapped = kept > 0
         self.prompt_tokens = self.num_tokens

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from odma.engine.sequence import Sequence
-from odma.offload import OffloadController
+from odma.kv import OffloadController
 
 
 class HostSwap:

@@ -10,14 +10,12 @@ from typing import Any
 
 import torch
 
-from odma.allocator import KVPool
-from odma.cluster import DeviceLoad, pool_load
 from odma.engine.config import EngineConfig, parse_kv_budget
 from odma.engine.model_runner import ModelRunner
 from odma.engine.scheduler import Scheduler
 from odma.errors import ConfigError
+from odma.kv import ContiguousKV, DeviceLoad, ElasticKV, KVPool, ReservationPolicy
 from odma.models.llama import CausalLM
-from odma.policy import ReservationPolicy
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +25,25 @@ class DeviceWorker:
     device: str
     backend: Any
     runner: ModelRunner
-    pool: KVPool
+    kv: ContiguousKV  # the door the scheduler uses
     scheduler: Scheduler
-    elastic: Any = None  # odma.elastic.ElasticKV when ballooning
     swap: Any = None  # odma.engine.swap.HostSwap when preempting by swap
+
+    @property
+    def pool(self) -> KVPool:
+        """The device's pool, for observability (stats) and tests; scheduling goes through `kv`."""
+        return self.kv.pool
+
+    @property
+    def elastic(self) -> ElasticKV | None:
+        return self.kv.elastic
 
     def load(self) -> DeviceLoad:
         """What placement weighs: blocks held plus what the queue will reserve, tokens attended per step plus
         the queue's prompts (a request placed here waits behind them)."""
-        policy = self.pool.policy
-        queued_need = sum(policy.initial_tokens(s) for s in self.scheduler.waiting)
+        queued_need = sum(self.kv.initial_tokens(s) for s in self.scheduler.waiting)
         queued_prompts = sum(s.prompt_tokens for s in self.scheduler.waiting)
-        return pool_load(self.device, self.pool, queued_need, queued_prompts)
+        return self.kv.load(self.device, queued_need, queued_prompts)
 
 
 def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalLM, policy: ReservationPolicy,
@@ -54,30 +59,29 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
     large_share = 0.0 if config.policy == "static" else config.pool.large_share
     pool = KVPool(total_tokens, policy, large_share=large_share, align=config.pool.align,
                   bytes_per_token=bytes_per_token, mover=runner.arena, worst_case_prompt_share=config.pool.worst_case_prompt_share)
-    elastic = _build_elastic(config, backend, runner, pool) if config.balloon else None
+    kv = ContiguousKV(pool, elastic=_build_elastic(config, backend, runner, pool) if config.balloon else None)
     swap = None
     if config.preempt == "swap":
         from odma.engine.swap import HostSwap
-        from odma.offload import OffloadConfig, OffloadController
+        from odma.kv import OffloadConfig, OffloadController
 
         capacity = parse_kv_budget(config.swap_space, backend.memory_info().total_bytes)
         swap = HostSwap(backend, runner, OffloadController(OffloadConfig(capacity_bytes=capacity)))
-    scheduler = Scheduler(pool, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-                          preempt=config.preempt, elastic=elastic, swapper=swap, admission_theta=config.admission_theta,
+    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
+                          preempt=config.preempt, swapper=swap, admission_theta=config.admission_theta,
                           chunk_prefills=config.balloon and config.balloon_chunked_prefill,
                           clear_window=config.clear_window)
     log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); decode attention: %s", device, budget / 2**20,
              total_tokens, bytes_per_token, "backend kernel" if runner.decode_kernel is not None else "SDPA per request")
-    return DeviceWorker(device, backend, runner, pool, scheduler, elastic, swap)
+    return DeviceWorker(device, backend, runner, kv, scheduler, swap)
 
 
-def _build_elastic(c: EngineConfig, backend, runner: ModelRunner, pool: KVPool):
+def _build_elastic(c: EngineConfig, backend, runner: ModelRunner, pool: KVPool) -> ElasticKV:
     """Ballooning between the activation reserve and the KV pool: profile the activation peak of a prefill (as
     vLLM does before sizing its cache), keep room for a max_prefill_tokens step, lend the rest to the pool in
     segments. Segments are real arenas of the backend, viewed through one SegmentedArena (the runner's arena
     from now on)."""
-    from odma.balloon import ActivationProfile, BalloonPool
-    from odma.elastic import ElasticKV
+    from odma.kv import ActivationProfile, BalloonPool
 
     if c.balloon_segment_tokens % c.pool.align:
         raise ConfigError(f"balloon_segment_tokens must be a multiple of the pool's align ({c.pool.align})")

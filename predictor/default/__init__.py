@@ -11,7 +11,8 @@ import logging
 from pathlib import Path
 
 from odma.errors import PredictorError
-from predictor.base import Predictor, load_predictor_folder
+from predictor.base import Predictor
+from predictor.registry import load_predictor_folder
 
 HERE = Path(__file__).resolve().parent
 ENCODER_DIR = HERE / "encoder"

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from odma.balloon import ActivationProfile, BalloonPool
 from odma.errors import ConfigError
+from odma.kv.balloon import ActivationProfile, BalloonPool
 
 
 @dataclass(slots=True)

@@ -14,6 +14,12 @@ Strategy (carving, splitting, coalescing; boundaries drift, memory must not stra
   belong to the old bounds. Live blocks keep their capacity until release.
 - Normal requests use the main region only; large-bucket requests and migrations may use both, the
   large region first for large-bucket requests, so overflow always has somewhere to go.
+- A block grows in place over the free units right after it when it can (no second range needed), else it
+  migrates: allocate, copy through the mover, swap, free the old block.
+- Every live request has a `KVHandle` that the pool keeps current across moves.
+
+Ballooning (`odma.kv.balloon`) adds address ranges (segments) and drains them; the pool keeps that state in
+a `SegmentMap` and relocates the blocks of a range being drained.
 """
 
 from __future__ import annotations
@@ -21,36 +27,22 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable
 
-from odma.buckets import LARGE
+from odma.config import PoolConfig
 from odma.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     RequestTooLargeError,
     UnknownRequestError,
 )
-from odma.extents import ExtentMap
-from odma.policy import Reservation, ReservationPolicy, SizedRequest, validate_request
-from odma.pool_segments import LARGE_REGION, MAIN, SegmentHooks
+from odma.kv.blocks import LARGE_REGION, MAIN, Block, BlockMover, KVHandle
+from odma.kv.buckets import LARGE
+from odma.kv.extents import ExtentMap
+from odma.kv.policy import Reservation, ReservationPolicy, SizedRequest, validate_request
+from odma.kv.segments import SegmentMap, emptiest_window
 
-
-class Block(NamedTuple):
-    """An immutable block handle (a named tuple: created on every reservation, so it must be cheap)."""
-
-    offset: int  # first token slot
-    capacity: int  # token slots, a multiple of the pool's alignment
-    bucket: int  # bucket index at reservation, LARGE for the large bucket
-    region: str = MAIN
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.capacity
-
-
-class BlockMover(Protocol):
-    def copy(self, src: Block, dst: Block, n_tokens: int) -> None:
-        """Copy the first n_tokens of src's KV into dst (a sequential copy on the device)."""
+_DEFAULTS = PoolConfig()  # one default per setting: the config dataclass's
 
 
 @dataclass(slots=True)
@@ -59,6 +51,7 @@ class _Live:
     block: Block
     reservation: Reservation
     length: int  # tokens the block holds now (prompt + generated)
+    handle: KVHandle  # the holder's view of `block`, updated with it
 
 
 @dataclass(slots=True)
@@ -121,7 +114,7 @@ class _FreeLists:
     units: int = 0
 
 
-class KVPool(SegmentHooks):
+class KVPool:
     """reserve / extend / release of contiguous blocks; thread-safe."""
 
     def __init__(
@@ -129,13 +122,13 @@ class KVPool(SegmentHooks):
         total_tokens: int,
         policy: ReservationPolicy,
         *,
-        large_share: float = 0.1,
-        align: int = 16,
+        large_share: float = _DEFAULTS.large_share,
+        align: int = _DEFAULTS.align,
         bytes_per_token: int = 1,
         mover: BlockMover | None = None,
         on_release: Callable[[SizedRequest, int, Block], None] | None = None,
         free_list_limit: int = 1024,
-        worst_case_prompt_share: float = 1.0,
+        worst_case_prompt_share: float = _DEFAULTS.worst_case_prompt_share,
     ) -> None:
         if align < 1 or total_tokens < align:
             raise InvalidRequestError(f"pool of {total_tokens} tokens cannot hold one {align}-token unit")
@@ -165,10 +158,8 @@ class KVPool(SegmentHooks):
         self._reserved_units = 0
         self._live_tokens = 0
         self._lock = threading.RLock()
-        # ballooning (odma.balloon): extra address ranges, ranges being drained, units held out of use
-        self._segments: dict[int, tuple[int, str]] = {}  # start unit → (units, region)
-        self._fences: dict[int, int] = {}  # start unit → units of a segment being evacuated
-        self._withheld: dict[int, int] = {}  # start unit → units neither free nor live (inside fences)
+        # ballooning: extra address ranges, ranges being drained, units held out of use
+        self._seg = SegmentMap(self._regions, units)
 
     @classmethod
     def from_bytes(cls, budget_bytes: int, bytes_per_token: int, policy: ReservationPolicy, **kw) -> "KVPool":
@@ -189,18 +180,15 @@ class KVPool(SegmentHooks):
 
     def _largest_range_units(self, region: str | None = None) -> int:
         """Largest contiguous address range (of `region`, or any), segments being drained excluded."""
-        if not self._segments:  # the common case, on the reserve hot path: no ballooned segments
+        if not self._seg.segments:  # the common case, on the reserve hot path: no ballooned segments
             if region == MAIN:
                 return self._main_units
             return self._large_units if region == LARGE_REGION else self._max_plain_units
         ranges = [] if region == LARGE_REGION else [self._main_units]
         if region != MAIN:
             ranges.append(self._large_units)
-        ranges += [n for s, (n, r) in self._segments.items() if s not in self._fences and region in (None, r)]
+        ranges += self._seg.open_ranges(region)
         return max(ranges)
-
-    def _segment_units(self, region: str) -> int:
-        return sum(n for n, r in self._segments.values() if r == region)
 
     def _units_for(self, tokens: int) -> int:
         return -(-tokens // self.align)
@@ -216,7 +204,7 @@ class KVPool(SegmentHooks):
                 raise DuplicateRequestError(f"request {rid} already holds a block")
             res = self._initial(req)
             units = -(-(prompt + res.output_tokens) // align)
-            segmented = bool(self._segments)  # no segments: the fast path of _largest_range_units, without the calls
+            segmented = bool(self._seg.segments)  # no segments: the fast path of _largest_range_units, without the calls
             if res.bucket != LARGE and units > (self._largest_range_units(MAIN) if segmented else self._main_units):
                 res = Reservation(res.output_tokens, LARGE)  # only the large bucket can hold it
             # Admit only what can always finish: prompt + max_new_tokens must fit one block of the pool.
@@ -232,7 +220,7 @@ class KVPool(SegmentHooks):
             if block is None:
                 self._n.refusals += 1
                 return None
-            self._live[rid] = _Live(req, block, res, prompt)
+            self._live[rid] = _Live(req, block, res, prompt, KVHandle(rid, block.capacity, block))
             self._reserved_units += units
             self._live_tokens += prompt
             self._n.reservations += 1
@@ -299,7 +287,8 @@ class KVPool(SegmentHooks):
                     raise
             self._n.grown_in_place += in_place
             # the swap: from here on the request's KV is the new block
-            live.block, live.reservation = new, res
+            self._move(live, new)
+            live.reservation = res
             self._reserved_units += units - old.capacity // self.align
             self._n.migrations += 1
             self._n.migrated_tokens += live.length
@@ -336,6 +325,11 @@ class KVPool(SegmentHooks):
         with self._lock:
             return self._lookup(req).block
 
+    def handle_of(self, req: SizedRequest | str) -> KVHandle:
+        """The request's handle: the same object for its whole life in the pool, kept current across moves."""
+        with self._lock:
+            return self._lookup(req).handle
+
     def length_of(self, req: SizedRequest | str) -> int:
         with self._lock:
             return self._lookup(req).length
@@ -351,6 +345,126 @@ class KVPool(SegmentHooks):
         with self._lock:
             self._flush()
 
+    # -- ballooning: segments, fences, relocation ---------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Token slots the pool can hand out now: the initial range plus segments, less withheld units."""
+        with self._lock:
+            return (self._units + self._seg.units() - self._seg.withheld_units()) * self.align
+
+    def segments(self) -> dict[int, tuple[int, str]]:
+        """start unit → (units, region) of every segment added with `add_segment`."""
+        with self._lock:
+            return dict(self._seg.segments)
+
+    def add_segment(self, start_unit: int, units: int, region: str = MAIN) -> None:
+        """Add [start_unit, start_unit + units) (in allocation units) as free space of `region`. It must
+        neither overlap nor touch the address space, so no block ever spans two segments."""
+        with self._lock:
+            self._seg.add(start_unit, units, region)
+
+    def fence(self, start_unit: int) -> None:
+        """Start draining a segment: its free units and any block given back inside it are withheld (never
+        handed out again) until `unfence` (rollback) or `remove_segment`."""
+        with self._lock:
+            units, region = self._seg.segment(start_unit)
+            if start_unit in self._seg.fences:
+                return
+            self._flush()  # cached blocks inside the segment must not be handed out
+            self._seg.fence(start_unit, units, region)
+
+    def unfence(self, start_unit: int) -> None:
+        """Rollback of `fence`: the segment's withheld units become free again."""
+        with self._lock:
+            units, region = self._seg.segment(start_unit)
+            if start_unit in self._seg.fences:
+                self._seg.lift(start_unit, units, region)
+
+    @property
+    def draining(self) -> bool:
+        """Is any range fenced (being drained) now?"""
+        return bool(self._seg.fences)
+
+    def remove_segment(self, start_unit: int) -> int:
+        """Drop a fenced segment whose units are all withheld (no live block left); returns its tokens."""
+        with self._lock:
+            return self._seg.remove(start_unit) * self.align
+
+    def live_in(self, start_unit: int, units: int) -> list[str]:
+        """Requests whose block lies in [start_unit, start_unit + units)."""
+        lo, hi = start_unit * self.align, (start_unit + units) * self.align
+        with self._lock:
+            return [rid for rid, live in self._live.items() if lo <= live.block.offset < hi]
+
+    def relocate(self, req: SizedRequest | str) -> Block | None:
+        """Migrate a live block to a new block of the same capacity and bucket elsewhere (through the
+        mover, then the swap); the old block is given back (withheld if fenced). None = no room."""
+        with self._lock:
+            live = self._lookup(req)
+            old = live.block
+            units = old.capacity // self.align
+            new = self._carve(units, old.bucket, prefer_large=old.bucket == LARGE, allow_large=True)
+            if new is None:
+                return None
+            if self.mover is not None:
+                try:
+                    self.mover.copy(old, new, live.length)
+                except BaseException:
+                    self._give_back(new)
+                    raise
+            self._move(live, new)
+            self._recycle(old)
+            return new
+
+    def clear_window(self, req: SizedRequest) -> tuple[int, bool]:
+        """Make room for `reserve(req)` by moving blocks instead of waiting for them to end: take the range it
+        would need where the fewest live tokens sit and, if the free space outside could hold that range's
+        blocks, relocate them (largest first) with the range fenced, so none lands back inside. Returns
+        (blocks moved, cleared); cleared means the range is free now for the reserve that follows. When a
+        block finds no room (fragmentation), the blocks moved so far stay valid where they went."""
+        validate_request(req)
+        with self._lock:
+            if self._units_for(req.prompt_tokens + req.max_new_tokens) > self._largest_range_units():
+                return 0, False  # reserve() refuses it as too large: nothing to make room for
+            res = self._initial(req)
+            units = self._units_for(req.prompt_tokens + res.output_tokens)
+            large = res.bucket == LARGE or units > self._largest_range_units(MAIN)
+            # The window's blocks must fit in the free space outside it, so the pool needs `units` free in
+            # all: checked first, because a held head asks every round while memory stays full.
+            if sum(r.free_units for r in self._regions.values()) + self._free.units < units:
+                return 0, False
+            lives = list(self._live.values())
+            spans = [(live.block, live.length) for live in lives]
+            best = None
+            for lo, size, region in self._base_ranges((MAIN, LARGE_REGION) if large else (MAIN,)):
+                found = emptiest_window(spans, lo, size, units, self.align)
+                if found is not None and (best is None or found[0] < best[0]):
+                    best = (*found, region)
+            if best is None:
+                return 0, False
+            _, start, inside, region = best
+            inside = [lives[i] for i in inside]
+            self._flush()  # cached blocks become free extents (and none inside the range is handed out)
+            self._seg.fence(start, units, region)
+            moved = 0
+            try:
+                # after fencing, the free units counted are those outside the window
+                if sum(live.block.capacity for live in inside) // self.align <= sum(r.free_units for r in self._regions.values()):
+                    for live in sorted(inside, key=lambda l: -l.block.capacity):
+                        if self.relocate(live.request.request_id) is None:
+                            break
+                        moved += 1
+            finally:  # the range's withheld units (those freed by the moves too) are free again
+                self._seg.lift(start, units, region)
+            return moved, moved == len(inside)
+
+    def _base_ranges(self, regions: tuple[str, ...]) -> list[tuple[int, int, str]]:
+        """The base address range (start unit, units, region) of each of `regions`. Segments are never
+        windows: they are small, and they are lent to be taken back."""
+        base = {MAIN: (0, self._main_units), LARGE_REGION: (self._main_units, self._large_units)}
+        return [(*base[r], r) for r in regions if base[r][1] > 0]
+
     # -- internals ---------------------------------------------------------------------------------
 
     def _initial(self, req: SizedRequest) -> Reservation:
@@ -361,6 +475,12 @@ class KVPool(SegmentHooks):
         if self.worst_case_prompt_share < 1.0 and req.prompt_tokens > self.worst_case_prompt_share * self.align * self._largest_range_units():
             return Reservation(req.max_new_tokens, LARGE)
         return self.policy.initial(req)
+
+    @staticmethod
+    def _move(live: _Live, block: Block) -> None:
+        """The swap: from here on the request's KV is `block` (its holder sees it through the handle)."""
+        live.block = live.handle.block = block
+        live.handle.capacity = block.capacity
 
     def _lookup(self, req: SizedRequest | str) -> _Live:
         rid = req if type(req) is str else getattr(req, "request_id", None)
@@ -406,7 +526,7 @@ class KVPool(SegmentHooks):
         return None
 
     def _recycle(self, block: Block) -> None:
-        if self._fences and self._withhold_if_fenced(block):
+        if self._seg.fences and self._seg.withhold_if_fenced(block, self.align):
             return
         stack = self._free.lists[block.bucket]
         if len(stack) < self.free_list_limit:
@@ -459,8 +579,8 @@ class KVPool(SegmentHooks):
             return PoolStats(
                 total_tokens=self.capacity_tokens,  # segments included, units being drained excluded
                 bytes_per_token=self.bytes_per_token,
-                main_tokens=(self._main_units + self._segment_units(MAIN)) * self.align,
-                large_tokens=(self._large_units + self._segment_units(LARGE_REGION)) * self.align,
+                main_tokens=(self._main_units + self._seg.units(MAIN)) * self.align,
+                large_tokens=(self._large_units + self._seg.units(LARGE_REGION)) * self.align,
                 live_blocks=len(self._live),
                 live_blocks_per_bucket=dict(per_bucket),
                 reserved_tokens=self._reserved_units * self.align,
@@ -498,15 +618,14 @@ class KVPool(SegmentHooks):
                 region.check()
                 lo, hi = (0, self._main_units) if name == MAIN else (self._main_units, self._units)
                 for s, n in region.extents():
-                    assert lo <= s and s + n <= hi or self._segment_of(s, n, name) is not None, (
+                    assert lo <= s and s + n <= hi or self._seg.segment_of(s, n, name) is not None, (
                         f"free extent {s}+{n} outside region {name}")
                     spans.append((s, n, "free"))
-            spans.extend((s, n, "withheld") for s, n in self._withheld.items())
-            for s, n in self._withheld.items():
-                assert any(f <= s and s + n <= f + m for f, m in self._fences.items()), f"withheld {s}+{n} unfenced"
+            spans.extend((s, n, "withheld") for s, n in self._seg.withheld.items())
+            self._seg.check()
             spans.sort()
             i = 0
-            for lo, size in [(0, self._units)] + sorted((s, n) for s, (n, _) in self._segments.items()):
+            for lo, size in [(0, self._units)] + sorted((s, n) for s, (n, _) in self._seg.segments.items()):
                 pos = lo
                 while i < len(spans) and spans[i][0] < lo + size:
                     s, n, kind = spans[i]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Protocol, Sequence
 
-from odma.buckets import LARGE, BucketChoice, BucketManager
-from odma.config import GROWTH_POLICIES
+from odma.config import GROWTH_POLICIES, BucketConfig, PoolConfig
 from odma.errors import ConfigError, InvalidRequestError
+from odma.kv.buckets import LARGE, BucketChoice, BucketManager, equal_width_bounds
 
 
 class SizedRequest(Protocol):
@@ -150,6 +150,25 @@ class ExactPolicy(ReservationPolicy):
 
     def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
         return _grow_by(self.growth, req, needed_output, current, None)
+
+
+POLICY_KINDS = ("odma", "static", "s3")
+
+
+def build_policy(kind: str, *, max_tokens: int, buckets: BucketConfig, pool: PoolConfig, s3_buckets: int = 8,
+                 bootstrap: Sequence[int] | None = None) -> ReservationPolicy:
+    """The serving policy named `kind`. odma: dynamic buckets refreshed from realized lengths (seeded with
+    `bootstrap`), reserve_scale·L̂ and growth; s3: static equal-width buckets; static: prompt + max_tokens for
+    every request. All share the same pool and budget; the large bucket holds the largest max_tokens."""
+    if kind == "static":
+        return StaticPolicy()
+    if kind == "s3":
+        fixed = BucketManager.fixed(equal_width_bounds(max_tokens, s3_buckets), max_tokens)
+        return BucketPolicy(fixed, growth=pool.growth, name="s3")
+    if kind != "odma":
+        raise ConfigError(f"policy must be one of {POLICY_KINDS}, got {kind!r}")
+    return BucketPolicy(BucketManager(replace(buckets, large_bound=max_tokens), bootstrap=bootstrap or None),
+                        growth=pool.growth, name="odma", reserve_scale=pool.reserve_scale)
 
 
 def _is_count(v, low: int) -> bool:

@@ -20,8 +20,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from odma.allocator import MAIN, KVPool
 from odma.errors import ConfigError
+from odma.kv.blocks import MAIN
+from odma.kv.pool import KVPool
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,9 +6,10 @@ Admission keeps a watermark of free pages back, as vLLM does, so a fresh batch d
 
 from __future__ import annotations
 
-from odma.analyze.kv import Growth, KVManager
 from odma.errors import DuplicateRequestError, InvalidRequestError, UnknownRequestError
-from odma.policy import KVRequest
+from odma.kv.blocks import Growth, KVHandle
+from odma.kv.manager import KVManager
+from odma.kv.policy import SizedRequest
 
 
 class PagedKV(KVManager):
@@ -23,6 +24,7 @@ class PagedKV(KVManager):
         self.watermark_pages = int(self.total_pages * watermark)
         self.free_pages = self.total_pages
         self._pages: dict[str, int] = {}
+        self._handles: dict[str, KVHandle] = {}
         self.refusals = 0
         self.page_refusals = 0
 
@@ -34,21 +36,35 @@ class PagedKV(KVManager):
     def max_request_tokens(self) -> int:
         return self.total_tokens
 
+    @property
+    def reserved_tokens(self) -> int:
+        return (self.total_pages - self.free_pages) * self.page_tokens
+
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
 
-    def admit(self, req: KVRequest) -> int | None:
+    def _admission_pages(self, req: SizedRequest) -> int:
+        return self._pages_for(req.prompt_tokens + 1)  # the prompt and the first generated token
+
+    def initial_tokens(self, req: SizedRequest) -> int:
+        return self._admission_pages(req) * self.page_tokens
+
+    def can_admit(self, req: SizedRequest) -> bool:
+        return self.free_pages - self._admission_pages(req) >= self.watermark_pages
+
+    def admit(self, req: SizedRequest) -> KVHandle | None:
         if req.request_id in self._pages:
             raise DuplicateRequestError(f"request {req.request_id} already holds pages")
-        need = self._pages_for(req.prompt_tokens + 1)  # the prompt and the first generated token
+        need = self._admission_pages(req)
         if self.free_pages - need < self.watermark_pages:
             self.refusals += 1
             return None
         self.free_pages -= need
         self._pages[req.request_id] = need
-        return need * self.page_tokens
+        handle = self._handles[req.request_id] = KVHandle(req.request_id, need * self.page_tokens)
+        return handle
 
-    def grow(self, request_id: str, held: int, new_len: int) -> Growth | None:
+    def grow(self, request_id: str, new_len: int, *, held: int | None = None) -> Growth | None:
         have = self._held(request_id)
         need = self._pages_for(new_len) - have
         if need <= 0:
@@ -58,11 +74,12 @@ class PagedKV(KVManager):
             return None
         self.free_pages -= need
         self._pages[request_id] = have + need
+        self._handles[request_id].capacity = (have + need) * self.page_tokens
         return Growth((have + need) * self.page_tokens, 0)
 
     def release(self, request_id: str, realized_output: int) -> None:
         self.free_pages += self._held(request_id)
-        del self._pages[request_id]
+        del self._pages[request_id], self._handles[request_id]
 
     def evict(self, request_id: str) -> None:
         self.release(request_id, 0)

@@ -1,11 +1,9 @@
-"""The CPU KV buffer of eLLM §4.3.2 as a pure controller (no torch): decisions and accounting only.
+"""The CPU KV buffer of eLLM §4.3.2 as a pure controller (no torch): accounting and the buffer's size.
 
-When device memory is short at prefill, the KV of requests whose prefill is complete but which wait for
-decode can be offloaded to a host buffer and fetched back before their decode. Two rules:
-- Admission (eLLM Algorithm 1): a prefill is admitted when device usage after it stays within θ of
-  device memory; otherwise only if offloading waiting requests' KV (within the buffer's free logical
-  space) covers the whole deficit. No hold-and-wait: a request that cannot get everything at once is
-  not admitted and nothing is offloaded on its behalf.
+A preempted request's KV goes to a host buffer and comes back when it is admitted again (the engine's swap
+preemption, `odma.engine.swap`). eLLM Algorithm 1's admission threshold θ is the scheduler's
+`admission_theta` (a new request is admitted while reservations stay within θ of the pool; its
+offload-to-admit branch is what swap preemption does on the growth path).
 - Logical buffer scaling (eLLM Algorithm 2, SLO-aware): over a sliding window of the last `window`
   iterations, `violations` TPOT violations shrink the logical buffer by factor α (fetches slow decode),
   `violations` TTFT violations grow it by α (offloading lets prefills in sooner); the window restarts
@@ -31,7 +29,6 @@ class OffloadConfig:
     alpha: float = 0.2  # scale factor: shrink to size·(1-α), grow to size·(1+α)
     window: int = 5  # iterations watched
     violations: int = 3  # violations within the window that trigger a scaling step
-    theta: float = 0.9  # admission: device usage after a prefill must stay <= θ · device total
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0 or not 0 <= self.min_bytes <= self.capacity_bytes:
@@ -42,15 +39,6 @@ class OffloadConfig:
             raise ConfigError(f"alpha must be in (0, 1), got {self.alpha}")
         if self.window < 1 or not 1 <= self.violations <= self.window:
             raise ConfigError(f"need 1 <= violations <= window, got {self.violations}, {self.window}")
-        if not 0 < self.theta <= 1:
-            raise ConfigError(f"theta must be in (0, 1], got {self.theta}")
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    admit: bool
-    offload: tuple[str, ...] = ()  # waiting requests whose KV must go to the host buffer first
-    reason: str = ""
 
 
 @dataclass(slots=True)
@@ -61,9 +49,6 @@ class OffloadMetrics:
     fetched_bytes: int = 0
     buffer_grows: int = 0
     buffer_shrinks: int = 0
-    admissions: int = 0
-    admissions_with_offload: int = 0
-    rejections: int = 0
     buffer_size: list[tuple[int, int]] = field(default_factory=list)  # (iteration, logical bytes) per change
 
 
@@ -88,37 +73,6 @@ class OffloadController:
 
     def offloaded(self) -> dict[str, int]:
         return dict(self._host)
-
-    # -- Algorithm 1: admission ------------------------------------------------------------------------
-
-    def admit(self, need_bytes: int, device_used: int, device_total: int,
-              offloadable: list[tuple[str, int]] | tuple[tuple[str, int], ...] = ()) -> Admission:
-        """May a prefill needing `need_bytes` (its KV and activation peak) start now? `offloadable`: waiting
-        requests with completed prefill and their device KV bytes, in the order to offload them."""
-        if min(need_bytes, device_used, device_total) < 0 or device_total == 0:
-            raise InvalidRequestError("admission needs non-negative sizes and a device total > 0")
-        limit = self.config.theta * device_total
-        deficit = device_used + need_bytes - limit
-        if deficit <= 0:
-            self.metrics.admissions += 1
-            return Admission(True, reason="fits under theta")
-        chosen, freed, room = [], 0, self.free_bytes
-        for rid, nbytes in offloadable:
-            if rid in self._host or nbytes <= 0 or nbytes > room:
-                continue
-            chosen.append(rid)
-            freed += nbytes
-            room -= nbytes
-            if freed >= deficit:
-                self.metrics.admissions += 1
-                self.metrics.admissions_with_offload += 1
-                return Admission(True, tuple(chosen), reason=f"offload {freed} bytes to stay under theta")
-        self.metrics.rejections += 1  # no hold-and-wait: nothing offloaded, nothing held
-        return Admission(False, reason=f"{deficit:.0f} bytes over theta; the host buffer can take {freed}")
-
-    def can_fetch(self, request_id: str, device_used: int, device_total: int) -> bool:
-        """Is there device room (under θ) to bring this request's KV back for its decode?"""
-        return device_used + self._lookup(request_id) <= self.config.theta * device_total
 
     def record_offload(self, request_id: str, nbytes: int) -> None:
         if request_id in self._host:

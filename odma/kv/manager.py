@@ -1,0 +1,180 @@
+"""The door between scheduling and memory: what a scheduler may ask of KV memory, and the answers it gets.
+
+In the style of vLLM v1's `KVCacheManager`: the scheduler asks to admit, grow, release or evict a request and
+gets small value types back (`KVHandle`, `Growth`, or None when there is no room now); it decides what to
+preempt. It never sees the pool's internals. `ContiguousKV` is odma's memory (one contiguous block per request
+from a `KVPool`, optionally ballooned with an activation reserve); `odma.kv.paged.PagedKV` is vLLM's page-count
+model that the replay compares against. The engine's scheduler, the replay and the benchmarks all use this.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from odma.kv.blocks import Growth, KVHandle
+from odma.kv.buckets import BucketManager
+from odma.kv.elastic import ElasticKV
+from odma.kv.placement import DeviceLoad
+from odma.kv.policy import SizedRequest
+from odma.kv.pool import KVPool, PoolStats
+
+
+class KVManager(ABC):
+    """Memory under one policy; all sizes in tokens. A request is anything with `SizedRequest`'s fields."""
+
+    name: str = "kv"
+    elastic: ElasticKV | None = None  # KV ↔ activation ballooning, when this memory lends and reclaims
+
+    @property
+    @abstractmethod
+    def total_tokens(self) -> int:
+        """Token slots of the whole KV budget."""
+
+    @property
+    @abstractmethod
+    def max_request_tokens(self) -> int:
+        """The largest prompt + output a single request may ever hold."""
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Token slots that can be handed out now (ballooned segments included)."""
+        return self.total_tokens
+
+    @property
+    @abstractmethod
+    def reserved_tokens(self) -> int:
+        """Tokens held by live requests (their whole reservations)."""
+
+    @abstractmethod
+    def admit(self, req: SizedRequest) -> KVHandle | None:
+        """Memory for a new request (capacity >= prompt + 1), or None when there is no room now."""
+
+    @abstractmethod
+    def can_admit(self, req: SizedRequest) -> bool:
+        """Would `admit` find room now? Allocates nothing."""
+
+    @abstractmethod
+    def grow(self, request_id: str, new_len: int, *, held: int | None = None) -> Growth | None:
+        """Make the request's memory hold `new_len` tokens (prompt + generated); None = no room now (it keeps
+        what it has). `held`: the tokens it holds before, when the caller tells lengths lazily (the replay)."""
+
+    @abstractmethod
+    def release(self, request_id: str, realized_output: int) -> None:
+        """The request finished with this many output tokens: free its memory and learn the length."""
+
+    @abstractmethod
+    def evict(self, request_id: str) -> None:
+        """Free the request's memory without learning a length (preempted, cancelled or failed)."""
+
+    def observe(self, realized_output: int) -> None:
+        """Learn a realized length whose memory was already freed (a preempted request that finished later)."""
+
+    def initial_tokens(self, req: SizedRequest) -> int:
+        """Tokens the request's first reservation holds (prompt + reserved output, before alignment)."""
+        return req.prompt_tokens + req.max_new_tokens
+
+    def make_way(self, req: SizedRequest) -> tuple[int, bool]:
+        """Move blocks out of the range `req` would need instead of waiting for them to end. Returns (blocks
+        moved, cleared): cleared means `admit(req)` finds room now. Handles of moved requests stay valid."""
+        return 0, False
+
+    def counters(self) -> dict:
+        return {}
+
+    def check(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent."""
+
+
+class ContiguousKV(KVManager):
+    """One contiguous block per request from a `KVPool`. With `buckets`, bucket bounds are refreshed when due
+    after each release (count-based in the replay, so it is deterministic) and the changes are recorded."""
+
+    def __init__(self, pool: KVPool, *, name: str | None = None, elastic: ElasticKV | None = None,
+                 buckets: BucketManager | None = None) -> None:
+        self.pool = pool
+        self.name = name or pool.policy.name
+        self.elastic = elastic
+        self.buckets = buckets
+        self.bucket_history: list[tuple[int, tuple[int, ...]]] = []  # (completions so far, new bounds)
+        self._released = 0
+        if buckets is not None:
+            self.bucket_history.append((0, buckets.bounds))
+
+    @property
+    def total_tokens(self) -> int:
+        return self.pool.total_tokens
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.pool.max_request_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.pool.reserved_tokens
+
+    def admit(self, req: SizedRequest) -> KVHandle | None:
+        if self.pool.reserve(req) is None:
+            return None
+        return self.pool.handle_of(req.request_id)
+
+    def can_admit(self, req: SizedRequest) -> bool:
+        return self.pool.could_reserve(req)
+
+    def grow(self, request_id: str, new_len: int, *, held: int | None = None) -> Growth | None:
+        pool = self.pool
+        old = pool.extend(request_id, held) if held is not None else pool.block_of(request_id)
+        length = pool.length_of(request_id)  # what a growth copies
+        new = pool.extend(request_id, new_len)
+        if new is None:
+            return None
+        return Growth(new.capacity, 0 if new is old else length, new.offset != old.offset)
+
+    def release(self, request_id: str, realized_output: int) -> None:
+        self.pool.release(request_id, realized_output)
+        self._released += 1
+        b = self.buckets
+        if b is not None and b.refresh_due() and b.refresh():
+            self.bucket_history.append((self._released, b.bounds))
+
+    def evict(self, request_id: str) -> None:
+        self.pool.release(request_id, 0, observe=False)
+
+    def observe(self, realized_output: int) -> None:
+        self.pool.policy.observe(realized_output)
+
+    def initial_tokens(self, req: SizedRequest) -> int:
+        return self.pool.policy.initial_tokens(req)
+
+    def make_way(self, req: SizedRequest) -> tuple[int, bool]:
+        return self.pool.clear_window(req)
+
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def load(self, device: str, queued_reserve: int = 0, queued_tokens: int = 0) -> DeviceLoad:
+        """The pool's load, plus what its queue will reserve and attend (a request placed there waits behind it)."""
+        p = self.pool
+        return DeviceLoad(device, p.capacity_tokens, p.reserved_tokens + queued_reserve, p.live_tokens + queued_tokens,
+                          p.live_blocks)
+
+    def counters(self) -> dict:
+        s = self.pool.stats()
+        out = {
+            "pool_refusals": s.refusals,
+            "migration_refusals": s.migration_refusals,
+            "migrated_tokens": s.migrated_tokens,
+            "free_list_hits": s.free_list_hits,
+            "flushes": s.flushes,
+        }
+        if self.buckets is not None:
+            out["bucket_refreshes"] = self.buckets.refreshes
+            out["bucket_bounds_changes"] = self.buckets.version
+            out["final_bounds"] = list(self.buckets.bounds)
+        return out
+
+    def check(self) -> None:
+        self.pool.check_invariants()
