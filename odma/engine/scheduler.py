@@ -10,7 +10,7 @@ from itertools import islice
 from typing import Protocol
 
 from odma.engine.sequence import Sequence, Status
-from odma.kv import KVManager
+from odma.kv import KVHandle, KVManager
 
 PREEMPT_MODES = ("wait", "recompute", "swap")
 
@@ -184,46 +184,14 @@ class Scheduler:
             need = seq.num_tokens - seq.num_cached
             if work and need > budget:
                 continue
-            if self.elastic is not None and need > 1 and not self.kv.can_admit(seq):
-                # no KV block for it yet: do not deflate segments (migrating blocks) for a prefill that
-                # could not start anyway
-                self.counters.admission_refusals += 1
-                if self._head_holds(seq):
-                    break
-                continue
-            q_len = need
-            if self.chunk_prefills and need > 1:
-                q_len = self._prefill_chunk(prefill, need, budget)
-                if not q_len:  # no activation room left in this step (or no prefill budget)
-                    self.counters.activation_refusals += budget > 0
-                    if self._head_holds(seq):
-                        break
-                    continue
-            elif self.elastic is not None and not self._activation_room(prefill + need):
-                if self._head_holds(seq):
-                    break
-                continue
-            if self.running and not self._under_theta(seq):
-                self.counters.theta_refusals += 1
-                if self._head_holds(seq):
-                    break
-                continue
-            handle = self.kv.admit(seq)
+            q_len = self._room_for(seq, need, prefill, budget)
+            handle = self.kv.admit(seq) if q_len else None
             if handle is None:
-                self.counters.admission_refusals += 1
+                self.counters.admission_refusals += q_len > 0
                 if self._head_holds(seq):
-                    break  # the head has waited long enough: hold memory for it
+                    break  # the head has waited long enough: nobody overtakes it, memory is held for it
                 continue
-            if seq is not self.waiting[0]:
-                self.counters.bucket_matched_admissions += seq.bucket in self._freed_buckets
-            self.waiting.remove(seq)
-            seq.kv = handle
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            if seq.swapped:  # its K/V comes back from the host: only the uncached tail is computed
-                self.swapper.swap_in(seq)
-                seq.swapped = False
-                self.counters.swap_ins += 1
+            self._start(seq, handle)
             work.append(Work(seq, seq.num_cached, q_len))
             self.counters.prefill_chunks += q_len < need
             budget -= q_len
@@ -234,6 +202,41 @@ class Scheduler:
             seq.waited_steps += 1
         self._freed_buckets.clear()
         return work
+
+    def _room_for(self, seq: Sequence, need: int, prefill: int, budget: int) -> int:
+        """How many of the `need` tokens `seq` may feed in this step, which already prefills `prefill` tokens, before
+        its memory is asked for; 0 = refused now (the refusal counted): no KV block for it yet while ballooning
+        (no segment is deflated for a prefill that could not start anyway), no activation room, or admitting it
+        would pass θ."""
+        if self.elastic is not None and need > 1 and not self.kv.can_admit(seq):
+            self.counters.admission_refusals += 1
+            return 0
+        q_len = need
+        if self.chunk_prefills and need > 1:
+            q_len = self._prefill_chunk(prefill, need, budget)
+            if not q_len:  # no activation room left in this step (or no prefill budget)
+                self.counters.activation_refusals += budget > 0
+                return 0
+        elif self.elastic is not None and not self._activation_room(prefill + need):
+            return 0
+        if self.running and not self._under_theta(seq):
+            self.counters.theta_refusals += 1
+            return 0
+        return q_len
+
+    def _start(self, seq: Sequence, handle: KVHandle) -> None:
+        """`seq` got its memory: it runs from this step (its K/V comes back from the host if it was swapped out,
+        so only the uncached tail is computed)."""
+        if seq is not self.waiting[0]:
+            self.counters.bucket_matched_admissions += seq.bucket in self._freed_buckets
+        self.waiting.remove(seq)
+        seq.kv = handle
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        if seq.swapped:
+            self.swapper.swap_in(seq)
+            seq.swapped = False
+            self.counters.swap_ins += 1
 
     def _prefill_chunk(self, planned: int, want: int, budget: int) -> int:
         """Prompt tokens to feed now (0: none) of `want` left, in a step already prefilling `planned` tokens:
