@@ -11,7 +11,7 @@ from pathlib import Path
 from odma.analyze.experiment import ExperimentSpec, run_experiment
 from odma.analyze.policies import DEFAULT_POLICIES, PRESETS
 from odma.analyze.profiles import PROFILES
-from odma.analyze.replay import EngineSpec
+from odma.analyze.replay import SCHEDULERS, EngineSpec
 from odma.analyze.workload import ARRIVALS, WorkloadSpec
 from odma.errors import OdmaError
 
@@ -44,6 +44,9 @@ def _add_experiment_args(p: argparse.ArgumentParser, with_trace: bool = True) ->
     p.add_argument("--max-batch", type=int, default=0, help="running requests at most (0: memory decides)")
     p.add_argument("--on-full", choices=("auto", "stall", "preempt"), default="auto",
                    help="a request that cannot grow: stall, or preempt the newest (auto: preempt for paged only)")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default="replay",
+                   help="replay: the event-driven loop (fast); engine: the serving engine's own Scheduler, every "
+                        "request advancing every step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -61,7 +64,8 @@ def _experiment_spec(args: argparse.Namespace, trace: str, policies: str) -> Exp
             requests=args.requests, arrivals=args.arrivals, rate=args.rate, max_new_tokens=args.max_new_tokens,
             max_model_len=args.max_model_len, split=args.split, seed=args.seed,
         ),
-        engine=EngineSpec(max_prefill_tokens=args.max_prefill_tokens, max_batch=args.max_batch, on_full=args.on_full),
+        engine=EngineSpec(max_prefill_tokens=args.max_prefill_tokens, max_batch=args.max_batch, on_full=args.on_full,
+                          scheduler=args.scheduler),
         buckets=args.buckets,
         window=args.window,
         refresh_every_n=args.refresh_every,

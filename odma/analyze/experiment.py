@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from odma.analyze.engine_replay import run_with_engine
 from odma.analyze.policies import DEFAULT_POLICIES, BuildContext, build_manager, parse_policies
 from odma.analyze.predictions import Predictions, oracle_predictions, predict
 from odma.analyze.profiles import CostModel, load_profile
@@ -59,7 +60,10 @@ def run_experiment(spec: ExperimentSpec, trace: Trace | None = None, progress: b
         started = time.perf_counter()
         manager = build_manager(policy, ctx)
         cost = CostModel(profile, paged=policy.kind == "paged")
-        results[policy.name] = Replay(workload, policy, manager, cost, predictions, spec.engine, progress).run()
+        if spec.engine.scheduler == "engine":
+            results[policy.name] = run_with_engine(workload, policy, manager, cost, predictions, spec.engine)
+        else:
+            results[policy.name] = Replay(workload, policy, manager, cost, predictions, spec.engine, progress).run()
         if timings is not None:
             timings[policy.name] = time.perf_counter() - started
     _add_relative(results)

@@ -33,6 +33,7 @@ class Totals:
     busy_running: float = 0.0
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)  # arrival → last token, per completed request
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -74,6 +75,8 @@ def summarize(workload: Workload, spec: PolicySpec, manager: KVManager, predicti
         "ttft_p99_s": _r(_pct(t.ttft, 0.99)),
         "tpot_p50_s": _r(_pct(t.tpot, 0.5)),
         "tpot_p99_s": _r(_pct(t.tpot, 0.99)),
+        "latency_mean_s": _r(sum(t.latency) / len(t.latency)) if t.latency else 0.0,
+        "latency_p99_s": _r(_pct(t.latency, 0.99)),
         "overflow_rate": _r(t.migrated_requests / max(1, completed)),
         "migrations": t.migrations,
         "copied_tokens": t.copied_tokens,

@@ -27,6 +27,7 @@ GROW, DONE = 0, 1
 
 
 ON_FULL = ("auto", "stall", "preempt")
+SCHEDULERS = ("replay", "engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +39,17 @@ class EngineSpec:
     # running requests until it fits). "auto": preempt for paged (vLLM's behaviour), stall for contiguous.
     on_full: str = "auto"
     stuck_steps: int = 200_000  # steps without any progress before the replay gives up (a bug guard)
+    # "replay": this module's event-driven loop (fast; the recorded tables); "engine": the serving engine's own
+    # Scheduler through the simulation driver (odma.analyze.engine_replay)
+    scheduler: str = "replay"
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens < 1 or self.max_batch < 0:
             raise ConfigError("max_prefill_tokens must be >= 1 and max_batch >= 0")
         if self.on_full not in ON_FULL:
             raise ConfigError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
 
 
 @dataclass(slots=True)
@@ -180,121 +186,145 @@ class Replay:
     # -- the loop ----------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        items, mgr, eng, t = self.workload.items, self.manager, self.engine, self._t
-        waiting, running = self._waiting, self._running
-        n = len(items)
-        step, now, nxt, completed, admitted_total = 0, 0.0, 0, 0, 0
-        last_progress, last_finish, last_refusal = 0, 0.0, -1
+        items, n = self.workload.items, len(self.workload.items)
         bar = progress_bar(n, self.spec.name, self.progress)
-        while completed < n:
-            if not running and not waiting:
-                now = max(now, items[nxt].arrival_s)
-            while nxt < n and items[nxt].arrival_s <= now:
-                r = self._request(nxt, items[nxt])
-                r.queued_step = step
-                waiting.append(r)
-                nxt += 1
-            # 1. stalled requests retry (only if memory was freed since they last failed), then the
-            #    growth and completion events due now
-            preempted_before = t.preemptions
-            copied, done = 0, []
-            if self._stalled and self._frees != self._retried_at:
-                self._retried_at = self._frees
-                retry, self._stalled, self._stalled_held = self._stalled, [], 0
-                for r in retry:
-                    copied += self._grow(r, step)
-            while self._events and self._events[0][0] <= step:
-                _, _, epoch, kind, r = heapq.heappop(self._events)
-                if epoch != r.epoch:
-                    continue
-                if kind == DONE:
-                    r.finishing = True
-                    done.append(r)
-                else:
-                    copied += self._grow(r, step)
-            t.stall_steps += len(self._stalled)
-            # 2. stall mode, nothing can progress: preempt the newest request (all running ones are stalled)
-            if self._stalled and len(self._stalled) == len(running):
-                self._preempt(max(self._stalled, key=lambda x: x.seq), step)
-            stalled, stalled_held = len(self._stalled), self._stalled_held
-            progressing = len(running) - stalled
-            # 3. admissions, first come first served; running requests' growth goes first (none is
-            #    stalled, and no one was preempted this step)
-            admitted: list[_Req] = []
-            prefill = 0
-            memory_bound = stalled > 0 or t.preemptions > preempted_before
-            while waiting and not memory_bound:
-                r = waiting[0]
-                if self.max_batch and len(running) + len(admitted) >= self.max_batch:
-                    break
-                if admitted and prefill + r.item.prompt_tokens > eng.max_prefill_tokens:
-                    break
-                handle = mgr.admit(r.kv)
-                if handle is None:
-                    memory_bound = True
-                    last_refusal = step
-                    break
-                waiting.popleft()
-                if last_refusal >= r.queued_step and not r.waited:  # memory turned it away at least once
-                    r.waited = True
-                    t.waited += 1
-                r.cap, r.seq = handle.capacity, admitted_total
-                admitted_total += 1
-                admitted.append(r)
-                prefill += r.item.prompt_tokens
-            # 4. the step's time and the integrals over it
-            held = self._held
-            work = StepWork(progressing, held - stalled_held, prefill, copied)
-            dt = self.cost.step_seconds(work) if (progressing or prefill or copied) else 0.0
-            batch = len(running) + len(admitted)
-            if batch:
-                t.busy_time += dt
-                t.busy_running += dt * batch
-            if memory_bound:
-                t.sat_time += dt
-                t.sat_live += dt * (held + prefill + len(admitted))
-                t.sat_reserved += dt * (self._reserved + sum(r.cap for r in admitted))
-                t.sat_running += dt * batch
-                t.sat_tokens += progressing + len(admitted)
-            t.copied_tokens += copied
-            end = now + dt
-            for r in admitted:
-                running[r.item.request_id] = r
-                self._held += r.item.prompt_tokens + 1
-                self._reserved += r.cap
-                if r.first_token_s < 0:
-                    r.first_token_s = end
-                r.g_base, r.step_base = 1, step + 1
-                if r.item.output_tokens == 1:
-                    r.finishing = True
-                    done.append(r)
-                else:
-                    self._schedule(r)
-            self._held += progressing
-            for r in done:
-                it = r.item
-                mgr.release(it.request_id, it.output_tokens)
-                del running[it.request_id]
-                self._held -= it.prompt_tokens + it.output_tokens
-                self._reserved -= r.cap
-                t.realized += it.prompt_tokens + it.output_tokens
-                t.reserved += r.cap
-                t.realized_out += it.output_tokens
-                t.reserved_out += r.cap - it.prompt_tokens
-                t.migrated_requests += r.migrations > 0
-                t.ttft.append(r.first_token_s - it.arrival_s)
-                if it.output_tokens > 1:
-                    t.tpot.append((end - r.first_token_s) / (it.output_tokens - 1))
-                last_finish = end
-            completed += len(done)
-            self._frees += bool(done)
+        self._now, self._next, self._completed, self._admitted_total = 0.0, 0, 0, 0
+        self._last_finish, self._last_refusal = 0.0, -1
+        step = last_progress = 0
+        while self._completed < n:
+            if not self._running and not self._waiting:
+                self._now = max(self._now, items[self._next].arrival_s)
+            self._arrive(step)
+            preempted_before = self._t.preemptions
+            copied, done = self._grow_or_finish(step)
+            progressing = len(self._running) - len(self._stalled)
+            memory_bound = bool(self._stalled) or self._t.preemptions > preempted_before
+            admitted, prefill, memory_bound = self._admit(step, memory_bound)
+            end = self._advance(step, progressing, admitted, prefill, copied, memory_bound, done)
             bar.update(len(done))
             if progressing or admitted:
                 last_progress = step
-            elif step - last_progress > eng.stuck_steps:
-                raise RuntimeError(f"replay of {self.spec.name} made no progress for {eng.stuck_steps} steps")
-            now, step = end, step + 1
+            elif step - last_progress > self.engine.stuck_steps:
+                raise RuntimeError(f"replay of {self.spec.name} made no progress for {self.engine.stuck_steps} steps")
+            self._now, step = end, step + 1
         bar.close()
-        mgr.check()
-        assert not running and not waiting and self._held == 0 and self._reserved == 0
-        return summarize(self.workload, self.spec, self.manager, self.predictions, t, completed, step, last_finish)
+        self.manager.check()
+        assert not self._running and not self._waiting and self._held == 0 and self._reserved == 0
+        return summarize(self.workload, self.spec, self.manager, self.predictions, self._t, self._completed, step,
+                         self._last_finish)
+
+    def _arrive(self, step: int) -> None:
+        """Requests that have arrived by now join the waiting queue."""
+        items = self.workload.items
+        while self._next < len(items) and items[self._next].arrival_s <= self._now:
+            r = self._request(self._next, items[self._next])
+            r.queued_step = step
+            self._waiting.append(r)
+            self._next += 1
+
+    def _grow_or_finish(self, step: int) -> tuple[int, list[_Req]]:
+        """Stalled requests retry (only if memory was freed since they last failed), then the growth and
+        completion events due now; in stall mode, when nothing can progress, the newest request is preempted
+        (all running ones are stalled). Returns (tokens copied, requests that finish this step)."""
+        copied, done = 0, []
+        if self._stalled and self._frees != self._retried_at:
+            self._retried_at = self._frees
+            retry, self._stalled, self._stalled_held = self._stalled, [], 0
+            for r in retry:
+                copied += self._grow(r, step)
+        while self._events and self._events[0][0] <= step:
+            _, _, epoch, kind, r = heapq.heappop(self._events)
+            if epoch != r.epoch:
+                continue
+            if kind == DONE:
+                r.finishing = True
+                done.append(r)
+            else:
+                copied += self._grow(r, step)
+        self._t.stall_steps += len(self._stalled)
+        if self._stalled and len(self._stalled) == len(self._running):
+            self._preempt(max(self._stalled, key=lambda x: x.seq), step)
+        return copied, done
+
+    def _admit(self, step: int, memory_bound: bool) -> tuple[list[_Req], int, bool]:
+        """Admissions, first come first served, while memory and the prefill budget allow; running requests'
+        growth goes first (none may be stalled, and no one was preempted this step). Returns (admitted, prompt
+        tokens they prefill, whether memory turned a request away or held running ones back)."""
+        waiting, t = self._waiting, self._t
+        admitted: list[_Req] = []
+        prefill = 0
+        while waiting and not memory_bound:
+            r = waiting[0]
+            if self.max_batch and len(self._running) + len(admitted) >= self.max_batch:
+                break
+            if admitted and prefill + r.item.prompt_tokens > self.engine.max_prefill_tokens:
+                break
+            handle = self.manager.admit(r.kv)
+            if handle is None:
+                memory_bound = True
+                self._last_refusal = step
+                break
+            waiting.popleft()
+            if self._last_refusal >= r.queued_step and not r.waited:  # memory turned it away at least once
+                r.waited = True
+                t.waited += 1
+            r.cap, r.seq = handle.capacity, self._admitted_total
+            self._admitted_total += 1
+            admitted.append(r)
+            prefill += r.item.prompt_tokens
+        return admitted, prefill, memory_bound
+
+    def _advance(self, step: int, progressing: int, admitted: list[_Req], prefill: int, copied: int,
+                 memory_bound: bool, done: list[_Req]) -> float:
+        """The step's time from the cost model and the integrals over it; admitted requests produce their first
+        token; finished ones release their memory. Returns the step's end time."""
+        t, stalled_held, held = self._t, self._stalled_held, self._held
+        work = StepWork(progressing, held - stalled_held, prefill, copied)
+        dt = self.cost.step_seconds(work) if (progressing or prefill or copied) else 0.0
+        batch = len(self._running) + len(admitted)
+        if batch:
+            t.busy_time += dt
+            t.busy_running += dt * batch
+        if memory_bound:
+            t.sat_time += dt
+            t.sat_live += dt * (held + prefill + len(admitted))
+            t.sat_reserved += dt * (self._reserved + sum(r.cap for r in admitted))
+            t.sat_running += dt * batch
+            t.sat_tokens += progressing + len(admitted)
+        t.copied_tokens += copied
+        end = self._now + dt
+        for r in admitted:
+            self._running[r.item.request_id] = r
+            self._held += r.item.prompt_tokens + 1
+            self._reserved += r.cap
+            if r.first_token_s < 0:
+                r.first_token_s = end
+            r.g_base, r.step_base = 1, step + 1
+            if r.item.output_tokens == 1:
+                r.finishing = True
+                done.append(r)
+            else:
+                self._schedule(r)
+        self._held += progressing
+        for r in done:
+            self._finish(r, end)
+        self._frees += bool(done)
+        return end
+
+    def _finish(self, r: _Req, end: float) -> None:
+        it, t = r.item, self._t
+        self.manager.release(it.request_id, it.output_tokens)
+        del self._running[it.request_id]
+        self._held -= it.prompt_tokens + it.output_tokens
+        self._reserved -= r.cap
+        t.realized += it.prompt_tokens + it.output_tokens
+        t.reserved += r.cap
+        t.realized_out += it.output_tokens
+        t.reserved_out += r.cap - it.prompt_tokens
+        t.migrated_requests += r.migrations > 0
+        t.ttft.append(r.first_token_s - it.arrival_s)
+        t.latency.append(end - it.arrival_s)
+        if it.output_tokens > 1:
+            t.tpot.append((end - r.first_token_s) / (it.output_tokens - 1))
+        self._last_finish = end
+        self._completed += 1

@@ -119,11 +119,13 @@ def advance(scheduler, work, buckets, target: dict[str, int]) -> list:
     return finished
 
 
-def step_work(work) -> StepWork:
-    """What the planned items ask of the model: decode tokens and the context they read, prefill chunks."""
+def step_work(work, copied_tokens: int = 0) -> StepWork:
+    """What the planned items ask of the model: decode tokens and the context they read, prefill chunks, and the
+    tokens growth copied while the step was planned."""
     decode = [w for w in work if w.q_len == 1]
     prefills = tuple((w.start, w.q_len) for w in work if w.q_len > 1)
-    return StepWork(len(decode), sum(w.start for w in decode), sum(q for _, q in prefills), prefill_chunks=prefills)
+    return StepWork(len(decode), sum(w.start for w in decode), sum(q for _, q in prefills), copied_tokens,
+                    prefills)
 
 
 def simulate(jobs: Sequence[SimJob], scheduler, step_model: StepModel, *, buckets=None, swap=None,
@@ -140,6 +142,7 @@ def simulate(jobs: Sequence[SimJob], scheduler, step_model: StepModel, *, bucket
     result = SimResult(0.0, 0, 0, 0.0, 0, records)
     clock = 0.0
     i = idle = done = 0
+    charged = kv.copied_tokens
     while done < len(jobs):
         while i < len(pending) and pending[i].arrival_s <= clock:
             scheduler.add(sim_sequence(pending[i]))
@@ -159,7 +162,8 @@ def simulate(jobs: Sequence[SimJob], scheduler, step_model: StepModel, *, bucket
             raise RuntimeError(f"requests remain but nothing can be scheduled: {len(scheduler.running)} running, "
                                f"{len(scheduler.waiting)} waiting, {kv.counters()}")
         idle = 0
-        planned = step_work(work)
+        planned = step_work(work, kv.copied_tokens - charged)  # copies of workless rounds count too
+        charged = kv.copied_tokens
         if on_step is not None:
             on_step(work, planned)
         dt = step_model.step_seconds(planned)

@@ -73,6 +73,11 @@ class KVManager(ABC):
         """Tokens the request's first reservation holds (prompt + reserved output, before alignment)."""
         return req.prompt_tokens + req.max_new_tokens
 
+    @property
+    def copied_tokens(self) -> int:
+        """Σ tokens growth has copied so far (a cost model charges them; pages are never copied)."""
+        return 0
+
     def make_way(self, req: SizedRequest) -> tuple[int, bool]:
         """Move blocks out of the range `req` would need instead of waiting for them to end. Returns (blocks
         moved, cleared): cleared means `admit(req)` finds room now. Handles of moved requests stay valid."""
@@ -148,6 +153,10 @@ class ContiguousKV(KVManager):
 
     def initial_tokens(self, req: SizedRequest) -> int:
         return self.pool.policy.initial_tokens(req)
+
+    @property
+    def copied_tokens(self) -> int:
+        return self.pool.migrated_tokens
 
     def make_way(self, req: SizedRequest) -> tuple[int, bool]:
         return self.pool.clear_window(req)

@@ -561,6 +561,11 @@ class KVPool:
         return self._live_tokens
 
     @property
+    def migrated_tokens(self) -> int:
+        """Σ live tokens copied by growth (migrations and in-place re-layouts) so far."""
+        return self._n.migrated_tokens
+
+    @property
     def live_blocks(self) -> int:
         return len(self._live)
 
