@@ -39,13 +39,13 @@ from odma.kv.policy import (
     StaticPolicy,
     build_policy,
 )
-from odma.kv.pool import KVPool, PoolStats
+from odma.kv.pool import KVPool, PoolCounters, PoolStats
 
 __all__ = [
     "LARGE", "LARGE_REGION", "MAIN", "POLICY_KINDS", "ActivationProfile", "BalloonPool", "Block", "BlockMover",
     "BucketChoice", "BucketConfig", "BucketManager", "BucketPolicy", "ContiguousKV", "DeviceLoad", "ElasticKV",
     "ExactPolicy", "Growth", "KVHandle", "KVManager", "KVPool", "KVRequest", "OffloadConfig", "OffloadController",
-    "PagedKV", "PoolConfig", "PoolStats", "Reservation", "ReservationPolicy", "ReservationTable", "Segment",
+    "PagedKV", "PoolConfig", "PoolCounters", "PoolStats", "Reservation", "ReservationPolicy", "ReservationTable", "Segment",
     "SizedRequest", "StaticPolicy", "align_up", "build_policy", "equal_width_bounds", "optimal_bounds", "quantile_bounds",
     "rank_devices",
 ]

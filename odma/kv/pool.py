@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from odma.config import PoolConfig
@@ -55,7 +55,24 @@ class _Live:
 
 
 @dataclass(slots=True)
-class PoolStats:
+class PoolCounters:
+    """Events since the pool was made."""
+
+    reservations: int = 0
+    refusals: int = 0
+    migrations: int = 0
+    migrated_tokens: int = 0
+    migration_refusals: int = 0
+    grown_in_place: int = 0  # of the migrations: blocks extended over the free units after them
+    releases: int = 0
+    free_list_hits: int = 0
+    flushes: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class PoolStats(PoolCounters):
+    """A snapshot: sizes now, and the counters."""
+
     total_tokens: int  # what the pool can hand out now (ballooned segments included)
     bytes_per_token: int
     main_tokens: int
@@ -67,15 +84,6 @@ class PoolStats:
     free_tokens: int  # free extents + free-list blocks
     cached_tokens: int  # of which on bucket free lists
     largest_free_extent_tokens: int
-    reservations: int = 0
-    refusals: int = 0
-    migrations: int = 0
-    migrated_tokens: int = 0
-    migration_refusals: int = 0
-    grown_in_place: int = 0  # of the migrations: blocks extended over the free units after them
-    releases: int = 0
-    free_list_hits: int = 0
-    flushes: int = 0
 
     @property
     def free_bytes(self) -> int:
@@ -93,19 +101,6 @@ class PoolStats:
     def external_fragmentation(self) -> float:
         """1 - largest free extent / free tokens: 0 when all free memory is one extent."""
         return 0.0 if self.free_tokens == 0 else 1.0 - self.largest_free_extent_tokens / self.free_tokens
-
-
-@dataclass(slots=True)
-class _Counters:
-    reservations: int = 0
-    refusals: int = 0
-    migrations: int = 0
-    migrated_tokens: int = 0
-    migration_refusals: int = 0
-    grown_in_place: int = 0  # of the migrations: blocks extended over the free units after them
-    releases: int = 0
-    free_list_hits: int = 0
-    flushes: int = 0
 
 
 @dataclass(slots=True)
@@ -154,7 +149,7 @@ class KVPool:
         self._live: dict[str, _Live] = {}
         self._free = _FreeLists()
         self._free_version = policy.version
-        self._n = _Counters()
+        self._n = PoolCounters()
         self._reserved_units = 0
         self._live_tokens = 0
         self._lock = threading.RLock()
@@ -580,7 +575,6 @@ class KVPool:
                 for b in stack:
                     largest = max(largest, b.capacity // self.align)
             free_units = sum(r.free_units for r in self._regions.values()) + cached
-            n = self._n
             return PoolStats(
                 total_tokens=self.capacity_tokens,  # segments included, units being drained excluded
                 bytes_per_token=self.bytes_per_token,
@@ -593,15 +587,7 @@ class KVPool:
                 free_tokens=free_units * self.align,
                 cached_tokens=cached * self.align,
                 largest_free_extent_tokens=largest * self.align,
-                reservations=n.reservations,
-                refusals=n.refusals,
-                migrations=n.migrations,
-                migrated_tokens=n.migrated_tokens,
-                migration_refusals=n.migration_refusals,
-                grown_in_place=n.grown_in_place,
-                releases=n.releases,
-                free_list_hits=n.free_list_hits,
-                flushes=n.flushes,
+                **asdict(self._n),
             )
 
     def check_invariants(self) -> None:
