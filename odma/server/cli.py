@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode batch cap")
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted (the large bucket's bound)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
+    p.add_argument("--parallel-devices", action=argparse.BooleanOptionalAction, default=d.parallel_devices,
+                   help="run several devices' model steps concurrently (default: on for accelerators, off for CPU pools)")
+    p.add_argument("--s3-buckets", type=int, default=d.s3_buckets, help="equal-width buckets of --policy s3")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, help="max_tokens when a chat request sets none")
     p.add_argument("--preempt", default=d.preempt, choices=["wait", "recompute", "swap"],
                    help="under memory pressure: stall, free and recompute later, or swap the K/V to a host buffer")
@@ -49,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balloon", action="store_true",
                    help="lend the activation reserve (a max-prefill-tokens prefill's peak) to the KV pool while requests wait")
     p.add_argument("--balloon-segment-tokens", type=int, default=d.balloon_segment_tokens, help="KV tokens per lent segment")
+    p.add_argument("--balloon-keep-tokens", type=int, default=d.balloon_keep_tokens,
+                   help="the activation room of a prefill this long is never lent")
     p.add_argument("--balloon-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.balloon_chunked_prefill,
                    help="with --balloon: prefill a prompt whose activation room is lent in chunks of the free room")
     p.add_argument("--clear-window", action=argparse.BooleanOptionalAction, default=d.clear_window,
@@ -57,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request whose prompt exceeds this share of the pool reserves prompt + max_tokens up front")
     p.add_argument("--predictor", default=d.predictor, help="length predictor: default, sklearn, oracle, a folder, or median")
     p.add_argument("--length-log", default=str(d.length_log), help="JSONL of realized lengths ('' to disable)")
+    p.add_argument("--bootstrap-from-log", action=argparse.BooleanOptionalAction, default=d.bootstrap_from_log,
+                   help="seed the bucket bounds with the length log's last realized lengths")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads (default: all cores but one, which the HTTP side and the predictor need)")
@@ -73,6 +82,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
+        max_model_len=args.max_model_len, parallel_devices=args.parallel_devices, s3_buckets=args.s3_buckets,
+        balloon_keep_tokens=args.balloon_keep_tokens, bootstrap_from_log=args.bootstrap_from_log,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, admission_theta=args.admission_theta, swap_space=args.swap_space, predictor=args.predictor,
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,

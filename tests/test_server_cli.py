@@ -1,0 +1,77 @@
+"""odma-serve's flags and EngineConfig's fields map one to one (the config-only ones are named in its docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from odma.engine.config import EngineConfig
+from odma.server.cli import build_parser, config_from_args
+
+# field → (flags that set it, the value they give)
+FLAGS = {
+    "model": (["--model", "/m"], "/m"),
+    "device": (["--device", "cuda:1"], "cuda:1"),
+    "devices": (["--devices", "cpu:0,cpu:1"], ("cpu:0", "cpu:1")),
+    "parallel_devices": (["--parallel-devices"], True),
+    "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+    "kv_dtype": (["--kv-dtype", "bfloat16"], "bfloat16"),
+    "policy": (["--policy", "s3"], "s3"),
+    "kv_budget": (["--kv-budget", "64MiB"], "64MiB"),
+    "max_num_seqs": (["--max-num-seqs", "7"], 7),
+    "max_prefill_tokens": (["--max-prefill-tokens", "99"], 99),
+    "max_tokens_cap": (["--max-tokens-cap", "300"], 300),
+    "max_model_len": (["--max-model-len", "1000"], 1000),
+    "default_max_tokens": (["--default-max-tokens", "12"], 12),
+    "preempt": (["--preempt", "wait"], "wait"),
+    "admission_theta": (["--admission-theta", "0.5"], 0.5),
+    "swap_space": (["--swap-space", "2GiB"], "2GiB"),
+    "slo_ttft_s": (["--slo-ttft", "2"], 2.0),
+    "slo_tpot_s": (["--slo-tpot", "0.2"], 0.2),
+    "predictor": (["--predictor", "sklearn"], "sklearn"),
+    "s3_buckets": (["--s3-buckets", "5"], 5),
+    "length_log": (["--length-log", "/tmp/x.jsonl"], Path("/tmp/x.jsonl")),
+    "bootstrap_from_log": (["--no-bootstrap-from-log"], False),
+    "threads": (["--threads", "3"], 3),
+    "balloon": (["--balloon"], True),
+    "balloon_segment_tokens": (["--balloon-segment-tokens", "256"], 256),
+    "balloon_keep_tokens": (["--balloon-keep-tokens", "128"], 128),
+    "balloon_chunked_prefill": (["--no-balloon-chunked-prefill"], False),
+    "clear_window": (["--no-clear-window"], False),
+}
+POOL_FLAGS = {
+    "growth": (["--growth", "double"], "double"),
+    "reserve_scale": (["--reserve-scale", "0.7"], 0.7),
+    "large_share": (["--large-share", "0.2"], 0.2),
+    "worst_case_prompt_share": (["--worst-case-prompt-share", "0.3"], 0.3),
+}
+CONFIG_ONLY = {"pool.align"} | {f"buckets.{f.name}" for f in dataclasses.fields(EngineConfig().buckets)} - {
+    "buckets.large_bound"}
+
+
+def config(*argv: str) -> EngineConfig:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_no_flags_give_the_config_defaults():
+    assert config() == EngineConfig()
+
+
+def test_every_field_has_its_flag():
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"pool", "buckets"}
+    assert set(FLAGS) == fields, "a field without a flag (or a stale entry here)"
+    for name, (argv, value) in FLAGS.items():
+        assert getattr(config(*argv), name) == value, name
+    pool_fields = {f"pool.{f.name}" for f in dataclasses.fields(EngineConfig().pool)}
+    assert {f"pool.{n}" for n in POOL_FLAGS} == pool_fields - CONFIG_ONLY
+    for name, (argv, value) in POOL_FLAGS.items():
+        assert getattr(config(*argv).pool, name) == value, name
+    assert config("--max-tokens-cap", "300").buckets.large_bound == 300
+
+
+def test_config_only_fields_are_the_documented_ones():
+    import odma.engine.config
+
+    doc = odma.engine.config.__doc__
+    assert "pool.align" in doc and "buckets.*" in doc
+    assert CONFIG_ONLY >= {"pool.align", "buckets.window", "buckets.method"}
