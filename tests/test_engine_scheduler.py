@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from odma.kv import BucketManager, BucketPolicy, ContiguousKV, KVPool
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
@@ -82,4 +84,61 @@ def test_admission_theta_keeps_headroom_for_growth_but_never_blocks_an_idle_pool
     for i in range(3):
         free.add(_seq(i, 0))
     assert _admitted(free) == ["r0", "r1", "r2"]  # 48 slots: the whole pool
+    sched.kv.check()
+
+
+def _tagged(i: int, predicted: float) -> Sequence:
+    """A 8-token prompt predicted to write `predicted` tokens (all reserve the smallest bucket: memory is no issue)."""
+    s = Sequence(f"r{i}", [1] * 8, SamplingParams(max_tokens=32))
+    s.predicted_length, s.predicted_tokens = predicted, 1.0
+    return s
+
+
+def test_sjf_admits_the_shortest_predicted_first_and_fcfs_keeps_arrival_order():
+    lengths = [30, 5, 20, 1, 12]
+    for order, expected in (("sjf", ["r3", "r1"]), ("fcfs", ["r0", "r1"])):
+        sched = _scheduler(max_num_seqs=2, order=order)
+        for i, n in enumerate(lengths):
+            sched.add(_tagged(i, n))
+        assert _admitted(sched) == expected, order
+    sched = _scheduler(max_num_seqs=5, order="sjf")
+    unknown = Sequence("r9", [1] * 8, SamplingParams(max_tokens=32))  # no prediction: last
+    for s in [unknown, _tagged(0, 9), _tagged(1, 3)]:
+        sched.add(s)
+    assert [s.request_id for s in sched.order.candidates(sched.waiting, Counter())] == ["r1", "r0", "r9"]
+
+
+def test_sjf_aging_bounds_the_wait_of_a_long_request_under_a_stream_of_short_ones():
+    """One long request among short ones that keep arriving, one admission slot per round: without aging the long
+    one would wait as long as short ones come; with aging it is served within aging_rounds + 1 rounds."""
+    for aging, served in ((5, True), (10_000, False)):
+        sched = _scheduler(max_num_seqs=1, order="sjf", aging_rounds=aging)
+        sched.add(_tagged(0, 30))
+        waited = None
+        for rnd in range(40):
+            sched.add(_tagged(100 + rnd, 2))  # a short one arrives every round
+            admitted = _admitted(sched)
+            assert len(admitted) == 1
+            if admitted == ["r0"]:
+                waited = rnd
+                break
+            sched.finish(next(s for s in sched.running), "stop")  # the short one finishes at once
+        assert (waited is not None) == served, aging
+        if served:
+            assert waited <= aging + 1
+
+
+def test_sjf_preempts_the_request_with_the_most_predicted_work_left():
+    # 48 slots: three 16-slot blocks; when r1 must grow, the victim is the one predicted longest (not the newest)
+    sched = _scheduler(max_num_seqs=3, order="sjf", preempt="recompute")
+    seqs = [_tagged(0, 4), _tagged(1, 6), _tagged(2, 3)]
+    seqs[0].predicted_length = 25  # the longest predicted
+    for s in seqs:
+        sched.add(s)
+    assert sorted(_admitted(sched)) == ["r0", "r1", "r2"]
+    r1 = seqs[1]
+    r1.output_ids += [5] * 8  # r1 outgrew its 16-slot block: needs 24 slots, none free
+    r1.num_cached = r1.num_tokens - 1
+    sched.schedule()
+    assert seqs[0].preemptions == 1 and r1.preemptions == 0 and seqs[2].preemptions == 0
     sched.kv.check()

@@ -19,6 +19,8 @@ FLAGS = {
     "policy": (["--policy", "s3"], "s3"),
     "kv_budget": (["--kv-budget", "64MiB"], "64MiB"),
     "max_num_seqs": (["--max-num-seqs", "7"], 7),
+    "schedule": (["--schedule", "sjf"], "sjf"),
+    "sjf_aging_rounds": (["--sjf-aging-rounds", "9"], 9),
     "max_prefill_tokens": (["--max-prefill-tokens", "99"], 99),
     "max_tokens_cap": (["--max-tokens-cap", "300"], 300),
     "max_model_len": (["--max-model-len", "1000"], 1000),

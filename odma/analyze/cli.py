@@ -13,6 +13,7 @@ from odma.analyze.policies import DEFAULT_POLICIES, PRESETS
 from odma.analyze.profiles import PROFILES
 from odma.analyze.replay import SCHEDULERS, EngineSpec
 from odma.analyze.workload import ARRIVALS, WorkloadSpec
+from odma.engine.ordering import ORDERS
 from odma.errors import OdmaError
 
 
@@ -44,9 +45,13 @@ def _add_experiment_args(p: argparse.ArgumentParser, with_trace: bool = True) ->
     p.add_argument("--max-batch", type=int, default=0, help="running requests at most (0: memory decides)")
     p.add_argument("--on-full", choices=("auto", "stall", "preempt"), default="auto",
                    help="a request that cannot grow: stall, or preempt the newest (auto: preempt for paged only)")
-    p.add_argument("--scheduler", choices=SCHEDULERS, default="replay",
+    p.add_argument("--scheduler", choices=SCHEDULERS, default=None,
                    help="replay: the event-driven loop (fast); engine: the serving engine's own Scheduler, every "
-                        "request advancing every step (default: %(default)s)")
+                        "request advancing every step (default: engine with --schedule, else replay)")
+    p.add_argument("--schedule", choices=ORDERS, default=None,
+                   help="the engine scheduler's order of service: fcfs, or sjf (shortest predicted remaining first, "
+                        "with aging); implies --scheduler engine")
+    p.add_argument("--sjf-aging-rounds", type=int, default=256, help="sjf: rounds after which a request goes first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -65,7 +70,8 @@ def _experiment_spec(args: argparse.Namespace, trace: str, policies: str) -> Exp
             max_model_len=args.max_model_len, split=args.split, seed=args.seed,
         ),
         engine=EngineSpec(max_prefill_tokens=args.max_prefill_tokens, max_batch=args.max_batch, on_full=args.on_full,
-                          scheduler=args.scheduler),
+                          scheduler=args.scheduler or ("engine" if args.schedule else "replay"),
+                          schedule=args.schedule or "fcfs", sjf_aging_rounds=args.sjf_aging_rounds),
         buckets=args.buckets,
         window=args.window,
         refresh_every_n=args.refresh_every,

@@ -44,7 +44,8 @@ def run_with_engine(workload: Workload, spec: PolicySpec, manager: KVManager, co
     preempt = "recompute" if on_full == "preempt" or (on_full == "auto" and spec.kind == "paged") else "wait"
     max_batch = spec.max_batch if spec.max_batch is not None else engine.max_batch
     scheduler = Scheduler(manager, max_num_seqs=max_batch or max(1, len(workload.items)),
-                          max_prefill_tokens=engine.max_prefill_tokens, preempt=preempt)
+                          max_prefill_tokens=engine.max_prefill_tokens, preempt=preempt, order=engine.schedule,
+                          aging_rounds=engine.sjf_aging_rounds)
     jobs = jobs_for(workload, spec, predictions)
     sim = simulate(jobs, scheduler, cost)  # a ContiguousKV refreshes its bucket bounds on release
     records = list(sim.records.values())
@@ -57,6 +58,7 @@ def run_with_engine(workload: Workload, spec: PolicySpec, manager: KVManager, co
         "policy": spec.name,
         "kind": spec.kind,
         "scheduler": "engine",
+        "schedule": engine.schedule,
         "predictor": predictions.source if predictions and spec.predict == "predictor" else spec.predict,
         "arrivals": workload.arrivals,
         "completed": sim.completed,

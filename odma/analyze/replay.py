@@ -42,6 +42,8 @@ class EngineSpec:
     # "replay": this module's event-driven loop (fast; the recorded tables); "engine": the serving engine's own
     # Scheduler through the simulation driver (odma.analyze.engine_replay)
     scheduler: str = "replay"
+    schedule: str = "fcfs"  # the engine scheduler's order of service: fcfs | sjf (odma.engine.ordering)
+    sjf_aging_rounds: int = 256
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens < 1 or self.max_batch < 0:
@@ -50,6 +52,8 @@ class EngineSpec:
             raise ConfigError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.schedule != "fcfs" and self.scheduler != "engine":
+            raise ConfigError("an order of service other than fcfs is the engine scheduler's: use --scheduler engine")
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from odma.config import BucketConfig, PoolConfig, default_cache_dir
 from odma.errors import ConfigError
+from odma.engine.ordering import ORDERS
 from odma.kv import POLICY_KINDS as POLICIES
 
 
@@ -45,6 +46,10 @@ class EngineConfig:
     # attention is a kernel, the GEMMs get more efficient with rows), 256 MiB left the batch at ~18.
     kv_budget: str = "1GiB"
     max_num_seqs: int = 64  # decode batch cap
+    # the order of service (odma.engine.ordering): "fcfs", or "sjf" (shortest predicted remaining output first,
+    # with aging: a request that has waited sjf_aging_rounds admission rounds goes before every younger one)
+    schedule: str = "fcfs"
+    sjf_aging_rounds: int = 256
     max_prefill_tokens: int = 2048  # prompt tokens per step (one long prompt always passes)
     max_tokens_cap: int = 2048  # the largest max_tokens a request may ask; the large bucket's bound
     max_model_len: int | None = None  # prompt + output limit; None = the model's max_position_embeddings
@@ -106,7 +111,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"{name} must be float32, bfloat16 or float16, got {value!r}")
-        for name in ("max_num_seqs", "max_prefill_tokens", "max_tokens_cap", "default_max_tokens", "threads", "s3_buckets",
+        if self.schedule not in ORDERS:
+            raise ConfigError(f"schedule must be one of {ORDERS}, got {self.schedule!r}")
+        for name in ("max_num_seqs", "sjf_aging_rounds", "max_prefill_tokens", "max_tokens_cap", "default_max_tokens", "threads", "s3_buckets",
                      "balloon_segment_tokens", "balloon_keep_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

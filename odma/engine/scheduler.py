@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
-from itertools import islice
 from typing import Protocol
 
+from odma.engine.ordering import make_order
 from odma.engine.sequence import Sequence, Status
 from odma.kv import KVHandle, KVManager
 
@@ -61,6 +61,8 @@ class Scheduler:
         preempt: str = "wait",
         lookahead: int = 16,
         max_skips: int = 8,
+        order: str = "fcfs",
+        aging_rounds: int = 256,
         swapper: Swapper | None = None,
         admission_theta: float = 1.0,
         chunk_prefills: bool = False,
@@ -74,8 +76,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.preempt_mode = preempt
-        self.lookahead = lookahead  # waiting requests considered per admission round
         self.max_skips = max_skips  # rounds a head-of-queue request may be bypassed before it blocks others
+        # the order of service (odma.engine.ordering): fcfs, or shortest predicted remaining first with aging
+        self.order = make_order(order, lookahead=lookahead, max_skips=max_skips, aging_rounds=aging_rounds)
         self.elastic = kv.elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
         self.swapper = swapper
         if not 0 < admission_theta <= 1:
@@ -111,18 +114,19 @@ class Scheduler:
         work, stalled = self._grow_running()
         if not stalled:  # requests waiting to grow come first: admitting others would starve them
             work += self._admit(sum(w.q_len for w in work if w.q_len > 1))
-        elif not work:  # everyone is stuck and nobody finishes: free the newest block to make progress
-            self._preempt(self.running[-1])
+        elif not work:  # everyone is stuck and nobody finishes: free a block to make progress
+            self._preempt(self.order.victim(self.running))
             work, _ = self._grow_running()
         if self.elastic is not None and (stalled or self.counters.admission_refusals > refusals):
             # short of KV: borrow idle activation room for the next step, never what this step's prefill or
             # the next waiting prefill needs (lending it would only be taken back at once)
             step_prefill = sum(w.q_len for w in work if w.q_len > 1)
             head = 0
-            if self.waiting and self.kv.can_admit(self.waiting[0]):
+            first = self.order.head(self.waiting)
+            if first is not None and self.kv.can_admit(first):
                 # a head that cannot get its KV block yet is not about to prefill: its room may be lent now
                 # and is taken back (blocks migrate out) once its block fits
-                head = self.waiting[0].num_tokens - self.waiting[0].num_cached
+                head = first.num_tokens - first.num_cached
             self.elastic.lend(prefill_tokens=max(step_prefill, head))
         return work
 
@@ -151,7 +155,7 @@ class Scheduler:
                     self.counters.stalls += 1
                     stalled.append(seq)
                     break
-                victim = self.running[-1]  # the newest request loses least work
+                victim = self.order.victim(self.running)  # fcfs: the newest, which loses least work
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -175,7 +179,7 @@ class Scheduler:
         budget = self.max_prefill_tokens - prefill
         if self.clear_window:
             self._clear_way()
-        candidates = self._admission_order()
+        candidates = self.order.candidates(self.waiting, self._freed_buckets)
         if self.elastic is not None:
             self.elastic.begin_round()
         for seq in candidates:
@@ -248,7 +252,7 @@ class Scheduler:
     def _clear_way(self) -> None:
         """A head that holds the queue without a range to fit in: relocate the blocks in the range it would need
         (into lent segments, say) when there is room for them elsewhere, so it is admitted in this round."""
-        head = self.waiting[0] if self.waiting else None
+        head = self.order.head(self.waiting)
         if head is None or not self._head_holds(head) or self.kv.can_admit(head):
             return
         moved, cleared = self.kv.make_way(head)
@@ -257,7 +261,7 @@ class Scheduler:
 
     def _head_holds(self, seq: Sequence) -> bool:
         """The head of the queue has been bypassed `max_skips` rounds: nobody overtakes it any more."""
-        return seq is self.waiting[0] and seq.waited_steps >= self.max_skips
+        return seq.waited_steps >= self.max_skips and seq is self.order.head(self.waiting)
 
     def _under_theta(self, seq: Sequence) -> bool:
         if self.admission_theta >= 1.0:
@@ -272,17 +276,6 @@ class Scheduler:
         if not ok:
             self.counters.activation_refusals += 1
         return ok
-
-    def _admission_order(self) -> list[Sequence]:
-        """FIFO, except that requests tagged with a bucket that just freed a block go first (they reuse
-        it from the free list); a head that has been bypassed `max_skips` times is never overtaken."""
-        window = list(islice(self.waiting, self.lookahead))
-        if not window:
-            return []
-        if window[0].waited_steps >= self.max_skips or not self._freed_buckets:
-            return window
-        freed = self._freed_buckets
-        return sorted(window, key=lambda s: (0 if freed.get(s.bucket, 0) > 0 else 1))  # stable: FIFO within
 
     # -- after the step ----------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ class Sequence:
     tags: RequestTags | None = None  # metadata the length predictor reads besides the text
     predicted_length: float | None = None  # L̂ from the predictor
     predicted_tokens: float | None = None  # the pool's view of L̂ (minus recomputed outputs)
+    predicted_remaining: float | None = None  # a refined estimate of the output still to come (decode-time)
     uncertainty: float = 0.0  # u
     bucket: int | None = None  # the bucket tag the predictor's L̂ selects (scheduling hint)
     output_ids: list[int] = field(default_factory=list)

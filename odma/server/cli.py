@@ -10,6 +10,7 @@ from pathlib import Path
 
 from odma.config import BucketConfig, PoolConfig, default_cache_dir
 from odma.engine.config import POLICIES, EngineConfig
+from odma.engine.ordering import ORDERS
 from odma.errors import OdmaError
 
 log = logging.getLogger("odma.serve")
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="odma reserves for reserve_scale·L̂ and grows by migration past it (replay-chosen default)")
     p.add_argument("--large-share", type=float, default=d.pool.large_share, help="share of the pool held for the large bucket")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode batch cap")
+    p.add_argument("--schedule", default=d.schedule, choices=ORDERS,
+                   help="order of service: fcfs, or sjf (shortest predicted remaining output first, with aging)")
+    p.add_argument("--sjf-aging-rounds", type=int, default=d.sjf_aging_rounds,
+                   help="sjf: a request waiting this many admission rounds goes before every younger one")
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted (the large bucket's bound)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
@@ -81,7 +86,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     dtype = args.dtype or ("float32" if device.startswith("cpu") else "bfloat16")
     return EngineConfig(
         model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, kv_budget=args.kv_budget,
-        max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
+        max_num_seqs=args.max_num_seqs, schedule=args.schedule, sjf_aging_rounds=args.sjf_aging_rounds,
+        max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
         max_model_len=args.max_model_len, parallel_devices=args.parallel_devices, s3_buckets=args.s3_buckets,
         balloon_keep_tokens=args.balloon_keep_tokens, bootstrap_from_log=args.bootstrap_from_log,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, admission_theta=args.admission_theta, swap_space=args.swap_space, predictor=args.predictor,
