@@ -41,6 +41,7 @@ class Sequence:
     predicted_length: float | None = None  # L̂ from the predictor
     predicted_tokens: float | None = None  # the pool's view of L̂ (minus recomputed outputs)
     predicted_remaining: float | None = None  # a refined estimate of the output still to come (decode-time)
+    growth_hint: float | None = None  # output tokens (of this block's reservation) the next growth should hold
     uncertainty: float = 0.0  # u
     bucket: int | None = None  # the bucket tag the predictor's L̂ selects (scheduling hint)
     output_ids: list[int] = field(default_factory=list)
@@ -101,6 +102,7 @@ class Sequence:
         """After preemption: the block is gone, so every token so far counts as prompt for the next block;
         `kept` tokens of K/V were swapped to the host and come back instead of being recomputed."""
         self.kv = None
+        self.growth_hint = None  # it counted the old block's output
         self.num_cached = kept
         self.swapped = kept > 0
         self.prompt_tokens = self.num_tokens

@@ -21,6 +21,7 @@ class SizedRequest(Protocol):
     max_new_tokens: int
     predicted_tokens: float | None
     uncertainty: float
+    # optional: growth_hint (output tokens the next growth should hold; see _grow_by)
 
 
 @dataclass(slots=True)
@@ -66,6 +67,11 @@ class ReservationPolicy(ABC):
 
 def _grow_by(growth: str, req: SizedRequest, needed: int, current: Reservation, buckets: BucketManager | None):
     cap = req.max_new_tokens
+    # a request may say how much output it will need in all (the engine's refined prediction of its remaining
+    # length): one growth straight to that, instead of one bucket at a time
+    hint = getattr(req, "growth_hint", None)
+    if hint is not None and hint > needed:
+        needed = min(cap, math.ceil(hint))
     if growth == "large" or buckets is None and growth == "next":
         return Reservation(cap, LARGE)
     if growth == "double":
