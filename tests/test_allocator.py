@@ -332,17 +332,11 @@ def test_requests_too_large_to_migrate_reserve_their_worst_case():
 def test_a_growth_hint_grows_straight_to_the_bucket_that_holds_it():
     """Without a hint a request outgrowing its block climbs one bucket per migration; with the engine's refined
     estimate of its whole output it migrates once, into the first bucket that holds it."""
-    from dataclasses import dataclass
-
-    @dataclass
-    class Hinted(KVRequest):
-        growth_hint: float | None = None
-
     bounds = (16, 32, 64, 128, 256)
     moves = {}
     for hint in (None, 100.0):
         pool = KVPool(4096, BucketPolicy(BucketManager.fixed(bounds, 256)), large_share=0.0, align=16)
-        req = Hinted("r", 16, 256, predicted_tokens=10.0, growth_hint=hint)
+        req = KVRequest("r", 16, 256, predicted_tokens=10.0, growth_hint=hint)
         assert pool.reserve(req).capacity == 32  # 16 prompt + the 16 bucket
         caps = []
         for length in range(33, 16 + 110):

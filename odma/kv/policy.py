@@ -21,7 +21,7 @@ class SizedRequest(Protocol):
     max_new_tokens: int
     predicted_tokens: float | None
     uncertainty: float
-    # optional: growth_hint (output tokens the next growth should hold; see _grow_by)
+    # optional: growth_hint, output tokens the next growth should hold (see _grow_by)
 
 
 @dataclass(slots=True)
@@ -33,6 +33,7 @@ class KVRequest:
     max_new_tokens: int
     predicted_tokens: float | None = None
     uncertainty: float = 0.0
+    growth_hint: float | None = None  # output tokens the next growth should hold (see _grow_by)
 
 
 @dataclass(frozen=True, slots=True)
