@@ -8,6 +8,7 @@ The fallback and its reason are logged at start-up and exported in /metrics.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 from collections import deque
@@ -35,6 +36,19 @@ class RunningMedian:
     def observe(self, realized: int) -> None:
         with self._lock:
             self._lengths.append(realized)
+
+
+def usable_prediction(pred: Any) -> tuple[float, float] | None:
+    """(L̂, u) when a predictor's answer can size a reservation: L̂ finite and >= 0, u finite (clamped to
+    [0, 1]); None otherwise (NaN from an overflowing input, a failed call), and the request reserves for
+    the worst case."""
+    try:
+        length, u = float(pred[0]), float(pred[1])
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if not (math.isfinite(length) and length >= 0 and math.isfinite(u)):
+        return None
+    return length, min(max(u, 0.0), 1.0)
 
 
 @dataclass(frozen=True, slots=True)

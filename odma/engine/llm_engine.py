@@ -18,14 +18,14 @@ from odma.allocator import KVPool
 from odma.cluster import rank_devices
 from odma.engine.config import EngineConfig, parse_kv_budget
 from odma.engine.length_log import LengthLog, read_realized_lengths
-from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor
+from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor, usable_prediction
 from odma.engine.memory import build_policy
 from odma.engine.model_runner import ModelRunner
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
 from odma.engine.sequence import RequestTags, Sequence, Status
 from odma.engine.worker import DeviceWorker, build_worker
-from odma.errors import InvalidRequestError, RequestTooLargeError
+from odma.errors import InvalidRequestError, OdmaError, RequestTooLargeError
 from odma.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.steps = 0
         self.errors = 0
+        self.rejected_predictions = 0  # predictions not finite or out of range: those requests reserved the worst case
         self.busy_seconds = 0.0  # time inside model steps (the rest of wall time: idle, scheduling, HTTP)
         self.decode_tokens = 0  # Σ decode batch sizes over steps
         self.prefill_tokens = 0  # prompt (and recomputed) tokens fed
@@ -350,23 +351,36 @@ class LLMEngine:
         return outputs
 
     def _tag(self, seqs: list[Sequence]) -> None:
-        """Predict (L̂, u) for the new requests in one batch and record the bucket each selects."""
+        """Predict (L̂, u) for the new requests in one batch and record the bucket each selects. Nothing a
+        predictor returns can fail the step: an unusable prediction (not finite, negative) or a failing call
+        leaves the request untagged, and it reserves for the worst case."""
         requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
         start = time.perf_counter()
         try:
-            preds = self.predictor.predictor.predict(requests)
+            preds = list(self.predictor.predictor.predict(requests))
+            if len(preds) != len(seqs):
+                raise ValueError(f"{len(preds)} predictions for {len(seqs)} requests")
         except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: reserve for the worst case
             log.exception("length predictor failed; these requests go to the large bucket")
-            preds = [(None, 1.0)] * len(seqs)
+            preds = [None] * len(seqs)
         self.metrics.on_predict(time.perf_counter() - start, len(seqs))
         select = getattr(self.policy, "select", None)  # bucketed policies: the bucket reserve() will pick
-        for seq, (length, u) in zip(seqs, preds):
-            if length is None:
+        for seq, pred in zip(seqs, preds):
+            checked = usable_prediction(pred)
+            if checked is None:
+                if pred is not None and pred[0] is not None:
+                    self.rejected_predictions += 1
+                    log.warning("length predictor returned %r for %s; it reserves for the worst case", pred, seq.request_id)
                 continue
-            seq.predicted_length = seq.predicted_tokens = float(length)
-            seq.uncertainty = float(u)
             if select is not None:
-                seq.bucket = select(seq.predicted_length, seq.uncertainty).index
+                try:
+                    seq.bucket = select(checked[0], checked[1]).index
+                except OdmaError as exc:
+                    self.rejected_predictions += 1
+                    log.warning("prediction %r for %s not usable (%s); it reserves for the worst case", pred, seq.request_id, exc)
+                    continue
+            seq.predicted_length = seq.predicted_tokens = checked[0]
+            seq.uncertainty = checked[1]
 
     def _place(self, seq: Sequence) -> DeviceWorker:
         """The device with the least memory pressure and compute load (odma.cluster's score, the queue
