@@ -25,27 +25,27 @@ def folder(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
 
 
-class TemperatureSensitive:
-    """Predicts from the temperature the way an overflowing network does: NaN past float32's range."""
+class ChokesOnSomeRequests:
+    """Answers `bad` for 3-token prompts, as the encoder answered NaN for a temperature past float32's range."""
 
-    name = "temperature-sensitive"
+    name = "chokes"
 
     def __init__(self, bad=math.nan):
         self.bad = bad
 
     def predict(self, requests):
-        return [(self.bad, 0.2) if r.temperature > 3.4e38 else (12.0, 0.2) for r in requests]
+        return [(self.bad, 0.2) if r.prompt_tokens == 3 else (12.0, 0.2) for r in requests]
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -5.0, None, "x"])
 def test_an_unusable_prediction_cannot_fail_the_step_of_others(folder, bad):
     engine = tiny_engine(folder)
-    engine.predictor = LoadedPredictor(TemperatureSensitive(bad), "t", None)
+    engine.predictor = LoadedPredictor(ChokesOnSomeRequests(bad), "t", None)
     normal = [engine.add_request([5, 6, 7, i], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
               for i in range(3)]
     for _ in range(3):
         engine.step()  # the normal requests are decoding...
-    odd = engine.add_request([9, 9, 9], SamplingParams(max_tokens=8, temperature=1e39, seed=1, ignore_eos=True))
+    odd = engine.add_request([9, 9, 9], SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True))
     while not all(s.finished for s in [*normal, odd]):
         engine.step()  # ...when the pathological one arrives: before the fix this step raised
     assert [s.finish_reason for s in normal] == ["length"] * 3 and odd.finish_reason == "length"

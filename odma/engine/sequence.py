@@ -9,7 +9,7 @@ from enum import Enum
 import torch
 
 from odma.allocator import Block
-from odma.engine.sampling import SamplingParams
+from odma.engine.sampling import SamplingParams, generator_seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class Sequence:
         self.prompt_tokens = len(self.prompt_ids)
         self.max_new_tokens = self.params.max_tokens
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator().manual_seed(generator_seed(self.params.seed))
 
     def predictor_fields(self, generator: str | None) -> dict:
         """What the length predictor reads about this request, under `TraceRecord`'s names: the engine predicts
