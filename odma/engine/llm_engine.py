@@ -17,6 +17,7 @@ import torch
 from odma.allocator import KVPool
 from odma.cluster import rank_devices
 from odma.engine.config import EngineConfig, parse_kv_budget
+from odma.engine.fork import Forks
 from odma.engine.length_log import LengthLog, read_realized_lengths
 from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor, usable_prediction
 from odma.engine.memory import build_policy
@@ -110,6 +111,7 @@ class LLMEngine:
         self._inbox: deque[tuple[str, Any]] = deque()
         self._inbox_lock = threading.Lock()
         self._live: dict[str, Sequence] = {}
+        self.forks = Forks()  # samples 2..n of n > 1 requests, until sample 1 has its prompt cached
         self._ids = itertools.count()
         self.steps = 0
         self.errors = 0
@@ -161,7 +163,24 @@ class LLMEngine:
     ) -> Sequence:
         """Validate and queue a request (thread-safe). Raises InvalidRequestError / RequestTooLargeError
         before anything is queued, so a refused request holds nothing."""
+        return self.add_samples(prompt, params, 1, request_id=request_id, prompt_text=prompt_text, tags=tags)[0]
+
+    def add_samples(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        n: int,
+        *,
+        request_id: str | None = None,
+        prompt_text: str | None = None,
+        tags: RequestTags | None = None,
+    ) -> list[Sequence]:
+        """Queue `n` samples of one prompt, each a request with its own block (ids: `request_id`, then
+        `request_id.1`, ...; a seeded request's sample i draws from seed + i). The prompt is computed once:
+        the other samples copy its K/V (`odma.engine.fork`). Validation as in `add_request`."""
         params = params or SamplingParams(max_tokens=self.config.default_max_tokens)
+        if type(n) is not int or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass token ids")
@@ -170,13 +189,19 @@ class LLMEngine:
         else:
             ids = list(prompt)
         self.validate(ids, params)
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, prompt_text=prompt_text, tags=tags)
+        rid = request_id or f"req-{next(self._ids)}"
+        seqs = [Sequence(rid if i == 0 else f"{rid}.{i}", ids if i == 0 else list(ids), params,
+                         prompt_text=prompt_text, tags=tags, index=i) for i in range(n)]
+        if n > 1:
+            Forks.group(seqs)
         with self._inbox_lock:
-            if seq.request_id in self._live:
-                raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")
-            self._live[seq.request_id] = seq
-            self._inbox.append(("add", seq))
-        return seq
+            taken = [s.request_id for s in seqs if s.request_id in self._live]
+            if taken:
+                raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
+            for seq in seqs:
+                self._live[seq.request_id] = seq
+            self._inbox.append(("add", seqs))
+        return seqs
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -223,22 +248,38 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or any(w.scheduler.has_work() for w in self.workers)
+        return bool(self._inbox) or any(w.scheduler.has_work() for w in self.workers) or self.forks.pending > 0
 
     def step(self) -> list[StepOutput]:
         """One model step on every device that has work. Scheduling and bookkeeping are serial; the model
         steps of several devices run concurrently when `parallel_devices` is on (threads: torch releases the
         interpreter lock inside its kernels), else one after another."""
         outputs = self._drain_inbox()
-        batches = [(w, work) for w in self.workers if (work := w.scheduler.schedule())]
+        self._queue_forks()
+        # samples of n > 1 requests admitted this step copy the prompt's K/V instead of computing it
+        batches = [(w, self.forks.prepare(work, w.runner.arena)) for w in self.workers if (work := w.scheduler.schedule())]
         if len(batches) > 1 and self._pool is not None:
             results = list(self._pool.map(lambda b: self._run(*b), batches))
         else:
             results = [self._run(w, work) for w, work in batches]
         for (worker, work), (tokens, error, seconds) in zip(batches, results):
             outputs += self._apply(worker, work, tokens, error, seconds)
+        self._queue_forks()
         self._maybe_refresh_buckets()
         return outputs
+
+    def _queue_forks(self) -> None:
+        """Samples whose first sample has its prompt cached join its device's queue (they copy its K/V); those
+        whose first sample ended go wherever placement puts them (they prefill the prompt themselves)."""
+        by_device = {w.device: w for w in self.workers}
+        for first, forks in self.forks.release():
+            for seq in forks:
+                if seq.finished:
+                    continue
+                worker = by_device[first.device] if first.device in by_device and not first.finished else self._place(seq)
+                self._worker_of[seq.request_id] = worker
+                seq.device = worker.device
+                worker.scheduler.add(seq)
 
     @staticmethod
     def _run(worker: DeviceWorker, work: list) -> tuple[list | None, Exception | None, float]:
@@ -319,6 +360,7 @@ class LLMEngine:
         realized = reason in ("stop", "length")
         # a request not placed yet (still in the inbox) is in no queue: any scheduler just marks it finished
         self._worker_of.pop(seq.request_id, self.workers[0]).scheduler.finish(seq, reason, observe=realized)
+        self.forks.drop(seq)
         seq.finished_at = time.monotonic()
         self._live.pop(seq.request_id, None)
         if realized:
@@ -333,14 +375,15 @@ class LLMEngine:
         with self._inbox_lock:
             items = list(self._inbox)
             self._inbox.clear()
-        adds = [seq for kind, seq in items if kind == "add"]
-        if adds:
-            self._tag(adds)
-            for seq in adds:
-                worker = self._place(seq)
-                self._worker_of[seq.request_id] = worker
-                seq.device = worker.device
-                worker.scheduler.add(seq)
+        groups = [seqs for kind, seqs in items if kind == "add"]
+        if groups:
+            self._tag([seqs[0] for seqs in groups])  # the other samples of a group get the first's tag
+            for first, *forks in groups:
+                worker = self._place(first)
+                self._worker_of[first.request_id] = worker
+                first.device = worker.device
+                worker.scheduler.add(first)
+                self.forks.hold(first, forks)
         outputs = []
         for kind, item in items:
             if kind == "abort":
@@ -415,7 +458,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(w.scheduler.waiting) for w in self.workers) + sum(1 for k, _ in list(self._inbox) if k == "add")
+        queued = sum(len(w.scheduler.waiting) for w in self.workers) + self.forks.pending
+        return queued + sum(len(seqs) for k, seqs in list(self._inbox) if k == "add")
 
     @property
     def num_running(self) -> int:
