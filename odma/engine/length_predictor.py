@@ -67,7 +67,8 @@ def load_engine_predictor(spec: str | None) -> LoadedPredictor:
         from predictor import load_predictor
 
         p = load_predictor(spec)
-        return LoadedPredictor(p, getattr(p, "name", spec), None)
+        # a predictor may itself stand in for the one asked for (the default encoder's sklearn fallback)
+        return LoadedPredictor(p, getattr(p, "name", spec), getattr(p, "fallback_reason", None))
     except Exception as exc:  # noqa: BLE001 - any failure to load degrades to the fallback, loudly
         reason = f"{type(exc).__name__}: {exc}"
         log.warning("length predictor %r unavailable (%s); using the running-median fallback (u = 1.0)", spec, reason)

@@ -78,6 +78,7 @@ class LLMEngine:
                 tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.model = model
         self.tokenizer = tokenizer
+        self.model_folder = folder  # None when the model object was handed in (its generation_config is unknown)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         bootstrap = []
         if config.length_log and config.bootstrap_from_log:
