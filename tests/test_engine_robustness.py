@@ -75,3 +75,14 @@ def test_metadata_features_stay_finite_whatever_the_request_says(temperature):
         assert (temp_flag, temp_value) == (0.0, 0.0)  # unusable: counted as absent
     else:
         assert temp_flag == 1.0 and 0.0 <= temp_value <= 2.0
+
+
+def test_the_decode_kernel_leaves_the_process_float_mode_alone():
+    """Linked with -ffast-math, the kernel turned on flush-to-zero for the whole server: a request's top_p of
+    5e-324 (valid JSON, > 0) was parsed as 0.0 and refused."""
+    import backends.cpu_attention as cpu_attention
+
+    if cpu_attention.load() is None:
+        pytest.skip("no C compiler: the kernel is not loaded")
+    assert float("5e-324") > 0.0 and 2.2250738585072014e-308 / 2 > 0.0
+    assert torch.tensor([1e-40]).item() > 0.0  # float32 denormals survive too
