@@ -21,6 +21,12 @@ from pydantic_core import PydanticCustomError
 from odma.engine.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SEED_RANGE
 
 MAX_STOPS = 4
+MAX_TOP_K = 2**31 - 1
+# "top_logprobs > 0 needs logprobs: true", as JSON Schema can say it (the handler checks it too)
+TOP_LOGPROBS_NEED_LOGPROBS = {"anyOf": [
+    {"properties": {"top_logprobs": {"anyOf": [{"type": "integer", "maximum": 0}, {"type": "null"}]}}},
+    {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +153,7 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
         ignore_eos: bool | None = False
         min_tokens: _opt(int, Field(ge=0, le=cap, description="EOS and stop tokens are masked until this many "
                                                               "tokens (at most max_tokens)")) = None
-        top_k: _opt(int, Field(ge=-1, le=SEED_RANGE[1], description="0 or -1: off")) = None
+        top_k: _opt(int, Field(ge=-1, le=MAX_TOP_K, description="0 or -1: off; above the vocabulary: off")) = None
         stop_token_ids: list[TokenId] | None = None
 
         def stop_strings(self) -> tuple[str, ...]:
@@ -176,6 +182,8 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
             return p[0] if isinstance(p, list) and isinstance(p[0], str) else p
 
     class ChatCompletionRequest(Common):
+        model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)
+
         messages: Annotated[list[ChatMessage], Field(min_length=1)]
         max_tokens: _opt(int, Field(ge=1, le=cap, description="deprecated name of max_completion_tokens")) = None
         max_completion_tokens: _opt(int, Field(ge=1, le=cap, description=(

@@ -32,9 +32,10 @@ def tiny_model_folder(folder: str | Path) -> Path:
 
 @contextmanager
 def tiny_server(folder: str | Path, *, predictor=None, defaults: SamplingDefaults | None = None, max_queue: int = 64,
-                max_n: int = 4, **config) -> Iterator[ThreadedServer]:
+                max_n: int = 4, wrap=None, **config) -> Iterator[ThreadedServer]:
     """A started server over `folder` (from `tiny_model_folder`); `srv.url`, `srv.runtime`. `predictor`: an
-    object with `predict(requests)` replacing the running median; `config`: EngineConfig fields."""
+    object with `predict(requests)` replacing the running median; `wrap`: an ASGI middleware around the app
+    (`wrap(app)`); `config`: EngineConfig fields."""
     from odma.models import load_model
 
     base = EngineConfig(model=str(folder), kv_budget="8MiB", length_log=None, predictor="median", max_tokens_cap=64,
@@ -49,7 +50,7 @@ def tiny_server(folder: str | Path, *, predictor=None, defaults: SamplingDefault
     runtime = AsyncEngine(engine, max_queue=max_queue)
     metrics.attach(runtime)
     app = create_app(runtime, metrics, MODEL, defaults=defaults, max_n=max_n)
-    with ThreadedServer(app) as srv:
+    with ThreadedServer(wrap(app) if wrap is not None else app) as srv:
         srv.runtime = runtime
         srv.app = app
         yield srv
