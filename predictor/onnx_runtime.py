@@ -6,6 +6,8 @@ import hashlib
 import logging
 import threading
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -78,7 +80,8 @@ class OnnxPredictor(Predictor):
         from predictor.build import build_onnx_from_heads
 
         start = time.perf_counter()
-        build_onnx_from_heads(self.folder, self.manifest, dest)
+        with _quiet_unless_debugging():
+            build_onnx_from_heads(self.folder, self.manifest, dest)
         _checksum_file(dest).write_text(_sha256(dest))
         log.info("built the %s predictor graph from the installed backbone in %.1f s (cached: %s)", self.folder.name,
                  time.perf_counter() - start, dest)
@@ -145,3 +148,30 @@ def _damage(path: Path) -> str | None:
         return None if check.read_text().strip() == _sha256(path) else "checksum mismatch"
     except OSError as exc:
         return str(exc)
+
+
+@contextmanager
+def _quiet_unless_debugging():
+    """The export and quantization tools are chatty (tracer warnings, ~40 lines of onnxruntime messages on the
+    root logger, progress bars): the build says one line instead; --log-level debug shows them all."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    root = logging.getLogger()
+    level = root.level
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        hf_logging = None
+    bars = hf_logging.is_progress_bar_enabled() if hf_logging else False
+    root.setLevel(logging.ERROR)
+    if bars:
+        hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        root.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
