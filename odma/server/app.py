@@ -17,7 +17,8 @@ from odma.server.generation_config import SamplingDefaults
 from odma.server.jobs import Job, JobBuilder
 from odma.server.metrics import Metrics
 from odma.server.openapi import INFO_RESPONSES, METRICS_RESPONSES, generate_responses, install_schema
-from odma.server.protocol import ApiLimits, ChatCompletionResponse, CompletionResponse, Health, ModelList, request_models
+from odma.server.protocol import ApiLimits, request_models
+from odma.server.responses import ChatCompletionResponse, CompletionResponse, Health, ModelList
 from odma.server.render import TokenText
 from odma.server.runtime import AsyncEngine
 from odma.server.streams import Sample, collect, sse

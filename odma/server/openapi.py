@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from odma.engine.sampling import SEED_RANGE
-from odma.server.protocol import ErrorResponse
+from odma.server.responses import ErrorResponse
 
 ERROR = {"model": ErrorResponse}
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "required": True,

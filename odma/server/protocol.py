@@ -1,5 +1,5 @@
 """The OpenAI request bodies odma-serve accepts (plus vLLM's `ignore_eos`, `min_tokens`, `top_k`,
-`stop_token_ids`) and the response bodies it sends.
+`stop_token_ids`); the bodies it sends are in `responses.py`.
 
 Requests are validated strictly, as OpenAI's schema is: `max_tokens: "5"`, `5.0` or `true` are refused, not
 coerced; an unknown parameter is refused, not ignored; a parameter odma cannot honour (penalties, logit_bias,
@@ -10,7 +10,8 @@ the served model names. What JSON Schema cannot say (prompt + max_tokens must fi
 max_tokens, top_logprobs needs logprobs) is checked by the handlers and stated in the field descriptions.
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: the models built in `request_models` annotate with expressions over
+# its local limits, which pydantic must see evaluated
 
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -214,104 +215,3 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
             return self.messages[-1].text()
 
     return CompletionRequest, ChatCompletionRequest
-
-
-# -- responses (for the schema; the handlers build plain dicts of these shapes) ------------------------
-
-FinishReason = Literal["stop", "length"]
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: FinishReason | None
-    logprobs: CompletionLogprobs | None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    finish_reason: FinishReason
-    logprobs: ChatLogprobs | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class Health(BaseModel):
-    status: Literal["ok"]
-    model: str
-    policy: str
-    running: int
-    waiting: int
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -64,10 +64,6 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
-    @property
-    def queue_full(self) -> bool:
-        return self.engine.num_waiting >= self.max_queue
-
     def has_room(self, samples: int = 1) -> bool:
         """Room in the queue for a request of `samples` samples (one request always fits an empty queue)."""
         waiting = self.engine.num_waiting
