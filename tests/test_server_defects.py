@@ -91,13 +91,21 @@ def test_infinity_and_nan_literals_are_refused(srv):
         assert_error(post(srv, "/v1/completions", raw), 400)
 
 
-def test_one_pathological_request_cannot_end_another(srv):
+def test_one_pathological_request_cannot_end_another(srv, monkeypatch):
     """Three streams decode while requests the predictor chokes on (and one the edge refuses) arrive: every
     stream ends normally with all its tokens, and the pathological requests are served too."""
+    engine = srv.runtime.engine
+    run = engine.runner.run
+
+    def paced_run(work):  # >= 10 ms a step: the streams are surely still decoding when the others arrive
+        time.sleep(0.01)
+        return run(work)
+
+    monkeypatch.setattr(engine.runner, "run", paced_run)
     results: dict[int, tuple[str | None, int]] = {}
 
     def stream(i: int) -> None:
-        body = completion(f"story {i}", max_tokens=48, ignore_eos=True, stream=True,
+        body = completion(f"story {i}", max_tokens=60, ignore_eos=True, stream=True,
                           stream_options={"include_usage": True}, temperature=0)
         reason, tokens = None, 0
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
@@ -116,17 +124,20 @@ def test_one_pathological_request_cannot_end_another(srv):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while srv.runtime.engine.num_running < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the streams are decoding
-    odd = [post(srv, "/v1/completions", completion("pathological prompt", max_tokens=4, ignore_eos=True)),
-           post(srv, "/v1/chat/completions", chat("pathological chat", ignore_eos=True, max_tokens=4)),
+    while engine.num_running < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)  # the streams are decoding
+    first = post(srv, "/v1/completions", completion("pathological prompt", max_tokens=4, ignore_eos=True))
+    overlapped = engine.num_running >= 3  # the streams outlived the pathological request
+    odd = [first, post(srv, "/v1/chat/completions", chat("pathological chat", ignore_eos=True, max_tokens=4)),
            post(srv, "/v1/completions", completion("x", temperature=1e39))]
     for t in threads:
         t.join(timeout=120)
-    assert results == {i: ("length", 48) for i in range(3)}
+    assert overlapped
+    assert results == {i: ("length", 60) for i in range(3)}
     assert [r.status_code for r in odd] == [200, 200, 400]
     assert odd[0].json()["usage"]["completion_tokens"] == 4
-    assert srv.runtime.loop_errors == 0 and srv.runtime.engine.rejected_predictions >= 2
+    assert srv.runtime.loop_errors == 0 and engine.rejected_predictions >= 2
+    monkeypatch.undo()
     _idle(srv)
 
 
