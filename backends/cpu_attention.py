@@ -32,8 +32,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
-PORTABLE_FLAGS = ("-O3", "-ffast-math", "-shared", "-fPIC")  # where the compiler has no -march=native
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+PORTABLE_FLAGS = ("-O3", "-ffast-math", "-fPIC")  # where the compiler has no -march=native
+# compile with -ffast-math, link without: linking with it adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process (Python then parsed 5e-324 as 0.0, and every float op lost its denormals)
+LINK_FLAGS = ("-shared",)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -178,7 +181,8 @@ def _build(flags: tuple[str, ...]) -> Path:
     if not compiler:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(flags).encode() + compiler.encode() + _cpu_signature()).hexdigest()[:16]
+    recipe = " ".join(flags) + " | link: " + " ".join(LINK_FLAGS)
+    key = hashlib.sha256(source + recipe.encode() + compiler.encode() + _cpu_signature()).hexdigest()[:16]
     target = kernel_dir() / f"decode_attention-{key}.so"
     if target.exists():
         return target
@@ -186,15 +190,17 @@ def _build(flags: tuple[str, ...]) -> Path:
     # build beside the target and rename: concurrent first starts never load a half-written library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp + ".o"
     try:
-        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
+        for cmd in ([compiler, *flags, "-c", "-o", obj, str(SOURCE)], [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

@@ -103,6 +103,7 @@ class Predictor(ABC):
 
     name: str = "predictor"
     calibration: Calibration | None = None
+    fallback_reason: str | None = None  # set when this predictor stands in for one that could not be loaded
 
     @abstractmethod
     def predict(self, requests: Sequence[Any]) -> list[Prediction]:

@@ -26,13 +26,25 @@ LEGACY_NUMERIC_FIELDS = ("temperature", "depth")
 LEGACY_LOG_LENGTH_SCALE = 8.0
 
 
-def _numeric_value(name: str, value: Any, log_length_scale: float) -> float:
-    if name == "temperature":
-        return float(value)
-    if name == "depth":
-        return math.log1p(max(int(value), 0))
-    # the lengths of the conversation's earlier replies (mean, latest): the strongest cue a later turn carries
-    return math.log1p(max(float(value), 0.0)) / log_length_scale
+# Inputs are clamped to these ranges, so that no request can overflow float32 (a temperature of 1e39 became inf
+# and L̂ NaN): temperatures beyond OpenAI's [0, 2], log lengths of more than 1e13 tokens mean nothing anyway.
+TEMPERATURE_RANGE = (0.0, 2.0)
+MAX_LOG_VALUE = 30.0
+
+
+def _numeric_value(name: str, value: Any, log_length_scale: float) -> float | None:
+    """The feature value, or None when the value is unusable (not a number, NaN): it counts as absent."""
+    try:
+        if name == "temperature":
+            x = float(value)
+            return None if math.isnan(x) else min(max(x, TEMPERATURE_RANGE[0]), TEMPERATURE_RANGE[1])
+        if name == "depth":
+            x = math.log1p(max(float(value), 0.0))
+        else:  # the lengths of the conversation's earlier replies (mean, latest): the strongest cue a later turn carries
+            x = math.log1p(max(float(value), 0.0)) / log_length_scale
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return None if math.isnan(x) else min(x, MAX_LOG_VALUE)
 
 
 def prompt_tokens_of(request: Any) -> int:
@@ -72,8 +84,9 @@ class MetadataEncoder:
             col = 1
             for name in self.numeric:
                 value = getattr(r, name, None)
-                if value is not None:
-                    out[i, col], out[i, col + 1] = 1.0, _numeric_value(name, value, self.log_length_scale)
+                x = None if value is None else _numeric_value(name, value, self.log_length_scale)
+                if x is not None:
+                    out[i, col], out[i, col + 1] = 1.0, x
                 col += 2
             for name in CATEGORICAL_FIELDS:
                 values = self.vocab.get(name)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
+import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -14,6 +18,8 @@ from odma.errors import PredictorError
 from predictor.base import Manifest, Prediction, Predictor
 from predictor.features import MetadataEncoder
 from predictor.text import encode_texts
+
+log = logging.getLogger(__name__)
 
 ONNX_FILE = "predictor.onnx"
 HEADS_FILE = "heads.safetensors"
@@ -41,9 +47,7 @@ class OnnxPredictor(Predictor):
         self.calibration = self.manifest.calibration
         self.name = f"encoder:{self.folder.name}"
         self.onnx_path = self._onnx_path()
-        from predictor.onnx_export import session
-
-        self._session = session(self.onnx_path, threads)
+        self._session = self._open(threads)
         self._tokenizer = self._load_tokenizer()
         self._lock = threading.Lock()  # the HF fast tokenizer is not safe to call from several threads
 
@@ -69,10 +73,40 @@ class OnnxPredictor(Predictor):
         digest = hashlib.sha256(heads.read_bytes() + (self.folder / "predictor.json").read_bytes()).hexdigest()[:16]
         cached = default_cache_dir() / "predictors" / digest / ONNX_FILE
         if not cached.exists():
-            from predictor.build import build_onnx_from_heads
-
-            build_onnx_from_heads(self.folder, self.manifest, cached)
+            self._build(cached)
         return cached
+
+    def _build(self, dest: Path) -> None:
+        from predictor.build import build_onnx_from_heads
+
+        start = time.perf_counter()
+        with _quiet_unless_debugging():
+            build_onnx_from_heads(self.folder, self.manifest, dest)
+        _checksum_file(dest).write_text(_sha256(dest))
+        log.info("built the %s predictor graph from the installed backbone in %.1f s (cached: %s)", self.folder.name,
+                 time.perf_counter() - start, dest)
+
+    def _open(self, threads: int | None):
+        """The onnxruntime session. A graph built into the cache that no longer loads, or no longer matches the
+        checksum written when it was built (a truncated or damaged file), is rebuilt, not served around forever."""
+        from predictor.onnx_export import session
+
+        derived = self.onnx_path != self.folder / ONNX_FILE
+        damage = _damage(self.onnx_path) if derived else None
+        if damage is None:
+            try:
+                sess = session(self.onnx_path, threads)
+                if derived and not _checksum_file(self.onnx_path).exists():  # cached before checksums: adopt it
+                    _checksum_file(self.onnx_path).write_text(_sha256(self.onnx_path))
+                return sess
+            except PredictorError as exc:
+                if not derived:
+                    raise
+                damage = str(exc)
+        log.warning("cached predictor graph %s is damaged (%s); rebuilding it", self.onnx_path, damage)
+        self.onnx_path.unlink(missing_ok=True)
+        self._build(self.onnx_path)
+        return session(self.onnx_path, threads)
 
     def run_batch(self, requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Raw outputs for one batch: lengths, uncertainties, bucket probabilities."""
@@ -95,3 +129,49 @@ class OnnxPredictor(Predictor):
             for i, a, b in zip(idx, length, unc):
                 out[i] = Prediction(float(a), float(b))
         return out  # type: ignore[return-value]
+
+
+def _checksum_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _damage(path: Path) -> str | None:
+    """Why a cached graph cannot be trusted (None: its checksum matches, or it has none yet)."""
+    check = _checksum_file(path)
+    if not check.exists():
+        return None
+    try:
+        return None if check.read_text().strip() == _sha256(path) else "checksum mismatch"
+    except OSError as exc:
+        return str(exc)
+
+
+@contextmanager
+def _quiet_unless_debugging():
+    """The export and quantization tools are chatty (tracer warnings, ~40 lines of onnxruntime messages on the
+    root logger, progress bars): the build says one line instead; --log-level debug shows them all."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    root = logging.getLogger()
+    level = root.level
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        hf_logging = None
+    bars = hf_logging.is_progress_bar_enabled() if hf_logging else False
+    root.setLevel(logging.ERROR)
+    if bars:
+        hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        root.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()

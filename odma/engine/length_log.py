@@ -9,11 +9,15 @@ preemptions, finish_reason), so the log feeds both retraining and the bucket man
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 import time
 from pathlib import Path
 
 from odma.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class LengthLog:
@@ -24,6 +28,7 @@ class LengthLog:
         self.model = model
         self.generator = generator or model
         self._lock = threading.Lock()
+        _repair_torn_tail(self.path)
         self._fh = self.path.open("a", encoding="utf-8")
 
     def write(self, seq: Sequence) -> None:
@@ -56,19 +61,48 @@ class LengthLog:
             self._fh.close()
 
 
+def _repair_torn_tail(path: Path) -> None:
+    """A crash mid-append leaves a last line without its newline; the next record would be glued onto it and
+    both lost. A tail that is a whole record gets its newline; a torn one is cut off (it cannot be read)."""
+    if not path.exists():
+        return
+    with path.open("rb+") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        fh.seek(max(0, size - 1))
+        if fh.read(1) == b"\n":
+            return
+        start = max(0, size - (1 << 20))  # a record is far smaller than 1 MiB
+        fh.seek(start)
+        chunk = fh.read()
+        cut = chunk.rfind(b"\n") + 1
+        tail = chunk[cut:]
+        try:
+            json.loads(tail.decode("utf-8"))
+            fh.write(b"\n")
+        except ValueError:
+            fh.truncate(start + cut)
+            log.warning("length log %s: dropped a torn last line (%d bytes, a crash mid-write)", path, len(tail))
+
+
 def read_realized_lengths(path: str | Path, limit: int = 2000, model: str | None = None) -> list[int]:
     """The last `limit` realized output lengths in a log (to bootstrap bucket bounds on restart), only
-    those of `model` when given (another model's lengths say nothing about this one's)."""
+    those of `model` when given (another model's lengths say nothing about this one's). Unreadable lines
+    are skipped with a warning."""
     path = Path(path).expanduser()
     if not path.exists():
         return []
     lengths: list[int] = []
-    with path.open(encoding="utf-8") as fh:
+    bad = 0
+    with path.open(encoding="utf-8", errors="replace") as fh:
         for line in fh:
             try:
                 rec = json.loads(line)
                 if model is None or rec.get("model") == model:
                     lengths.append(int(rec["output_tokens"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line after a crash is not fatal
+            except (ValueError, KeyError, TypeError, AttributeError):
+                bad += 1
+    if bad:
+        log.warning("length log %s: skipped %d unreadable line(s)", path, bad)
     return lengths[-limit:]

@@ -8,6 +8,7 @@ The fallback and its reason are logged at start-up and exported in /metrics.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 from collections import deque
@@ -37,6 +38,19 @@ class RunningMedian:
             self._lengths.append(realized)
 
 
+def usable_prediction(pred: Any) -> tuple[float, float] | None:
+    """(L̂, u) when a predictor's answer can size a reservation: L̂ finite and >= 0, u finite (clamped to
+    [0, 1]); None otherwise (NaN from an overflowing input, a failed call), and the request reserves for
+    the worst case."""
+    try:
+        length, u = float(pred[0]), float(pred[1])
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if not (math.isfinite(length) and length >= 0 and math.isfinite(u)):
+        return None
+    return length, min(max(u, 0.0), 1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedPredictor:
     predictor: Any
@@ -53,7 +67,8 @@ def load_engine_predictor(spec: str | None) -> LoadedPredictor:
         from predictor import load_predictor
 
         p = load_predictor(spec)
-        return LoadedPredictor(p, getattr(p, "name", spec), None)
+        # a predictor may itself stand in for the one asked for (the default encoder's sklearn fallback)
+        return LoadedPredictor(p, getattr(p, "name", spec), getattr(p, "fallback_reason", None))
     except Exception as exc:  # noqa: BLE001 - any failure to load degrades to the fallback, loudly
         reason = f"{type(exc).__name__}: {exc}"
         log.warning("length predictor %r unavailable (%s); using the running-median fallback (u = 1.0)", spec, reason)

@@ -15,14 +15,15 @@ from typing import Any
 import torch
 
 from odma.engine.config import EngineConfig, parse_kv_budget
+from odma.engine.fork import Forks
 from odma.engine.length_log import LengthLog, read_realized_lengths
-from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor
+from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor, usable_prediction
 from odma.engine.model_runner import ModelRunner
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
 from odma.engine.sequence import RequestTags, Sequence, Status
 from odma.engine.worker import DeviceWorker, build_worker
-from odma.errors import ConfigError, InvalidRequestError, RequestTooLargeError
+from odma.errors import ConfigError, InvalidRequestError, OdmaError, RequestTooLargeError
 from odma.kv import KVPool, build_policy, rank_devices
 from odma.models.llama import CausalLM
 
@@ -83,6 +84,7 @@ class LLMEngine:
                 tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.model = model
         self.tokenizer = tokenizer
+        self.model_folder = folder  # None when the model object was handed in (its generation_config is unknown)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         bootstrap = []
         if config.length_log and config.bootstrap_from_log:
@@ -117,9 +119,11 @@ class LLMEngine:
         self._inbox: deque[tuple[str, Any]] = deque()
         self._inbox_lock = threading.Lock()
         self._live: dict[str, Sequence] = {}
+        self.forks = Forks()  # samples 2..n of n > 1 requests, until sample 1 has its prompt cached
         self._ids = itertools.count()
         self.steps = 0
         self.errors = 0
+        self.rejected_predictions = 0  # predictions not finite or out of range: those requests reserved the worst case
         self.busy_seconds = 0.0  # time inside model steps (the rest of wall time: idle, scheduling, HTTP)
         self.decode_tokens = 0  # Σ decode batch sizes over steps
         self.prefill_tokens = 0  # prompt (and recomputed) tokens fed
@@ -167,7 +171,24 @@ class LLMEngine:
     ) -> Sequence:
         """Validate and queue a request (thread-safe). Raises InvalidRequestError / RequestTooLargeError
         before anything is queued, so a refused request holds nothing."""
+        return self.add_samples(prompt, params, 1, request_id=request_id, prompt_text=prompt_text, tags=tags)[0]
+
+    def add_samples(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        n: int,
+        *,
+        request_id: str | None = None,
+        prompt_text: str | None = None,
+        tags: RequestTags | None = None,
+    ) -> list[Sequence]:
+        """Queue `n` samples of one prompt, each a request with its own block (ids: `request_id`, then
+        `request_id.1`, ...; a seeded request's sample i draws from seed + i). The prompt is computed once:
+        the other samples copy its K/V (`odma.engine.fork`). Validation as in `add_request`."""
         params = params or SamplingParams(max_tokens=self.config.default_max_tokens)
+        if type(n) is not int or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass token ids")
@@ -176,13 +197,19 @@ class LLMEngine:
         else:
             ids = list(prompt)
         self.validate(ids, params)
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, prompt_text=prompt_text, tags=tags)
+        rid = request_id or f"req-{next(self._ids)}"
+        seqs = [Sequence(rid if i == 0 else f"{rid}.{i}", ids if i == 0 else list(ids), params,
+                         prompt_text=prompt_text, tags=tags, index=i) for i in range(n)]
+        if n > 1:
+            Forks.group(seqs)
         with self._inbox_lock:
-            if seq.request_id in self._live:
-                raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")
-            self._live[seq.request_id] = seq
-            self._inbox.append(("add", seq))
-        return seq
+            taken = [s.request_id for s in seqs if s.request_id in self._live]
+            if taken:
+                raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
+            for seq in seqs:
+                self._live[seq.request_id] = seq
+            self._inbox.append(("add", seqs))
+        return seqs
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -229,22 +256,38 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or any(w.scheduler.has_work() for w in self.workers)
+        return bool(self._inbox) or any(w.scheduler.has_work() for w in self.workers) or self.forks.pending > 0
 
     def step(self) -> list[StepOutput]:
         """One model step on every device that has work. Scheduling and bookkeeping are serial; the model
         steps of several devices run concurrently when `parallel_devices` is on (threads: torch releases the
         interpreter lock inside its kernels), else one after another."""
         outputs = self._drain_inbox()
-        batches = [(w, work) for w in self.workers if (work := w.scheduler.schedule())]
+        self._queue_forks()
+        # samples of n > 1 requests admitted this step copy the prompt's K/V instead of computing it
+        batches = [(w, self.forks.prepare(work, w.runner.arena)) for w in self.workers if (work := w.scheduler.schedule())]
         if len(batches) > 1 and self._device_threads is not None:
             results = list(self._device_threads.map(lambda b: self._run(*b), batches))
         else:
             results = [self._run(w, work) for w, work in batches]
         for (worker, work), (tokens, error, seconds) in zip(batches, results):
             outputs += self._apply(worker, work, tokens, error, seconds)
+        self._queue_forks()
         self._maybe_refresh_buckets()
         return outputs
+
+    def _queue_forks(self) -> None:
+        """Samples whose first sample has its prompt cached join its device's queue (they copy its K/V); those
+        whose first sample ended go wherever placement puts them (they prefill the prompt themselves)."""
+        by_device = {w.device: w for w in self.workers}
+        for first, forks in self.forks.release():
+            for seq in forks:
+                if seq.finished:
+                    continue
+                worker = by_device[first.device] if first.device in by_device and not first.finished else self._place(seq)
+                self._worker_of[seq.request_id] = worker
+                seq.device = worker.device
+                worker.scheduler.add(seq)
 
     @staticmethod
     def _run(worker: DeviceWorker, work: list) -> tuple[list | None, Exception | None, float]:
@@ -325,6 +368,7 @@ class LLMEngine:
         realized = reason in ("stop", "length")
         # a request not placed yet (still in the inbox) is in no queue: any scheduler just marks it finished
         self._worker_of.pop(seq.request_id, self.workers[0]).scheduler.finish(seq, reason, observe=realized)
+        self.forks.drop(seq)
         seq.finished_at = time.monotonic()
         self._live.pop(seq.request_id, None)
         if realized:
@@ -339,14 +383,15 @@ class LLMEngine:
         with self._inbox_lock:
             items = list(self._inbox)
             self._inbox.clear()
-        adds = [seq for kind, seq in items if kind == "add"]
-        if adds:
-            self._tag(adds)
-            for seq in adds:
-                worker = self._place(seq)
-                self._worker_of[seq.request_id] = worker
-                seq.device = worker.device
-                worker.scheduler.add(seq)
+        groups = [seqs for kind, seqs in items if kind == "add"]
+        if groups:
+            self._tag([seqs[0] for seqs in groups])  # the other samples of a group get the first's tag
+            for first, *forks in groups:
+                worker = self._place(first)
+                self._worker_of[first.request_id] = worker
+                first.device = worker.device
+                worker.scheduler.add(first)
+                self.forks.hold(first, forks)
         outputs = []
         for kind, item in items:
             if kind == "abort":
@@ -357,23 +402,36 @@ class LLMEngine:
         return outputs
 
     def _tag(self, seqs: list[Sequence]) -> None:
-        """Predict (L̂, u) for the new requests in one batch and record the bucket each selects."""
+        """Predict (L̂, u) for the new requests in one batch and record the bucket each selects. Nothing a
+        predictor returns can fail the step: an unusable prediction (not finite, negative) or a failing call
+        leaves the request untagged, and it reserves for the worst case."""
         requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
         start = time.perf_counter()
         try:
-            preds = self.predictor.predictor.predict(requests)
+            preds = list(self.predictor.predictor.predict(requests))
+            if len(preds) != len(seqs):
+                raise ValueError(f"{len(preds)} predictions for {len(seqs)} requests")
         except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: reserve for the worst case
             log.exception("length predictor failed; these requests go to the large bucket")
-            preds = [(None, 1.0)] * len(seqs)
+            preds = [None] * len(seqs)
         self.metrics.on_predict(time.perf_counter() - start, len(seqs))
         select = getattr(self.policy, "select", None)  # bucketed policies: the bucket reserve() will pick
-        for seq, (length, u) in zip(seqs, preds):
-            if length is None:
+        for seq, pred in zip(seqs, preds):
+            checked = usable_prediction(pred)
+            if checked is None:
+                if pred is not None and pred[0] is not None:
+                    self.rejected_predictions += 1
+                    log.warning("length predictor returned %r for %s; it reserves for the worst case", pred, seq.request_id)
                 continue
-            seq.predicted_length = seq.predicted_tokens = float(length)
-            seq.uncertainty = float(u)
             if select is not None:
-                seq.bucket = select(seq.predicted_length, seq.uncertainty).index
+                try:
+                    seq.bucket = select(checked[0], checked[1]).index
+                except OdmaError as exc:
+                    self.rejected_predictions += 1
+                    log.warning("prediction %r for %s not usable (%s); it reserves for the worst case", pred, seq.request_id, exc)
+                    continue
+            seq.predicted_length = seq.predicted_tokens = checked[0]
+            seq.uncertainty = checked[1]
 
     def _place(self, seq: Sequence) -> DeviceWorker:
         """The device with the least memory pressure and compute load (odma.kv.placement's score, the queue
@@ -408,7 +466,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(w.scheduler.waiting) for w in self.workers) + sum(1 for k, _ in list(self._inbox) if k == "add")
+        queued = sum(len(w.scheduler.waiting) for w in self.workers) + self.forks.pending
+        return queued + sum(len(seqs) for k, seqs in list(self._inbox) if k == "add")
 
     @property
     def num_running(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from backends import Arena, Backend, KVLayout, Span
+from odma.engine.logprobs import SampledLogprobs, prompt_logprobs
 from odma.engine.scheduler import Work
 from odma.engine.sampling import Sampler
 from odma.models.llama import CausalLM, SeqSlot
@@ -38,18 +39,22 @@ class ModelRunner:
             ids += w.seq.token_ids(w.start, w.start + w.q_len)
             positions += range(w.start, w.start + w.q_len)
             slots.append(SeqSlot(self.arena.view(w.seq.block), w.start, w.q_len))
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            slots,
-            self.decode_kernel,
-        ).cpu()
+        with prompt_logprobs(self.model, work):  # only for requests that ask (echo with logprobs)
+            logits = self.model(
+                torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                slots,
+                self.decode_kernel,
+            ).cpu()
         for w in work:
             w.seq.num_cached = w.start + w.q_len
         params = [w.seq.params for w in work]
         banned = [self._banned(w) for w in work]
+        chosen = SampledLogprobs(work, logits)  # before the sampler masks the logits in place
         tokens = self.sampler(logits, params, [w.seq.generator for w in work], banned)
-        return [t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(tokens, work)]
+        tokens = [t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(tokens, work)]
+        chosen.record(tokens)
+        return tokens
 
     @torch.inference_mode()
     def profile_activations(self, token_counts: list[int]) -> dict[int, int]:

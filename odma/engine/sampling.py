@@ -9,18 +9,28 @@ import torch
 
 from odma.errors import InvalidRequestError
 
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-39 overflow float32, and 1e-300 is 0
+# there, so a "tiny" temperature sampled garbage instead of the argmax it means.
+GREEDY_EPSILON = 1e-5
+MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's bound
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; OpenAI's top_logprobs bound)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # OpenAI's schema and vLLM's: a signed 64-bit integer
+NO_SEED = -1  # vLLM: seed -1 means unseeded
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below GREEDY_EPSILON: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    seed: int | None = None  # per-request generator: the same seed gives the same tokens
+    seed: int | None = None  # per-request generator: the same seed gives the same tokens; -1 = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # vLLM extension: keep going past EOS (benchmarks replaying lengths)
     min_tokens: int = 0  # vLLM extension: EOS and stop tokens are masked until this many tokens
     stop: tuple[str, ...] = ()  # stop strings: the engine ends the request in the step that completes one
+    logprobs: int | None = None  # log-probabilities of each generated token and of this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo, scoring)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -28,8 +38,9 @@ class SamplingParams:
 
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
-            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise bad(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if type(self.top_k) is not int or self.top_k < 0:
@@ -38,12 +49,24 @@ class SamplingParams:
             raise bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
             raise bad(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
-        if self.seed is not None and type(self.seed) is not int:
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (type(self.seed) is not int or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise bad(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        if self.seed == NO_SEED:
+            object.__setattr__(self, "seed", None)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (type(k) is not int or not 0 <= k <= MAX_LOGPROBS):
+                raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_EPSILON or self.top_k == 1
+
+
+def generator_seed(seed: int, index: int = 0) -> int:
+    """The torch generator seed of sample `index` of a request seeded `seed` (vLLM: seed + index), folded into
+    [0, 2**64) as torch reads it, so every accepted seed and index is a valid generator seed."""
+    return (seed + index) % 2**64
 
 
 class Sampler:
@@ -91,7 +114,7 @@ class Sampler:
             if not rows:
                 break
             top_p = torch.tensor([params[i].top_p for i in rows]).unsqueeze(1)
-            top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows]).unsqueeze(1)
+            top_k = torch.tensor([min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in rows]).unsqueeze(1)
             if k < vocab:
                 sorted_p, order = probs[rows].topk(k, dim=-1, sorted=True)
                 done = ((sorted_p.sum(-1, keepdim=True) >= top_p) | (top_k <= k)).squeeze(1).tolist()
@@ -102,7 +125,8 @@ class Sampler:
             if here:
                 sorted_p, order, top_p, top_k = sorted_p[here], order[here], top_p[here], top_k[here]
                 cum = sorted_p.cumsum(-1)
-                keep = (cum - sorted_p) < top_p  # the smallest prefix whose mass reaches top_p (>= 1 token)
+                keep = (cum - sorted_p) < top_p  # the smallest prefix whose mass reaches top_p
+                keep[:, 0] = True  # at least the most likely token (a top_p below float32's resolution keeps none)
                 keep &= torch.arange(sorted_p.shape[-1]).unsqueeze(0) < top_k
                 idx = _inverse_cdf(sorted_p * keep, u[[rows[j] for j in here]])
                 out[[rows[j] for j in here]] = order.gather(1, idx.unsqueeze(1)).squeeze(1)

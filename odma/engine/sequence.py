@@ -8,7 +8,8 @@ from enum import Enum
 
 import torch
 
-from odma.engine.sampling import SamplingParams
+from odma.engine.logprobs import TokenLogprob
+from odma.engine.sampling import SamplingParams, generator_seed
 from odma.kv import Block, KVHandle
 
 
@@ -61,12 +62,19 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     generator: torch.Generator | None = None
+    # n > 1: this request is sample `index` of `samples` (one list shared by all of them); samples after the first
+    # wait until the first has prefilled the prompt, then copy its K/V (`fork.py`) unless `prompt_copied` failed
+    index: int = 0
+    samples: list["Sequence"] | None = None
+    prompt_copied: bool = False
+    output_logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
 
     def __post_init__(self) -> None:
         self.prompt_tokens = len(self.prompt_ids)
         self.max_new_tokens = self.params.max_tokens
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.seed is not None:  # sample i of a seeded request draws from seed + i (as in vLLM)
+            self.generator = torch.Generator().manual_seed(generator_seed(self.params.seed, self.index))
 
     @property
     def block(self) -> Block | None:

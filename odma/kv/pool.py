@@ -83,7 +83,11 @@ class PoolStats(PoolCounters):
     live_tokens: int  # Σ tokens actually held
     free_tokens: int  # free extents + free-list blocks
     cached_tokens: int  # of which on bucket free lists
-    largest_free_extent_tokens: int
+    largest_free_extent_tokens: int  # one free extent or cached block as it is now
+    # the largest block a reservation could get now: free extents and cached blocks coalesced (a refused carve
+    # flushes the free lists first), and the largest range the pool has (the region or segment it lies in)
+    largest_reservable_tokens: int
+    largest_range_tokens: int
 
     @property
     def free_bytes(self) -> int:
@@ -99,8 +103,10 @@ class PoolStats(PoolCounters):
 
     @property
     def external_fragmentation(self) -> float:
-        """1 - largest free extent / free tokens: 0 when all free memory is one extent."""
-        return 0.0 if self.free_tokens == 0 else 1.0 - self.largest_free_extent_tokens / self.free_tokens
+        """1 - the largest block a reservation could get / what it could get if free memory were one range:
+        0 on an idle pool and whenever all free memory can be had as one block."""
+        reachable = min(self.free_tokens, self.largest_range_tokens)
+        return 0.0 if reachable == 0 else 1.0 - self.largest_reservable_tokens / reachable
 
 
 @dataclass(slots=True)
@@ -575,6 +581,7 @@ class KVPool:
                 for b in stack:
                     largest = max(largest, b.capacity // self.align)
             free_units = sum(r.free_units for r in self._regions.values()) + cached
+            reservable = self._largest_coalesced_units()
             return PoolStats(
                 total_tokens=self.capacity_tokens,  # segments included, units being drained excluded
                 bytes_per_token=self.bytes_per_token,
@@ -587,8 +594,26 @@ class KVPool:
                 free_tokens=free_units * self.align,
                 cached_tokens=cached * self.align,
                 largest_free_extent_tokens=largest * self.align,
+                largest_reservable_tokens=reservable * self.align,
+                largest_range_tokens=self._largest_range_units() * self.align,
                 **asdict(self._n),
             )
+
+    def _largest_coalesced_units(self) -> int:
+        """Largest free run per region once cached blocks rejoin their neighbouring extents (what a flush
+        makes of them), without flushing."""
+        best = 0
+        for name, extents in self._regions.items():
+            spans = sorted([*extents.extents(), *((b.offset // self.align, b.capacity // self.align)
+                                                   for stack in self._free.lists.values() for b in stack
+                                                   if b.region == name)])
+            run_start = run_end = None
+            for start, size in spans:
+                if run_end != start:
+                    run_start = start
+                run_end = start + size
+                best = max(best, run_end - run_start)
+        return best
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by the property tests)."""

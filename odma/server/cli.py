@@ -11,7 +11,7 @@ from pathlib import Path
 from odma.config import BucketConfig, PoolConfig, default_cache_dir
 from odma.engine.config import POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
-from odma.errors import OdmaError
+from odma.errors import ConfigError, OdmaError
 
 log = logging.getLogger("odma.serve")
 
@@ -71,7 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length-log", default=str(d.length_log), help="JSONL of realized lengths ('' to disable)")
     p.add_argument("--bootstrap-from-log", action=argparse.BooleanOptionalAction, default=d.bootstrap_from_log,
                    help="seed the bucket bounds with the length log's last realized lengths")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests (samples) before 429")
+    p.add_argument("--max-n", type=int, default=16, help="the largest n (samples per request) accepted")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that leave them out: auto (the model's generation_config.json), "
+                        "vllm (OpenAI's defaults), or a folder holding a generation_config.json")
+    p.add_argument("--override-generation-config", default=None,
+                   help='JSON applied over those defaults, e.g. \'{"temperature": 0.6, "top_p": 0.9}\' '
+                        "(temperature, top_p, top_k, max_new_tokens)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads (default: all cores but one, which the HTTP side and the predictor need)")
     p.add_argument("--host", default="127.0.0.1")
@@ -101,33 +108,54 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | None = None):
+def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | None = None, *,
+                 generation_config: str = "auto", override_generation_config: str | None = None, max_n: int = 16):
     """(app, runtime): the engine, its metrics and the FastAPI app, ready for uvicorn."""
     from odma.engine import LLMEngine
     from odma.models.weights import model_name
     from odma.server.app import create_app
+    from odma.server.generation_config import load_sampling_defaults
     from odma.server.metrics import Metrics
     from odma.server.runtime import AsyncEngine
 
+    if max_n < 1:
+        raise ConfigError(f"--max-n must be >= 1, got {max_n}")
     metrics = Metrics()
     engine = LLMEngine(config, metrics=metrics)
+    folder = engine.model_folder or (Path(config.model) if Path(config.model).is_dir() else None)
+    defaults = load_sampling_defaults(generation_config, folder, override_generation_config, config.max_tokens_cap)
+    log.info("sampling defaults for requests that leave them out: %s", defaults.describe(config.default_max_tokens))
     runtime = AsyncEngine(engine, max_queue=max_queue)
     metrics.attach(runtime)
     name = served_name or model_name(config.model)
-    app = create_app(runtime, metrics, name, aliases=(config.model, "default"))
+    app = create_app(runtime, metrics, name, aliases=(config.model, "default"), defaults=defaults, max_n=max_n)
     return app, runtime
+
+
+# Libraries that log at INFO on the root logger (onnxruntime's quantizer printed ~40 lines while the default
+# predictor was built): the server's own loggers follow --log-level, the rest only say warnings unless debugging.
+OWN_LOGGERS = ("odma", "predictor", "backends", "training", "uvicorn")
+
+
+def configure_logging(level: str) -> None:
+    level = level.upper()
+    root = level if level == "DEBUG" else "WARNING"
+    logging.basicConfig(level=root, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if args.device.startswith("mlu"):
         log.warning("--device mlu: the MLU backend needs Cambricon's torch_mlu; without it start-up stops here")
     try:
         config = config_from_args(args)
         log.info("starting odma-serve: model=%s device=%s policy=%s kv-budget=%s (cache: %s)",
                  config.model, config.device, config.policy, config.kv_budget, default_cache_dir())
-        app, _ = build_server(config, args.max_queue, args.served_model_name)
+        app, _ = build_server(config, args.max_queue, args.served_model_name, generation_config=args.generation_config,
+                              override_generation_config=args.override_generation_config, max_n=args.max_n)
     except OdmaError as exc:
         print(f"odma-serve: {exc}", file=sys.stderr)
         return 2

@@ -48,7 +48,36 @@ class Metrics:
         self.registry.register(_EngineCollector(runtime, self))
 
 
+def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c
+
+
+def labelled(family, name: str, doc: str, label: str, values: dict):
+    m = family(name, doc, labels=[label])
+    for key, value in values.items():
+        m.add_metric([str(key)], value)
+    return m
+
+
+def predictor_info(pred) -> GaugeMetricFamily:
+    """Which length predictor serves, and whether it stands in for one that could not be loaded (and why)."""
+    info = GaugeMetricFamily("odma_predictor_info", "The length predictor in use (fallback=1: the one asked for "
+                             "could not be loaded; reason says why)", labels=["name", "fallback", "reason"])
+    info.add_metric([pred.name, "1" if pred.fallback_reason else "0", (pred.fallback_reason or "")[:200]], 1)
+    return info
+
+
 class _EngineCollector:
+    """Reads the engine at scrape time; each method below yields one group of metrics."""
+
     def __init__(self, runtime, metrics: Metrics) -> None:
         self.runtime, self.metrics = runtime, metrics
 
@@ -57,33 +86,43 @@ class _EngineCollector:
         per_device = [(w, w.pool.stats(), w.scheduler.counters) for w in engine.workers]
         pool = _Sum([p for _, p, _ in per_device])  # totals over devices (one device: its own numbers)
         sched = _Sum([c for _, _, c in per_device])
+        yield from self._queue(engine)
+        yield from self._kv(per_device, pool)
+        yield from self._devices(per_device)
+        yield from self._buckets(engine)
+        yield from self._growth(pool, sched)
+        yield from self._preemption(engine, sched)
+        yield from self._ballooning(engine, sched)
+        yield from self._work(engine)
+        yield from self._requests(engine)
+        yield predictor_info(engine.predictor)
+        yield labelled(GaugeMetricFamily, "odma_policy_info", "The reservation policy in use", "policy",
+                       {engine.config.policy: 1})
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], value)
-            return g
-
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            return c
-
+    @staticmethod
+    def _queue(engine):
         yield gauge("odma_queue_depth", "Requests waiting for a block", engine.num_waiting)
         yield gauge("odma_running_requests", "Requests holding a block", engine.num_running)
+
+    @staticmethod
+    def _kv(per_device, pool):
         yield gauge("odma_kv_budget_bytes", "KV pool size", sum(p.total_tokens * p.bytes_per_token for _, p, _ in per_device))
         yield gauge("odma_kv_reserved_bytes", "KV bytes reserved by live blocks", pool.reserved_bytes)
         yield gauge("odma_kv_live_bytes", "KV bytes holding tokens", pool.live_bytes)
         yield gauge("odma_kv_free_bytes", "KV bytes free (extents and cached blocks)", pool.free_bytes)
-        yield gauge("odma_kv_external_fragmentation", "1 - largest free extent / free (the worst device)",
+        yield gauge("odma_kv_external_fragmentation",
+                    "1 - the largest block a reservation could get / what free memory would give as one range "
+                    "(cached blocks coalesced with free neighbours; the worst device)",
                     max(p.external_fragmentation for _, p, _ in per_device))
-        occ = GaugeMetricFamily("odma_bucket_live_blocks", "Live blocks per bucket (-1 = large)", labels=["bucket"])
         per_bucket: dict[int, int] = {}
         for _, p, _ in per_device:
             for bucket, n in p.live_blocks_per_bucket.items():
                 per_bucket[bucket] = per_bucket.get(bucket, 0) + n
-        for bucket, n in sorted(per_bucket.items()):
-            occ.add_metric([str(bucket)], n)
-        yield occ
+        yield labelled(GaugeMetricFamily, "odma_bucket_live_blocks", "Live blocks per bucket (-1 = large)", "bucket",
+                       dict(sorted(per_bucket.items())))
+
+    @staticmethod
+    def _devices(per_device):
         device_gauges = {
             "odma_device_running_requests": ("Requests holding a block, per device", lambda w, p: len(w.scheduler.running)),
             "odma_device_waiting_requests": ("Requests placed on the device and waiting", lambda w, p: len(w.scheduler.waiting)),
@@ -91,18 +130,20 @@ class _EngineCollector:
             "odma_device_kv_live_bytes": ("KV bytes holding tokens, per device", lambda w, p: p.live_bytes),
         }
         for name, (doc, value) in device_gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["device"])
-            for w, p, _ in per_device:
-                g.add_metric([w.device], value(w, p))
-            yield g
+            yield labelled(GaugeMetricFamily, name, doc, "device", {w.device: value(w, p) for w, p, _ in per_device})
+
+    @staticmethod
+    def _buckets(engine):
         buckets = getattr(engine.policy, "buckets", None)
-        if buckets is not None:
-            bounds = GaugeMetricFamily("odma_bucket_bound_tokens", "Output tokens each bucket reserves", labels=["bucket"])
-            for i, b in enumerate(buckets.bounds):
-                bounds.add_metric([str(i)], b)
-            bounds.add_metric(["-1"], buckets.large_bound)
-            yield bounds
-            yield gauge("odma_bucket_bounds_version", "Bucket bound refreshes that changed the bounds", buckets.version)
+        if buckets is None:
+            return
+        bounds = {i: b for i, b in enumerate(buckets.bounds)}
+        bounds[-1] = buckets.large_bound
+        yield labelled(GaugeMetricFamily, "odma_bucket_bound_tokens", "Output tokens each bucket reserves", "bucket", bounds)
+        yield gauge("odma_bucket_bounds_version", "Bucket bound refreshes that changed the bounds", buckets.version)
+
+    @staticmethod
+    def _growth(pool, sched):
         yield counter("odma_migrations", "Blocks moved to a larger range mid-decode", pool.migrations)
         yield counter("odma_migrated_tokens", "Tokens copied by migrations", pool.migrated_tokens)
         yield counter("odma_migration_refusals", "Growths refused for lack of room", pool.migration_refusals)
@@ -111,6 +152,12 @@ class _EngineCollector:
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
         yield counter("odma_theta_refusals", "Admissions deferred to keep reservations within theta (eLLM Alg. 1)",
                       sched.theta_refusals)
+        yield counter("odma_window_clears", "Held queue heads admitted by relocating the blocks in their way",
+                      sched.window_clears)
+        yield counter("odma_window_moves", "Blocks relocated to clear those windows", sched.window_moves)
+
+    @staticmethod
+    def _preemption(engine, sched):
         yield counter("odma_preemptions", "Requests freed under pressure and recomputed later", sched.preemptions)
         yield counter("odma_stalls", "Request-steps spent waiting for room to grow", sched.stalls)
         yield counter("odma_swap_outs", "Preempted requests whose K/V went to the host buffer", sched.swap_outs)
@@ -120,42 +167,44 @@ class _EngineCollector:
             yield gauge("odma_swap_held_bytes", "K/V bytes in the host buffers now", sum(x.held_bytes for x in swaps))
             yield gauge("odma_swap_buffer_bytes", "Logical size of the host buffers (eLLM Alg. 2 scales them)",
                         sum(x.controller.logical_bytes for x in swaps))
+
+    @staticmethod
+    def _ballooning(engine, sched):
         yield counter("odma_activation_refusals", "Prefills deferred until their activation room was freed",
                       sched.activation_refusals)
         yield counter("odma_prefill_chunks", "Prefill steps that fed part of a prompt (its activation room was lent)",
                       sched.prefill_chunks)
-        yield counter("odma_window_clears", "Held queue heads admitted by relocating the blocks in their way",
-                      sched.window_clears)
-        yield counter("odma_window_moves", "Blocks relocated to clear those windows", sched.window_moves)
         elastics = [w.elastic.snapshot() for w in engine.workers if w.elastic is not None]
-        if elastics:
-            e = _Sum(elastics)
-            yield gauge("odma_balloon_reserve_bytes", "Activation room kept for a max_prefill_tokens prefill", e["reserve_bytes"])
-            yield gauge("odma_balloon_lent_bytes", "Activation room lent to the KV pool now", e["lent_bytes"])
-            yield counter("odma_balloon_inflations", "Segments lent to the KV pool", e["balloon_inflations"])
-            yield counter("odma_balloon_deflations", "Segments taken back for a prefill", e["balloon_deflations"])
-            yield counter("odma_balloon_rollbacks", "Deflations rolled back (a block had nowhere to go)",
-                          e["balloon_deflate_rollbacks"])
-            yield counter("odma_balloon_moved_bytes", "Live KV bytes copied out of deflated segments", e["balloon_moved_bytes"])
+        if not elastics:
+            return
+        e = _Sum(elastics)
+        yield gauge("odma_balloon_reserve_bytes", "Activation room kept for a max_prefill_tokens prefill", e["reserve_bytes"])
+        yield gauge("odma_balloon_lent_bytes", "Activation room lent to the KV pool now", e["lent_bytes"])
+        yield counter("odma_balloon_inflations", "Segments lent to the KV pool", e["balloon_inflations"])
+        yield counter("odma_balloon_deflations", "Segments taken back for a prefill", e["balloon_deflations"])
+        yield counter("odma_balloon_rollbacks", "Deflations rolled back (a block had nowhere to go)",
+                      e["balloon_deflate_rollbacks"])
+        yield counter("odma_balloon_moved_bytes", "Live KV bytes copied out of deflated segments", e["balloon_moved_bytes"])
+
+    @staticmethod
+    def _work(engine):
         yield counter("odma_engine_steps", "Model steps run", engine.steps)
         yield counter("odma_engine_busy_seconds", "Seconds spent inside model steps", engine.busy_seconds)
         yield counter("odma_engine_decode_tokens", "Decode tokens computed (Σ decode batch sizes)", engine.decode_tokens)
         yield counter("odma_engine_prefill_tokens", "Prompt tokens computed, recomputations included", engine.prefill_tokens)
-        yield counter("odma_generated_tokens", "Output tokens of finished requests", self.metrics.generated_tokens)
-        fin = CounterMetricFamily("odma_requests_finished", "Finished requests by reason", labels=["reason"])
-        for reason, n in sorted(self.metrics.finished.items()):
-            fin.add_metric([reason], n)
-        yield fin
-        ref = CounterMetricFamily("odma_http_refusals", "Requests refused at the door", labels=["reason"])
-        for reason, n in sorted(self.metrics.http_refusals.items()):
-            ref.add_metric([reason], n)
-        yield ref
-        pred = engine.predictor
-        info = GaugeMetricFamily("odma_predictor_info", "The length predictor in use (fallback=1: the trained one "
-                                 "could not be loaded)", labels=["name", "fallback", "reason"])
-        info.add_metric([pred.name, "1" if pred.fallback_reason else "0", (pred.fallback_reason or "")[:200]], 1)
-        yield info
-        yield _policy(engine.config.policy)
+        yield counter("odma_prompt_copies", "Samples of n > 1 requests that copied the prompt's K/V", engine.forks.copied)
+        yield counter("odma_prompt_recomputes", "Samples of n > 1 requests that prefilled the prompt themselves "
+                      "(no sibling held it any more)", engine.forks.recomputed)
+        yield counter("odma_rejected_predictions", "Predictions that were not finite or negative (the request "
+                      "reserved for the worst case)", engine.rejected_predictions)
+
+    def _requests(self, engine):
+        m = self.metrics
+        yield counter("odma_generated_tokens", "Output tokens of finished requests", m.generated_tokens)
+        yield labelled(CounterMetricFamily, "odma_requests_finished", "Finished requests by reason", "reason",
+                       dict(sorted(m.finished.items())))
+        yield labelled(CounterMetricFamily, "odma_http_refusals", "Requests refused at the door", "reason",
+                       dict(sorted(m.http_refusals.items())))
 
 
 class _Sum:
@@ -169,9 +218,3 @@ class _Sum:
 
     def __getitem__(self, key: str):
         return sum(r[key] for r in self._records)
-
-
-def _policy(name: str):
-    g = GaugeMetricFamily("odma_policy_info", "The reservation policy in use", labels=["policy"])
-    g.add_metric([name], 1)
-    return g

@@ -1,120 +1,217 @@
-"""The OpenAI request bodies we accept (plus vLLM's `ignore_eos` / `min_tokens` / `top_k`) and the mapping
-to `SamplingParams`. Response bodies are plain dicts built in `app.py`."""
+"""The OpenAI request bodies odma-serve accepts (plus vLLM's `ignore_eos`, `min_tokens`, `top_k`,
+`stop_token_ids`); the bodies it sends are in `responses.py`.
 
-from __future__ import annotations
+Requests are validated strictly, as OpenAI's schema is: `max_tokens: "5"`, `5.0` or `true` are refused, not
+coerced; an unknown parameter is refused, not ignored; a parameter odma cannot honour (penalties, logit_bias,
+best_of > 1, tools, a JSON response format) is declared with the only value it accepts, so a client that asks
+for it gets a 400 saying so. The models are built per server (`request_models`) from its limits, so the
+published schema (/openapi.json) states exactly what the server enforces: the token cap, n, the vocabulary,
+the served model names. What JSON Schema cannot say (prompt + max_tokens must fit the context, min_tokens <=
+max_tokens, top_logprobs needs logprobs) is checked by the handlers and stated in the field descriptions.
+"""
 
-import hashlib
-from typing import Callable, Literal
+# no `from __future__ import annotations`: the models built in `request_models` annotate with expressions over
+# its local limits, which pydantic must see evaluated
 
-from pydantic import BaseModel, ConfigDict, Field
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from odma.engine.sampling import SamplingParams
-from odma.engine.sequence import RequestTags
-from odma.errors import InvalidRequestError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
 
+from odma.engine.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SEED_RANGE
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, logit_bias...) are ignored
-
-    model: str
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
-    stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    # vLLM extensions: benchmarks replay realized lengths with them
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    top_k: int = 0
-
-    def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise InvalidRequestError("stop strings must be non-empty")
-        if len(stops) > 4:
-            raise InvalidRequestError("at most 4 stop strings")
-        return stops
-
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
-    def sampling(self, max_tokens: int | None, default_max: int) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidRequestError(f"n must be 1 (got {self.n}): send several requests instead")
-        if max_tokens is None:
-            max_tokens = default_max
-        if type(max_tokens) is not int:
-            raise InvalidRequestError(f"max_tokens must be an integer, got {max_tokens!r}")
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop=tuple(self.stop_strings()),
-        )
+MAX_STOPS = 4
+MAX_TOP_K = 2**31 - 1
+# "top_logprobs > 0 needs logprobs: true", as JSON Schema can say it (the handler checks it too)
+TOP_LOGPROBS_NEED_LOGPROBS = {"anyOf": [
+    {"properties": {"top_logprobs": {"anyOf": [{"type": "integer", "maximum": 0}, {"type": "null"}]}}},
+    {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+]}
 
 
-class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = 16  # OpenAI's default for /v1/completions
-    echo: bool = False
-    logprobs: int | None = None
+@dataclass(frozen=True, slots=True)
+class ApiLimits:
+    """What a server enforces on every request; its schema publishes the same numbers."""
 
-    def prompt_input(self) -> str | list[int]:
-        p = self.prompt
-        if isinstance(p, list):
-            if len(p) == 1 and isinstance(p[0], str):
-                p = p[0]
-            elif p and all(isinstance(x, str) for x in p):
-                raise InvalidRequestError("a list of several prompts is not supported: send one request each")
-        if self.echo or self.logprobs:
-            raise InvalidRequestError("echo and logprobs are not supported")
-        if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
-            raise InvalidRequestError("prompt must not be empty")
-        return p
+    served_names: tuple[str, ...]
+    vocab_size: int
+    max_tokens_cap: int
+    max_n: int = 16
+    default_max_tokens: int = 256  # chat requests that set no max_tokens (at most what the context leaves)
+
+
+# -- field types --------------------------------------------------------------------------------------
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON may carry "\ud800": a lone UTF-16 surrogate is no character
+        raise PydanticCustomError("unicode", "contains a lone UTF-16 surrogate at character {at}; send valid Unicode",
+                                  {"at": exc.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+
+
+def _one_message(message: str) -> WrapValidator:
+    """A union's failure as one message (pydantic reports every branch), unless the value was text with a
+    lone surrogate: that message is the precise one."""
+
+    def wrap(value: Any, handler):
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            for e in exc.errors():
+                if e["type"] == "unicode":
+                    raise PydanticCustomError("unicode", e["msg"]) from None
+            raise PydanticCustomError("invalid", message) from None
+
+    return WrapValidator(wrap)
+
+
+def _only(value: Any, why: str, schema: dict) -> tuple:
+    """Metadata for a parameter that is accepted only with its default value: the schema says so and any other
+    value is refused with `why`."""
+
+    def check(v: Any) -> Any:
+        if v not in (None, value) and not (isinstance(value, (dict, list, str)) and not v):
+            raise PydanticCustomError("unsupported", why)
+        return v
+
+    return AfterValidator(check), Field(json_schema_extra=schema, description=why)
+
+
+def _opt(t: Any, *meta: Any) -> Any:
+    """`t | None`, with `meta` (validators, constraints) on `t`."""
+    return Annotated[(t, *meta)] | None if meta else t | None
+
+
+NO_PENALTIES = "not supported (odma-serve applies no penalties): send 0 or leave it out"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]
+    text: Text
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"] = Field(description="only plain text: JSON modes are not supported")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: Annotated[Text | list[TextPart] | None,
+                       _one_message("must be a string, a list of text parts or null")] = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequestError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # the newer OpenAI name for max_tokens
+def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(CompletionRequest, ChatCompletionRequest) for a server with these limits."""
+    cap = limits.max_tokens_cap
+    TokenId = Annotated[int, Field(ge=0, le=limits.vocab_size - 1)]
+    Stops = Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None,
+                      _one_message(f"must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings"),
+                      Field(description="stop strings; the text ends before the first one")]
 
-    def chat(self) -> list[dict]:
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
-        if not any(m["content"].strip() for m in msgs):
-            raise InvalidRequestError("messages must contain some text")
-        return msgs
+    class Common(BaseModel):
+        model_config = ConfigDict(strict=True, extra="forbid")
 
-    def tags(self, count_tokens: Callable[[str], int]) -> RequestTags:
-        """The predictor's metadata: how deep the conversation is (assistant turns so far), how long those
-        replies were (a conversation's reply lengths go together), and which system prompt it runs under (a
-        hash: the same instructions recur across a deployment's requests)."""
-        system = "\n".join(m.text() for m in self.messages if m.role in ("system", "developer"))
-        sid = "sys-" + hashlib.sha1(system.encode("utf-8")).hexdigest()[:12] if system.strip() else None
-        replies = [count_tokens(m.text()) for m in self.messages if m.role == "assistant"]
-        return RequestTags(depth=len(replies), system_prompt_id=sid,
-                           prior_output_tokens=sum(replies) / len(replies) if replies else None,
-                           last_output_tokens=replies[-1] if replies else None)
+        model: Annotated[Text, Field(json_schema_extra={"enum": list(limits.served_names)},
+                                     description="a served model (GET /v1/models); another name gets a 404")]
+        temperature: _opt(float, Field(ge=0.0, le=MAX_TEMPERATURE, description=(
+            "below 1e-5: greedy; default: the server's (the model's generation_config.json, else 1)"))) = None
+        top_p: _opt(float, Field(gt=0.0, le=1.0)) = None
+        n: _opt(int, Field(ge=1, le=limits.max_n, description="samples of the prompt, each its own choice")) = 1
+        stream: bool | None = False
+        stream_options: StreamOptions | None = None
+        stop: Stops = None
+        seed: _opt(int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1], description=(
+            "sample i draws from seed + i; -1 means unseeded (as in vLLM)"))) = None
+        user: Text | None = None
+        frequency_penalty: _opt(float, *_only(0.0, NO_PENALTIES, {"minimum": 0, "maximum": 0})) = None
+        presence_penalty: _opt(float, *_only(0.0, NO_PENALTIES, {"minimum": 0, "maximum": 0})) = None
+        logit_bias: _opt(dict[Text, float], *_only({}, "not supported: send {} or leave it out",
+                                                   {"maxProperties": 0})) = None
+        # vLLM extensions
+        ignore_eos: bool | None = False
+        min_tokens: _opt(int, Field(ge=0, le=cap, description="EOS and stop tokens are masked until this many "
+                                                              "tokens (at most max_tokens)")) = None
+        top_k: _opt(int, Field(ge=-1, le=MAX_TOP_K, description="0 or -1: off; above the vocabulary: off")) = None
+        stop_token_ids: list[TokenId] | None = None
 
-    def user_text(self) -> str:
-        """The last user turn: what the length predictor reads."""
-        for m in reversed(self.messages):
-            if m.role == "user":
-                return m.text()
-        return self.messages[-1].text()
+        def stop_strings(self) -> tuple[str, ...]:
+            return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+        def include_usage(self) -> bool:
+            return bool(self.stream_options and self.stream_options.include_usage)
+
+    class CompletionRequest(Common):
+        prompt: Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
+                          | Annotated[list[TokenId], Field(min_length=1)],
+                          _one_message("must be a non-empty string, a list of one non-empty string, or a non-empty "
+                                       f"list of token ids in [0, {limits.vocab_size})"),
+                          Field(description="one prompt (a list of several is not supported: send one request each)")]
+        max_tokens: _opt(int, Field(ge=0, le=cap, description=(
+            "0: no generation (with echo and logprobs: the prompt's log-likelihood); prompt + max_tokens must "
+            "fit the model's context"))) = min(16, cap)  # OpenAI's default
+        echo: bool | None = False
+        logprobs: _opt(int, Field(ge=0, le=MAX_LOGPROBS)) = None
+        best_of: _opt(int, *_only(1, "best_of > 1 is not supported (vLLM V1 dropped it too): use n",
+                                  {"minimum": 1, "maximum": 1})) = None
+        suffix: _opt(Text, *_only("", "suffix (insertion) is not supported", {"maxLength": 0})) = None
+
+        def prompt_input(self) -> str | list[int]:
+            p = self.prompt
+            return p[0] if isinstance(p, list) and isinstance(p[0], str) else p
+
+    class ChatCompletionRequest(Common):
+        model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)
+
+        messages: Annotated[list[ChatMessage], Field(min_length=1)]
+        max_tokens: _opt(int, Field(ge=1, le=cap, description="deprecated name of max_completion_tokens")) = None
+        max_completion_tokens: _opt(int, Field(ge=1, le=cap, description=(
+            "default: the server's, at most what the context leaves after the prompt"))) = None
+        logprobs: bool | None = False
+        top_logprobs: _opt(int, Field(ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")) = None
+        response_format: ResponseFormat | None = None
+        tools: _opt(list[dict[str, Any]], *_only([], "tools are not supported", {"maxItems": 0})) = None
+        tool_choice: Literal["none", "auto"] | None = None
+        parallel_tool_calls: bool | None = None
+
+        def chat(self) -> list[dict]:
+            out = []
+            for m in self.messages:
+                msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                if m.name is not None:
+                    msg["name"] = m.name
+                if m.tool_call_id is not None:
+                    msg["tool_call_id"] = m.tool_call_id
+                out.append(msg)
+            return out
+
+        def user_text(self) -> str:
+            """The last user turn: what the length predictor reads."""
+            for m in reversed(self.messages):
+                if m.role == "user":
+                    return m.text()
+            return self.messages[-1].text()
+
+    return CompletionRequest, ChatCompletionRequest

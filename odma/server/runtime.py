@@ -18,9 +18,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Handle:
-    request_id: str
+    """One HTTP request's engine requests (n samples) and the queue their events arrive on."""
+
+    request_ids: list[str]
     queue: asyncio.Queue
-    finished: bool = False
+    remaining: int = 0  # samples not finished yet
+
+    @property
+    def finished(self) -> bool:
+        return self.remaining == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +64,10 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
-    @property
-    def queue_full(self) -> bool:
-        return self.engine.num_waiting >= self.max_queue
+    def has_room(self, samples: int = 1) -> bool:
+        """Room in the queue for a request of `samples` samples (one request always fits an empty queue)."""
+        waiting = self.engine.num_waiting
+        return waiting == 0 and self.max_queue > 0 or waiting + samples <= self.max_queue
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -94,28 +101,33 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed: its clients are gone
                 pass
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, *, prompt_text: str | None = None,
+    def submit(self, prompt: str | list[int], params: SamplingParams, *, n: int = 1, prompt_text: str | None = None,
                tags: RequestTags | None = None) -> "Handle":
-        """Queue a request. Validation errors (InvalidRequestError...) raise here, with nothing queued."""
+        """Queue `n` samples of a prompt. Validation errors (InvalidRequestError...) raise here, with nothing queued."""
         rid = f"req-{uuid.uuid4().hex}"
-        handle = Handle(rid, asyncio.Queue())
+        ids = [rid] + [f"{rid}.{i}" for i in range(1, n)]  # the engine's names for the samples
+        handle = Handle(ids, asyncio.Queue(), n)
         with self._lock:
-            self._queues[rid] = (asyncio.get_running_loop(), handle.queue)
+            for sid in ids:
+                self._queues[sid] = (asyncio.get_running_loop(), handle.queue)
         try:
-            self.engine.add_request(prompt, params, request_id=rid, prompt_text=prompt_text, tags=tags)
+            self.engine.add_samples(prompt, params, n, request_id=rid, prompt_text=prompt_text, tags=tags)
         except BaseException:
             with self._lock:
-                self._queues.pop(rid, None)
+                for sid in ids:
+                    self._queues.pop(sid, None)
             raise
         self._wake.set()
         return handle
 
     async def events(self, handle: "Handle") -> AsyncIterator[Event]:
-        """The request's events until it finishes; leaving early (client gone) cancels it and frees its block."""
+        """The events of all the handle's samples until each finished; leaving early (client gone) cancels
+        the ones still running and frees their blocks."""
         try:
             while not handle.finished:
                 event = await handle.queue.get()
-                handle.finished = event.finished
+                if event.finished:
+                    handle.remaining -= 1
                 yield event
         finally:
             if not handle.finished:
@@ -123,8 +135,10 @@ class AsyncEngine:
 
     def cancel(self, handle: "Handle") -> None:
         with self._lock:
-            self._queues.pop(handle.request_id, None)
-        self.engine.abort(handle.request_id)
+            for sid in handle.request_ids:
+                self._queues.pop(sid, None)
+        for sid in handle.request_ids:
+            self.engine.abort(sid)
         self._wake.set()
 
     def finish_early(self, request_id: str) -> None:

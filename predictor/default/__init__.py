@@ -30,9 +30,12 @@ def load_default_sklearn() -> Predictor:
 
 
 def load_default() -> Predictor:
-    """The trained encoder when it can be loaded, else the scikit-learn baseline (logged, not silent)."""
+    """The trained encoder when it can be loaded, else the scikit-learn baseline (logged, not silent; the
+    baseline's `fallback_reason` says why, and the server's /metrics reports it as a fallback)."""
     try:
         return load_default_encoder()
     except PredictorError as exc:
         log.warning("default encoder predictor unavailable (%s); falling back to the scikit-learn baseline", exc)
-        return load_default_sklearn()
+        fallback = load_default_sklearn()
+        fallback.fallback_reason = f"default encoder unavailable: {exc}"
+        return fallback

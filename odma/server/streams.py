@@ -1,0 +1,249 @@
+"""Turning a job's engine events into its answer: one `Sample` per choice (text with stop strings applied, the
+logprobs not sent yet), collected into one body or streamed as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi.responses import Response
+
+from odma.server import render
+from odma.server.errors import HTTPError, error_body
+from odma.server.jobs import Job
+
+DISCONNECT_POLL_S = 0.5
+
+
+class TextStream:
+    """Incremental detokenisation with stop strings: `push(token)` returns the new text that is safe to send."""
+
+    def __init__(self, engine, stops: tuple[str, ...], min_tokens: int = 0) -> None:
+        self.engine, self.stops, self.min_tokens = engine, stops, min_tokens
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+        self._counted_from = 0  # stop strings ending before min_tokens were reached do not count (as in vLLM)
+
+    def push(self, token: int | None) -> str:
+        if token is not None and not self.stopped:
+            self.ids.append(token)
+        text = self.engine.decode(self.ids)
+        if self.stops and len(self.ids) < self.min_tokens:
+            self._counted_from = len(text)
+        elif self.stops:
+            hits = [i for s in self.stops if (i := text.find(s, max(0, self._counted_from - len(s) + 1))) >= 0]
+            if hits:
+                text, self.stopped = text[: min(hits)], True
+            else:  # hold back a tail that could start a stop string
+                hold = max((len(s) - 1 for s in self.stops), default=0)
+                text = text[: max(len(self.sent), len(text) - hold)] if hold else text
+        if text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
+            text = text[:-1]
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent += delta
+        return delta
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        text = self.engine.decode(self.ids)
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent += delta
+        return delta
+
+
+class Sample:
+    """One choice of a job: its text so far and the logprobs entries already sent."""
+
+    def __init__(self, index: int, job: Job, engine, texts: render.TokenText) -> None:
+        self.index, self.job, self.engine, self.texts = index, job, engine, texts
+        self.text = TextStream(engine, job.params.stop, job.params.min_tokens)
+        self.seq = None
+        self.finished = False
+        self.ending = False  # a stop string matched: the engine was asked to end it
+        self._sent_entries = 0
+        self._offset = len(job.echo or "")  # completions' text_offset of the next generated token
+
+    def end_early(self, runtime) -> None:
+        """A stop string matched: end the request in the engine too (once), as a normal completion."""
+        if self.text.stopped and not self.finished and not self.ending:
+            self.ending = True
+            runtime.finish_early(self.seq.request_id)
+
+    def push(self, token: int | None, finished: bool) -> str:
+        """The new text after this event (nothing for max_tokens 0, whose one token is not sent)."""
+        if not self.job.generate:
+            self.finished = finished
+            return ""
+        delta = self.text.push(token)
+        if finished or self.text.stopped:
+            delta += self.text.flush()
+        self.finished = finished
+        return delta
+
+    @property
+    def finish_reason(self) -> str:
+        if not self.job.generate:
+            return "length"
+        if self.text.stopped:
+            return "stop"
+        return {"stop": "stop", "length": "length"}.get(self.seq.finish_reason, "stop")
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.seq.num_generated if self.job.generate else 0
+
+    def _generated_entries(self) -> tuple[list, list[int]]:
+        """Entries and tokens of the text so far not reported yet (EOS, which has no text, is left out)."""
+        if self.job.logprobs is None or not self.job.generate or not self.seq.output_logprobs:
+            return [], []
+        eos = self.engine.runner.eos_ids
+        entries = [e for e in self.seq.output_logprobs[self._sent_entries:len(self.text.ids)] if e.token not in eos]
+        self._sent_entries = max(self._sent_entries, min(len(self.text.ids), len(self.seq.output_logprobs)))
+        return entries, [e.token for e in entries]
+
+    def prompt_logprobs(self) -> dict[str, Any] | None:
+        """Completions with echo: the prompt's part of the legacy logprobs object."""
+        first = self.seq.samples[0] if self.seq.samples else self.seq
+        entries = first.prompt_logprobs or [None] * len(self.job.prompt_ids)
+        out, _ = render.completion_logprobs(entries, self.job.prompt_ids, self.texts, 0)
+        return out
+
+    def new_logprobs(self) -> Any:
+        """The logprobs of the tokens since the last call, in the job's form (None when not asked)."""
+        if self.job.logprobs is None:
+            return None
+        entries, tokens = self._generated_entries()
+        if self.job.chat:
+            return {"content": render.chat_logprobs(entries, self.texts)}
+        out, self._offset = render.completion_logprobs(entries, tokens, self.texts, self._offset)
+        return out
+
+
+def _merge(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
+
+
+def choice_body(sample: Sample) -> dict[str, Any]:
+    job = sample.job
+    logprobs = sample.new_logprobs()
+    if job.chat:
+        return {"index": sample.index, "message": {"role": "assistant", "content": sample.text.sent},
+                "finish_reason": sample.finish_reason, "logprobs": logprobs}
+    if job.echo is not None and job.logprobs is not None:
+        logprobs = _merge(sample.prompt_logprobs(), logprobs)
+    return {"index": sample.index, "text": (job.echo or "") + sample.text.sent, "finish_reason": sample.finish_reason,
+            "logprobs": logprobs}
+
+
+def _failure(samples: list[Sample]) -> str | None:
+    for s in samples:
+        if s.seq is not None and s.seq.finish_reason == "error":
+            return f"generation failed: {s.seq.error}"
+    return None
+
+
+async def collect(request, runtime, handle, job: Job, samples: list[Sample], rid: str, model: str):
+    """The whole answer as one body; a client that leaves first cancels the job (its blocks are freed)."""
+    stream = runtime.events(handle)
+    watcher = asyncio.create_task(_watch_disconnect(request))
+    try:
+        while True:
+            nxt = asyncio.ensure_future(stream.__anext__())
+            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:  # the client left: cancelling the wait cancels the job and frees its blocks
+                nxt.cancel()
+                try:
+                    await nxt
+                except (asyncio.CancelledError, StopAsyncIteration):
+                    pass
+                return Response(status_code=499)
+            try:
+                ev = nxt.result()
+            except StopAsyncIteration:
+                break
+            sample = samples[ev.seq.index]
+            sample.seq = ev.seq
+            sample.push(ev.token, ev.finished)
+            sample.end_early(runtime)
+    finally:
+        watcher.cancel()
+        await stream.aclose()
+    failure = _failure(samples)
+    if failure:
+        raise HTTPError(500, failure)
+    choices = [choice_body(s) for s in samples]
+    body = render.envelope(rid, job.chat, int(time.time()), model, choices)
+    body["usage"] = render.usage(len(job.prompt_ids), sum(s.completion_tokens for s in samples))
+    return body
+
+
+async def _watch_disconnect(request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model: str) -> AsyncIterator[str]:
+    """The answer as server-sent events: per choice a first chunk (the role, or the echoed prompt), its text
+    and logprobs as they come, a last chunk with its finish reason; usage at the end when asked; [DONE]."""
+    created = int(time.time())
+
+    def event(choices: list[dict], **extra: Any) -> str:
+        body = render.envelope(rid, job.chat, created, model, choices, chunk=True)
+        if job.include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return f"data: {json.dumps(body)}\n\n"
+
+    def chunk(sample: Sample, text: str | None, reason: str | None, logprobs: Any = None, role: bool = False) -> str:
+        if job.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": sample.index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+        else:
+            choice = {"index": sample.index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+        return event([choice])
+
+    stream = runtime.events(handle)
+    try:
+        for s in samples:
+            if job.chat:
+                yield chunk(s, None, None, role=True)
+            elif job.echo is not None:
+                yield chunk(s, job.echo, None, None)  # its logprobs come with the first event (the prompt is scored)
+        echoed_logprobs: set[int] = set()
+        async for ev in stream:
+            sample = samples[ev.seq.index]
+            sample.seq = ev.seq
+            delta = sample.push(ev.token, ev.finished)
+            sample.end_early(runtime)
+            if ev.finished and ev.seq.finish_reason == "error":
+                yield f"data: {json.dumps(error_body(HTTPError(500, _failure([sample]))))}\n\n"
+                break
+            logprobs = sample.new_logprobs()
+            if job.echo is not None and job.logprobs is not None and sample.index not in echoed_logprobs:
+                echoed_logprobs.add(sample.index)
+                logprobs = _merge(sample.prompt_logprobs(), logprobs)
+            if delta or _has_entries(logprobs):
+                yield chunk(sample, delta, None, logprobs)
+            if ev.finished:
+                yield chunk(sample, None, sample.finish_reason)
+        else:
+            if job.include_usage:
+                usage = render.usage(len(job.prompt_ids), sum(s.completion_tokens for s in samples if s.seq))
+                yield event([], usage=usage)
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()  # a client that disconnects lands here: the job is cancelled
+
+
+def _has_entries(logprobs: Any) -> bool:
+    if not logprobs:
+        return False
+    return bool(logprobs.get("content") if "content" in logprobs else logprobs.get("tokens"))

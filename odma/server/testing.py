@@ -1,0 +1,57 @@
+"""A real odma-serve (uvicorn in a thread) over a tiny random model with SmolLM2's tokenizer, for tests: no
+download, seconds to start."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+from odma.config import PoolConfig
+from odma.engine import EngineConfig, LLMEngine
+from odma.engine.length_predictor import LoadedPredictor
+from odma.server.app import create_app
+from odma.server.generation_config import SamplingDefaults
+from odma.server.metrics import Metrics
+from odma.server.runtime import AsyncEngine
+from odma.server.threaded import ThreadedServer
+
+MODEL = "tiny"
+
+
+def tiny_model_folder(folder: str | Path) -> Path:
+    """A tiny Llama with SmolLM2's vocabulary and its tokenizer saved beside it (so chat templates work)."""
+    from odma.models.tiny import make_tiny_model
+    from odma.tokenizer import load_tokenizer
+
+    folder = make_tiny_model(folder, "llama", vocab_size=49152, eos_token_id=2, max_position_embeddings=4096)
+    load_tokenizer("smollm2").hf.save_pretrained(str(folder))
+    return folder
+
+
+@contextmanager
+def tiny_server(folder: str | Path, *, predictor=None, defaults: SamplingDefaults | None = None, max_queue: int = 64,
+                max_n: int = 4, wrap=None, **config) -> Iterator[ThreadedServer]:
+    """A started server over `folder` (from `tiny_model_folder`); `srv.url`, `srv.runtime`. `predictor`: an
+    object with `predict(requests)` replacing the running median; `wrap`: an ASGI middleware around the app
+    (`wrap(app)`); `config`: EngineConfig fields."""
+    from odma.models import load_model
+
+    base = EngineConfig(model=str(folder), kv_budget="8MiB", length_log=None, predictor="median", max_tokens_cap=64,
+                        default_max_tokens=16, threads=1, pool=PoolConfig(align=16))
+    engine_config = replace(base, **config)
+    metrics = Metrics()
+    loaded = LoadedPredictor(predictor, getattr(predictor, "name", "test"), None) if predictor is not None else None
+    from transformers import AutoTokenizer
+
+    engine = LLMEngine(engine_config, model=load_model(folder), tokenizer=AutoTokenizer.from_pretrained(str(folder)),
+                       predictor=loaded, metrics=metrics)
+    runtime = AsyncEngine(engine, max_queue=max_queue)
+    metrics.attach(runtime)
+    app = create_app(runtime, metrics, MODEL, defaults=defaults, max_n=max_n)
+    with ThreadedServer(wrap(app) if wrap is not None else app) as srv:
+        srv.runtime = runtime
+        srv.app = app
+        yield srv
+    engine.close()
