@@ -69,7 +69,7 @@ class Calibration:
 class Manifest:
     """predictor.json: what a saved predictor folder holds and how it was made."""
 
-    kind: str  # "encoder" | "sklearn"
+    kind: str  # "encoder" | "sklearn" | "probe"
     calibration: Calibration | None = None
     settings: dict = field(default_factory=dict)  # kind-specific (backbone, layers, max_len, metadata vocab...)
     report: dict = field(default_factory=dict)  # test metrics at export time
@@ -113,7 +113,8 @@ class Predictor(ABC):
 
 
 def load_predictor(spec: str) -> Predictor:
-    """`default`, `sklearn` (the committed baseline), `oracle`, `noisy-oracle:SIGMA`, or a predictor folder."""
+    """`default`, `sklearn` (the committed baseline), `probe` (SmolLM2's own hidden states), `oracle`,
+    `noisy-oracle:SIGMA`, or a predictor folder."""
     from predictor import oracle
 
     if spec == "default":
@@ -124,6 +125,10 @@ def load_predictor(spec: str) -> Predictor:
         from predictor.default import load_default_sklearn
 
         return load_default_sklearn()
+    if spec == "probe":  # the committed probe of the default served model (SmolLM2)
+        from predictor.default import PROBE_DIR
+
+        return load_predictor_folder(PROBE_DIR)
     if spec == "oracle":
         return oracle.OraclePredictor()
     if spec.startswith("noisy-oracle"):
@@ -138,7 +143,7 @@ def load_predictor(spec: str) -> Predictor:
 def load_predictor_folder(folder: Path) -> Predictor:
     if not folder.is_dir():
         raise PredictorError(
-            f"unknown predictor {str(folder)!r}: use default, sklearn, oracle, noisy-oracle:SIGMA or a folder"
+            f"unknown predictor {str(folder)!r}: use default, sklearn, probe, oracle, noisy-oracle:SIGMA or a folder"
         )
     manifest = Manifest.load(folder)
     if manifest.kind == "encoder":
@@ -149,4 +154,8 @@ def load_predictor_folder(folder: Path) -> Predictor:
         from predictor.sklearn_baseline import SklearnPredictor
 
         return SklearnPredictor.load(folder, manifest)
+    if manifest.kind == "probe":
+        from predictor.probe import ProbePredictor
+
+        return ProbePredictor.load(folder, manifest)
     raise PredictorError(f"{folder}: unknown predictor kind {manifest.kind!r}")

@@ -16,6 +16,7 @@ from predictor.base import Predictor, load_predictor_folder
 HERE = Path(__file__).resolve().parent
 ENCODER_DIR = HERE / "encoder"
 SKLEARN_DIR = HERE / "sklearn"
+PROBE_DIR = HERE / "probe"  # SmolLM2's own hidden states (predictor/probe), selected by `load_predictor("probe")`
 
 log = logging.getLogger(__name__)
 
