@@ -65,7 +65,8 @@ def prompt_states(states_model, prompts: Sequence[str], cache: StateCache | None
         idx = missing[s : s + chunk]
         seqs = [states_model.prompt_ids(prompts[i]) for i in idx]
         got = states_model.last_states(seqs, layers)
-        block = np.stack([got[layer] for layer in layers], axis=1)
+        # rounded to the cache's fp16 whether cached or not, so a rerun reading the cache predicts the same
+        block = np.stack([got[layer] for layer in layers], axis=1).astype(np.float16)
         for i, row in zip(idx, block):
             found[i] = row
         if cache is not None:  # checkpoint every chunk: an interrupted run keeps its work
