@@ -317,7 +317,7 @@ class OnlineProbe:
 def fit_online(x: np.ndarray, lengths: np.ndarray, config: OnlineConfig, refit: int = 1) -> OnlineModel:
     """A head on every row, calibrated on out-of-fold predictions of heads fitted without each fold (the
     calibration sees only predictions on rows their model did not train on)."""
-    from odma.buckets import BucketManager
+    from odma.kv import BucketManager
     from odma.config import BucketConfig
 
     cap = config.large_bound

@@ -20,7 +20,7 @@ ALLOWED = {
     "odma.core": set(),
     "odma.kv": {"odma.core", "backends"},
     "odma.models": {"odma.core", "backends"},
-    "predictor": {"odma.core", "odma.kv", "odma.models"},
+    "predictor": {"odma.core", "odma.kv", "odma.models", "backends"},  # the probe runs the served model itself
     "odma.engine": {"odma.core", "odma.kv", "odma.models", "backends", "predictor"},
     "odma.analyze": {"odma.core", "odma.kv", "predictor", "odma.engine"},  # it simulates the engine's scheduler
     "training": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine"},

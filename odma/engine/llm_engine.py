@@ -26,10 +26,10 @@ from odma.engine.tagging import LengthTagger
 from odma.engine.worker import DeviceWorker, build_worker
 from odma.errors import ConfigError, InvalidRequestError, RequestTooLargeError
 from odma.kv import KVPool, build_policy, rank_devices
+from odma.models import DTYPES
 from odma.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)

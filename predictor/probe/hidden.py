@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from odma.allocator import Block
 from odma.errors import ConfigError
+from odma.kv import Block
 from odma.models.llama import CausalLM, HiddenCapture, SeqSlot
 
 MAX_BATCH_TOKENS = 4096  # prompt tokens per packed prefill (bounds the activations of one forward)
@@ -43,8 +43,7 @@ class ServedModelStates:
         """The model odma-serve would load for `model_spec` ("smollm2", a folder, ...), with its tokenizer."""
         from transformers import AutoTokenizer
 
-        from odma.engine.llm_engine import DTYPES
-        from odma.models import load_model, resolve_model
+        from odma.models import DTYPES, load_model, resolve_model
 
         folder = resolve_model(model_spec)
         return cls(load_model(folder, dtype=DTYPES[dtype]), AutoTokenizer.from_pretrained(str(folder)))
