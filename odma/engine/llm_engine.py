@@ -16,7 +16,7 @@ import torch
 from odma.engine.config import EngineConfig, parse_kv_budget
 from odma.engine.fork import Forks
 from odma.engine.length_log import LengthLog, read_realized_lengths
-from odma.engine.length_predictor import LoadedPredictor, load_engine_predictor
+from odma.engine.length_predictor import LoadedPredictor, load_engine_predictor, load_length_probe
 from odma.engine.model_runner import ModelRunner
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
@@ -116,6 +116,10 @@ class LLMEngine:
         self.generator = model_name(config.model)  # the predictor's `generator` field: whose lengths these are
         loaded = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.tagger = LengthTagger(loaded, self.policy, self.generator, self.metrics)
+        self.probe, self.probe_fallback = load_length_probe(config, model, self.generator)
+        if self.probe is not None:
+            for w in self.workers:
+                w.runner.capture_layers = self.probe.capture_layers
         self.length_log = (LengthLog(config.length_log, config.policy, config.model, self.generator)
                            if config.length_log else None)
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -323,6 +327,8 @@ class LLMEngine:
                 outputs.append(self._finish(w.seq, "error"))
             return outputs
         self.busy_seconds += step_seconds
+        if self.probe is not None:  # before the tokens are appended: it reads what each item was fed
+            self.probe.after_step(work, worker.runner.captured)
         for w in work:
             if w.q_len == 1:
                 self.decode_tokens += 1
@@ -366,6 +372,8 @@ class LLMEngine:
         self._live.pop(seq.request_id, None)
         if realized:
             self.tagger.learn(seq)
+            if self.probe is not None:
+                self.probe.learn(seq)
             if self.length_log is not None:
                 self.length_log.write(seq)
         self.metrics.on_finish(seq)
@@ -438,3 +446,5 @@ class LLMEngine:
             self._device_threads.shutdown(wait=True)
         if self.length_log is not None:
             self.length_log.close()
+        if self.probe is not None:
+            self.probe.close()
