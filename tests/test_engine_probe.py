@@ -128,3 +128,19 @@ def test_a_failing_probe_fails_no_step(served, probe_folder, cache, monkeypatch)
     assert all(s.finish_reason in ("stop", "length") and not s.error for s in seqs)
     assert engine.probe.counters.failures >= 1 and engine.errors == 0
     engine.pool.check_invariants()
+
+
+def test_metrics_show_the_probe_or_why_it_was_refused(served, probe_folder, cache, tmp_path):
+    import httpx
+
+    from odma.server.testing import tiny_server
+
+    with tiny_server(served, probe=str(probe_folder)) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        text = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    assert 'odma_probe_info{calibration=' in text and 'source="shipped"' in text
+    assert "odma_probe_predictions_total 1.0" in text and "odma_probe_online_samples 1.0" in text
+    with tiny_server(served, probe=str(tmp_path / "no-such-probe")) as srv:
+        text = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    assert 'source="refused"' in text
