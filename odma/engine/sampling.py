@@ -51,6 +51,7 @@ class Sampler:
     taken from the request's own generator when it has a seed (so reruns repeat exactly).
     The logits it is given may be overwritten (a [batch, vocab] copy per step is what it avoids)."""
 
+    @torch.inference_mode()  # logits from the model are inference tensors; they are edited in place below
     def __call__(
         self,
         logits: torch.Tensor,
