@@ -3,46 +3,20 @@ tags requests after their prefill, refines while they decode, learns online, and
 
 from __future__ import annotations
 
-import json
-import random
-from pathlib import Path
-
 import pytest
 import torch
 
 from odma.engine import SamplingParams
 from odma.engine.testing import tiny_engine
 
-FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "predictor_tiny.jsonl"
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from odma.models.tiny import make_tiny_model
-    from odma.tokenizer import load_tokenizer
-
-    tok = load_tokenizer("smollm2").hf
-    folder = tmp_path_factory.mktemp("served")
-    make_tiny_model(folder, vocab_size=len(tok), tie_word_embeddings=True,
-                    eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
-    tok.save_pretrained(str(folder))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def probe_folder(served, tmp_path_factory):
+def probe_folder(served, answers, tmp_path_factory):
     """A probe of the tiny model trained on answers whose length follows the prompt (training/probe.py)."""
     from training.pipeline import TrainOptions, train
 
-    rng = random.Random(0)
-    rows = []
-    for line in FIXTURE.read_text().splitlines():
-        r = json.loads(line)
-        r["output"] = " ".join(rng.choice(["river", "stone", "light"]) for _ in range(max(2, r.pop("output_tokens") // 8)))
-        rows.append(r)
-    answers = tmp_path_factory.mktemp("trace") / "answers.jsonl"
-    answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
     mp = pytest.MonkeyPatch()
     mp.setenv("ODMA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     out = tmp_path_factory.mktemp("probe")

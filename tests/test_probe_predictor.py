@@ -5,8 +5,6 @@ input gives clear errors."""
 from __future__ import annotations
 
 import json
-import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,38 +18,9 @@ from predictor.probe.fit import fit_length_head, fit_ridge
 from predictor.probe.hidden import ServedModelStates
 from predictor.probe.identity import model_identity
 
-FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "predictor_tiny.jsonl"
 EVAL_KEYS = ("spearman", "mae_tokens", "median_mae_tokens", "underprediction_rate", "mean_overreservation")
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer (and chat template) as the served model."""
-    from odma.models.tiny import make_tiny_model
-    from odma.tokenizer import load_tokenizer
-
-    tok = load_tokenizer("smollm2").hf
-    folder = tmp_path_factory.mktemp("served")
-    make_tiny_model(folder, vocab_size=len(tok), tie_word_embeddings=True,
-                    eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
-    tok.save_pretrained(str(folder))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def answers(tmp_path_factory):
-    """The tiny predictor fixture with answer texts whose length follows the prompt's kind."""
-    rng = random.Random(0)
-    rows = []
-    for line in FIXTURE.read_text().splitlines():
-        r = json.loads(line)
-        r["output"] = " ".join(rng.choice(["river", "stone", "light"]) for _ in range(max(2, r.pop("output_tokens") // 8)))
-        rows.append(r)
-    path = tmp_path_factory.mktemp("trace") / "answers.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

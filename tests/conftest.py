@@ -1,0 +1,39 @@
+"""Fixtures shared by the probe tests: a tiny served model with SmolLM2's tokenizer, and answers for it."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "predictor_tiny.jsonl"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer (and chat template) as the served model."""
+    from odma.models.tiny import make_tiny_model
+    from odma.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2").hf
+    folder = tmp_path_factory.mktemp("served")
+    make_tiny_model(folder, vocab_size=len(tok), tie_word_embeddings=True,
+                    eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory):
+    """The tiny predictor fixture with answer texts whose length follows the prompt's kind."""
+    rng = random.Random(0)
+    rows = []
+    for line in FIXTURE.read_text().splitlines():
+        r = json.loads(line)
+        r["output"] = " ".join(rng.choice(["river", "stone", "light"]) for _ in range(max(2, r.pop("output_tokens") // 8)))
+        rows.append(r)
+    path = tmp_path_factory.mktemp("trace") / "answers.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
