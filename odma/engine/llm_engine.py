@@ -48,6 +48,29 @@ def open_backend(device: str):
         raise ConfigError(str(exc)) from None
 
 
+def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_tokens_cap: int, max_model_len: int,
+                  max_request_tokens: int, align: int) -> None:
+    """Refuse a request no engine with these limits could serve (InvalidRequestError / RequestTooLargeError), before
+    anything is queued. Also what a cluster's ingress checks, which holds no model."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty (0 tokens)")
+    if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if params.max_tokens > max_tokens_cap:
+        raise InvalidRequestError(f"max_tokens {params.max_tokens} exceeds this server's cap of {max_tokens_cap}")
+    total = len(ids) + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
+            f"context of {max_model_len} tokens"
+        )
+    if -(-total // align) * align > max_request_tokens:
+        raise RequestTooLargeError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the KV pool's largest "
+            f"block ({max_request_tokens} tokens); lower max_tokens or raise --kv-budget"
+        )
+
+
 class NullMetrics:
     """The hooks the engine calls; the server's Prometheus metrics implement the same methods."""
 
@@ -212,25 +235,14 @@ class LLMEngine:
         return seqs
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty (0 tokens)")
-        vocab = self.model.config.vocab_size
-        if any(type(t) is not int or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if params.max_tokens > self.config.max_tokens_cap:
-            raise InvalidRequestError(f"max_tokens {params.max_tokens} exceeds this server's cap of {self.config.max_tokens_cap}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        limit = max(w.kv.max_request_tokens for w in self.workers)
-        if not self._fits(total, limit):
-            raise RequestTooLargeError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the KV pool's largest "
-                f"block ({limit} tokens); lower max_tokens or raise --kv-budget"
-            )
+        check_request(ids, params, vocab_size=self.model.config.vocab_size, max_tokens_cap=self.config.max_tokens_cap,
+                      max_model_len=self.max_model_len, max_request_tokens=self.max_request_tokens,
+                      align=self.config.pool.align)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + output tokens the largest block of any device's pool can hold."""
+        return max(w.kv.max_request_tokens for w in self.workers)
 
     def _fits(self, tokens: int, limit: int) -> bool:
         return -(-tokens // self.config.pool.align) * self.config.pool.align <= limit
@@ -402,19 +414,13 @@ class LLMEngine:
         return outputs
 
     def _tag(self, seqs: list[Sequence]) -> None:
-        """Predict (L̂, u) for the new requests in one batch and record the bucket each selects. Nothing a
-        predictor returns can fail the step: an unusable prediction (not finite, negative) or a failing call
-        leaves the request untagged, and it reserves for the worst case."""
-        requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
-        start = time.perf_counter()
-        try:
-            preds = list(self.predictor.predictor.predict(requests))
-            if len(preds) != len(seqs):
-                raise ValueError(f"{len(preds)} predictions for {len(seqs)} requests")
-        except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: reserve for the worst case
-            log.exception("length predictor failed; these requests go to the large bucket")
-            preds = [None] * len(seqs)
-        self.metrics.on_predict(time.perf_counter() - start, len(seqs))
+        """Predict (L̂, u) for the new requests in one batch (a request that brings a prediction made upstream keeps
+        it) and record the bucket each selects. Nothing a predictor returns can fail the step: an unusable prediction
+        (not finite, negative) or a failing call leaves the request untagged, and it reserves for the worst case."""
+        given = {id(s): s.tags.prediction for s in seqs if s.tags is not None and s.tags.prediction is not None}
+        todo = [s for s in seqs if id(s) not in given]
+        predicted = iter(self._predict(todo) if todo else ())
+        preds = [given[id(s)] if id(s) in given else next(predicted) for s in seqs]
         select = getattr(self.policy, "select", None)  # bucketed policies: the bucket reserve() will pick
         for seq, pred in zip(seqs, preds):
             checked = usable_prediction(pred)
@@ -432,6 +438,19 @@ class LLMEngine:
                     continue
             seq.predicted_length = seq.predicted_tokens = checked[0]
             seq.uncertainty = checked[1]
+
+    def _predict(self, seqs: list[Sequence]) -> list:
+        requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
+        start = time.perf_counter()
+        try:
+            preds = list(self.predictor.predictor.predict(requests))
+            if len(preds) != len(seqs):
+                raise ValueError(f"{len(preds)} predictions for {len(seqs)} requests")
+        except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: reserve for the worst case
+            log.exception("length predictor failed; these requests go to the large bucket")
+            preds = [None] * len(seqs)
+        self.metrics.on_predict(time.perf_counter() - start, len(seqs))
+        return preds
 
     def _place(self, seq: Sequence) -> DeviceWorker:
         """The device with the least memory pressure and compute load (odma.kv.placement's score, the queue
