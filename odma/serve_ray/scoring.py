@@ -8,7 +8,7 @@ alone do not say that one block fits. Among fitting replicas the best has the lo
 (`odma.kv.placement`: w_memory · (committed + need) / capacity + w_compute · tokens attended / the busiest's).
 When no replica fits, the router holds the request (late binding: it goes to whichever replica frees room first)
 under the scheduler's starvation guard: a held request that later requests have overtaken `max_skips` times, or
-that has waited `max_hold_s`, goes to the best replica anyway and waits in its queue.
+that has waited `max_hold_s`, goes anyway to the replica closest to having room for it and waits in its queue.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def score(load: ReplicaLoad, c: Candidate, need: int, busiest: int, w_memory: fl
 
 def rank_replicas(candidates: list[Candidate], need: int, *, w_memory: float = 1.0,
                   w_compute: float = 1.0) -> tuple[list[Hashable], list[Hashable]]:
-    """(replicas where the request fits now, best first; the others, best first)."""
+    """(replicas where the request fits now, lowest score first; the others, closest to room for it first)."""
     if not candidates:
         return [], []
     default = unreported(c.load for c in candidates)
@@ -113,7 +113,9 @@ def rank_replicas(candidates: list[Candidate], need: int, *, w_memory: float = 1
     ranked = sorted(zip(candidates, loads), key=lambda cl: score(cl[1], cl[0], need, busiest, w_memory, w_compute))
     fitting = [c.key for c, l in ranked if fits(c, l, need)]
     taken = set(fitting)
-    return fitting, [c.key for c, _ in ranked if c.key not in taken]
+    # where it does not fit yet: the replica closest to having the range first (then the score; sorted is stable)
+    short = sorted(((c, l) for c, l in ranked if c.key not in taken), key=lambda cl: need - room(cl[0], cl[1]))
+    return fitting, [c.key for c, _ in short]
 
 
 def pending_after(sent: Iterable[Sent], load: ReplicaLoad | None) -> tuple[Sent, ...]:
