@@ -25,7 +25,7 @@ from odma.serve_ray.cluster import ClusterState, log_files, replica_log
 from odma.serve_ray.front import ClusterView, FrontEngine
 from odma.serve_ray.merge_metrics import merge_texts
 from odma.serve_ray.messages import EventEncoder, SampleView
-from odma.serve_ray.scoring import Candidate, HoldBook, ReplicaLoad, Sent, pending_after, rank_replicas
+from odma.serve_ray.scoring import Candidate, HoldBook, ReplicaLoad, Sent, pending_after, rank_replicas, route
 from odma.serve_ray.settings import RaySettings
 
 torch.set_num_threads(1)
@@ -64,6 +64,15 @@ def test_a_full_batch_does_not_fit_and_an_unreported_replica_is_taken_as_idle():
     new = Candidate("b", None)
     fitting, others = rank_replicas([full, new], need=100)
     assert fitting == ["b"] and others == ["a"]
+
+
+def test_without_room_anywhere_a_replica_with_an_empty_queue_takes_it_else_the_router_holds_it():
+    waiting = Candidate("a", load(largest_free_tokens=900, waiting=2))
+    empty = Candidate("b", load(largest_free_tokens=100))
+    sent = Candidate("c", load(largest_free_tokens=500), (Sent(10, 1, 101.0),))  # something sent there since
+    assert route([waiting, empty, sent], need=1000) == ["b"]
+    assert route([waiting, sent], need=1000) == []  # every replica has someone waiting: hold it here
+    assert sorted(route([waiting, empty], need=50)) == ["a", "b"]  # where it fits, a queue does not bar it
 
 
 def test_compute_load_breaks_ties_between_equal_memory():

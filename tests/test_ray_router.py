@@ -28,8 +28,9 @@ class Replica:
     routing_stats: dict
 
 
-def stats(largest: int, reserved: int = 0, at: float | None = None) -> dict:
-    return ReplicaLoad(4096, reserved, 0, largest, 0, 0, 0, 0, 64, 4096, time.time() if at is None else at).as_dict()
+def stats(largest: int, reserved: int = 0, at: float | None = None, waiting: int = 0) -> dict:
+    return ReplicaLoad(4096, reserved, 0, largest, 0, 0, 0, waiting, 64, 4096,
+                       time.time() if at is None else at).as_dict()
 
 
 def request(i: int, need: int) -> PendingRequest:
@@ -80,12 +81,18 @@ def test_what_it_sent_counts_until_the_replica_reports_it():
     assert choose(r, [a, b], request(4, need=300))[0] == ["b"]  # counted once, via the report
 
 
+def test_a_request_without_room_goes_where_nothing_waits_before_it():
+    r = router()
+    a, b = Replica("a", stats(largest=900, waiting=1)), Replica("b", stats(largest=100))
+    assert choose(r, [a, b], request(0, need=1000)) == [["b"]]  # b admits it the moment it has room
+
+
 def test_a_request_without_room_is_held_with_backoff_then_released_by_the_guard():
     before = (scoring.ROUTING.holds, scoring.ROUTING.released)
     r = router(max_skips=2, max_hold_s=60)
-    a, b = Replica("a", stats(largest=100)), Replica("b", stats(largest=200))
+    a, b = Replica("a", stats(largest=100, waiting=1)), Replica("b", stats(largest=200, waiting=2))
     big = request(0, need=1000)
-    assert choose(r, [a, b], big) == [] and big.routing_context.should_backoff
+    assert choose(r, [a, b], big) == [] and big.routing_context.should_backoff  # both have requests waiting
     for i in (1, 2):  # two later requests overtake it
         small = request(i, need=50)
         best = choose(r, [a, b], small)[0][0]  # a small one fits
@@ -96,7 +103,7 @@ def test_a_request_without_room_is_held_with_backoff_then_released_by_the_guard(
 
 def test_a_held_request_is_released_after_max_hold_s():
     r = router(max_skips=100, max_hold_s=0.2)
-    a = Replica("a", stats(largest=100))
+    a = Replica("a", stats(largest=100, waiting=1))
     big = request(0, need=1000)
     assert choose(r, [a], big) == []
     time.sleep(0.25)

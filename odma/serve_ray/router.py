@@ -12,7 +12,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from odma.serve_ray import scoring
 from odma.serve_ray.messages import RemoteJob
-from odma.serve_ray.scoring import Candidate, HoldBook, ReplicaLoad, Sent, pending_after, rank_replicas
+from odma.serve_ray.scoring import Candidate, HoldBook, ReplicaLoad, Sent, pending_after, rank_replicas, route
 from odma.serve_ray.settings import DEFAULT_MAX_SKIPS
 
 
@@ -45,9 +45,10 @@ class MemoryAwareRouter(RequestRouter):
         for r in candidate_replicas:
             load = ReplicaLoad.from_dict(r.routing_stats)
             candidates.append(Candidate(r.replica_id, load, pending_after(self._sent.get(r.replica_id, {}).values(), load)))
-        fitting, others = rank_replicas(candidates, need, **self._weights)
-        if fitting:
-            return [[by_id[k]] for k in fitting]  # one replica per rank: Ray tries them in this order
+        chosen = route(candidates, need, **self._weights)
+        if chosen:
+            return [[by_id[k]] for k in chosen]  # one replica per rank: Ray tries them in this order
+        _, others = rank_replicas(candidates, need, **self._weights)
         if pending_request is None:
             return [[by_id[k]] for k in others]
         key = pending_request.metadata.internal_request_id

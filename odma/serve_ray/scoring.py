@@ -6,9 +6,11 @@ sent there since that report (`Sent`). A replica *fits* the request when its lar
 what its queue and those recent sends will take first, holds the need and its batch has a free slot: free bytes
 alone do not say that one block fits. Among fitting replicas the best has the lowest placement score
 (`odma.kv.placement`: w_memory · (committed + need) / capacity + w_compute · tokens attended / the busiest's).
-When no replica fits, the router holds the request (late binding: it goes to whichever replica frees room first)
-under the scheduler's starvation guard: a held request that later requests have overtaken `max_skips` times, or
-that has waited `max_hold_s`, goes anyway to the replica closest to having room for it and waits in its queue.
+When no replica fits, a replica with nothing waiting takes it (it admits it the moment it has room, sooner than
+the router would learn of that room) — the one closest to having room. When every replica already has requests
+waiting, the router holds it (late binding: it goes to whichever replica frees room first) under the scheduler's
+starvation guard: a held request that later requests have overtaken `max_skips` times, or that has waited
+`max_hold_s`, goes anyway to the replica closest to having room and waits in its queue.
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ def fits(c: Candidate, load: ReplicaLoad, need: int) -> bool:
     return need <= load.max_request_tokens and need <= room(c, load) and slots > 0
 
 
+def queue_empty(c: Candidate, load: ReplicaLoad) -> bool:
+    """Nothing waits there (as far as the router knows: its report, and nothing sent since)."""
+    return load.waiting == 0 and not c.pending
+
+
 def score(load: ReplicaLoad, c: Candidate, need: int, busiest: int, w_memory: float, w_compute: float) -> float:
     committed = load.reserved_tokens + load.queued_tokens + c.pending_tokens
     compute = load.live_tokens + load.queued_prompts + c.pending_prompts
@@ -105,17 +112,30 @@ def score(load: ReplicaLoad, c: Candidate, need: int, busiest: int, w_memory: fl
 def rank_replicas(candidates: list[Candidate], need: int, *, w_memory: float = 1.0,
                   w_compute: float = 1.0) -> tuple[list[Hashable], list[Hashable]]:
     """(replicas where the request fits now, lowest score first; the others, closest to room for it first)."""
+    fitting, short = _rank(candidates, need, w_memory, w_compute)
+    return [c.key for c, _ in fitting], [c.key for c, _ in short]
+
+
+def route(candidates: list[Candidate], need: int, *, w_memory: float = 1.0, w_compute: float = 1.0) -> list[Hashable]:
+    """Where to send the request, best first; [] = hold it (see the module docstring)."""
+    fitting, short = _rank(candidates, need, w_memory, w_compute)
+    if fitting:
+        return [c.key for c, _ in fitting]
+    return [c.key for c, l in short if queue_empty(c, l)]
+
+
+def _rank(candidates: list[Candidate], need: int, w_memory: float, w_compute: float):
     if not candidates:
         return [], []
     default = unreported(c.load for c in candidates)
     loads = [c.load or default for c in candidates]
     busiest = max(1, max(l.live_tokens + l.queued_prompts + c.pending_prompts for c, l in zip(candidates, loads)))
     ranked = sorted(zip(candidates, loads), key=lambda cl: score(cl[1], cl[0], need, busiest, w_memory, w_compute))
-    fitting = [c.key for c, l in ranked if fits(c, l, need)]
-    taken = set(fitting)
+    fitting = [(c, l) for c, l in ranked if fits(c, l, need)]
+    taken = {c.key for c, _ in fitting}
     # where it does not fit yet: the replica closest to having the range first (then the score; sorted is stable)
     short = sorted(((c, l) for c, l in ranked if c.key not in taken), key=lambda cl: need - room(cl[0], cl[1]))
-    return fitting, [c.key for c, _ in short]
+    return fitting, short
 
 
 def pending_after(sent: Iterable[Sent], load: ReplicaLoad | None) -> tuple[Sent, ...]:
