@@ -119,6 +119,9 @@ def test_settings_refuse_unknown_choices():
         RaySettings(router="random")
     with pytest.raises(ConfigError):
         RaySettings(predict_at="both")
+    with pytest.raises(ConfigError):
+        RaySettings(max_hold_s=-1)
+    assert RaySettings(max_hold_s=0).max_hold_s == 0  # 0: the router never holds
 
 
 # -- shared bounds ----------------------------------------------------------------------------------

@@ -116,3 +116,22 @@ def test_a_dead_replica_takes_its_sends_with_it():
     r.on_request_routed(request(0, need=900), "a", None)
     r.on_replica_actor_died("a")
     assert choose(r, [a, b], request(1, need=600))[0] == ["a"]  # its replacement starts from its own report
+
+
+def test_max_hold_s_zero_never_holds_a_request():
+    before = scoring.ROUTING.holds
+    r = router(max_skips=100, max_hold_s=0.0)
+    a, b = Replica("a", stats(largest=100, waiting=1)), Replica("b", stats(largest=200, waiting=2))
+    big = request(0, need=1000)
+    assert choose(r, [a, b], big) == [["b"], ["a"]]  # no room anywhere: straight to where room is closest
+    assert not big.routing_context.should_backoff and scoring.ROUTING.holds == before
+
+
+def test_the_age_of_the_reports_it_reads_is_counted():
+    before = (scoring.ROUTING.decisions, scoring.ROUTING.stats_age_s)
+    r = router()
+    now = time.time()
+    a, b = Replica("a", stats(largest=1000, at=now - 2.0)), Replica("b", stats(largest=1000, at=now - 1.0))
+    choose(r, [a, b], request(0, need=10))
+    assert scoring.ROUTING.decisions == before[0] + 2
+    assert 3.0 <= scoring.ROUTING.stats_age_s - before[1] < 4.0

@@ -21,8 +21,10 @@ from pathlib import Path
 
 from odma.bench import serve_bench
 
-MODES = ("single", "odma", "pow2", "odma-replica")
-RAY_MODES = {"odma": ("odma", "front"), "pow2": ("pow2", "front"), "odma-replica": ("odma", "replica")}
+# Ray modes: the RaySettings each one changes
+RAY_MODES = {"odma": {}, "pow2": {"router": "pow2"}, "odma-replica": {"predict_at": "replica"},
+             "odma-nohold": {"max_hold_s": 0.0}}
+MODES = ("single", *RAY_MODES)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,6 +121,7 @@ def _extra_counters(text: str) -> dict:
     out = {}
     for name in ("odma_router_holds_total", "odma_router_guard_releases_total", "odma_router_routed_total",
                  "odma_ray_failed_requests_total", "odma_predictor_latency_seconds_sum",
+                 "odma_router_stats_reads_total", "odma_router_stats_age_seconds_total",
                  "odma_predictor_latency_seconds_count", "odma_swap_outs_total"):
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
         if m:
@@ -137,10 +140,9 @@ def _run_ray(args, mode: str, records, hop_records, port: int) -> dict:
     from odma.serve_ray.app import build_application
     from odma.serve_ray.settings import RaySettings
 
-    router, predict_at = RAY_MODES[mode]
     config = _engine_config(args, _per_replica(args.kv_budget, args.replicas))
-    settings = RaySettings(replicas=args.replicas, router=router, predict_at=predict_at,
-                           replica_cpus=float(args.threads), max_queue=args.num + args.warmup + 1)
+    settings = RaySettings(replicas=args.replicas, replica_cpus=float(args.threads), max_queue=args.num + args.warmup + 1,
+                           **RAY_MODES[mode])
     started = time.perf_counter()
     serve.run(build_application(config, settings), name=settings.app_name, route_prefix="/")
     deploy_s = time.perf_counter() - started
@@ -157,7 +159,8 @@ def _ratios(rounds: list[dict]) -> dict:
     """Per round, side by side: memory-aware vs power-of-two, each Ray mode vs one odma-serve."""
     out: dict = {}
     for r in rounds:
-        for a, b in (("odma", "pow2"), ("odma", "single"), ("pow2", "single"), ("odma-replica", "odma")):
+        for a, b in (("odma", "pow2"), ("odma-nohold", "pow2"), ("odma", "single"), ("pow2", "single"),
+                     ("odma-replica", "odma")):
             if a in r and b in r:
                 key = f"{a}/{b}"
                 entry = out.setdefault(key, {"throughput": [], "ttft_p99": [], "ttft_p50": []})

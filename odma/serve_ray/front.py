@@ -360,6 +360,9 @@ class _Cluster:
             ("odma_router_holds", "Requests the router held because no replica had room", ROUTING.holds),
             ("odma_router_guard_releases", "Held requests the starvation guard sent on without room", ROUTING.released),
             ("odma_router_routed", "Requests the memory-aware router placed", ROUTING.routed),
+            ("odma_router_stats_reads", "Replica reports the router read to place a request", ROUTING.decisions),
+            ("odma_router_stats_age_seconds", "Σ age of those reports when read (÷ reads: mean staleness)",
+             ROUTING.stats_age_s),
             ("odma_ray_failed_requests", "Requests failed because their replica failed",
              m.runtime.failed_streams if m.runtime is not None else 0),
         ):

@@ -42,14 +42,18 @@ class MemoryAwareRouter(RequestRouter):
         need = job.need if job is not None else 0
         by_id = {r.replica_id: r for r in candidate_replicas}
         candidates = []
+        now = time.time()
         for r in candidate_replicas:
             load = ReplicaLoad.from_dict(r.routing_stats)
             candidates.append(Candidate(r.replica_id, load, pending_after(self._sent.get(r.replica_id, {}).values(), load)))
+            if load is not None and job is not None:
+                scoring.ROUTING.stats_age_s += now - load.at
+                scoring.ROUTING.decisions += 1
         chosen = route(candidates, need, **self._weights)
         if chosen:
             return [[by_id[k]] for k in chosen]  # one replica per rank: Ray tries them in this order
         _, others = rank_replicas(candidates, need, **self._weights)
-        if pending_request is None:
+        if pending_request is None or self._holds.max_hold_s <= 0:
             return [[by_id[k]] for k in others]
         key = pending_request.metadata.internal_request_id
         if self._holds.overdue(key):

@@ -207,6 +207,8 @@ class RoutingCounters:
     routed: int = 0
     holds: int = 0
     released: int = 0
+    decisions: int = 0  # choose_replicas calls with a request, and the age of the reports they read
+    stats_age_s: float = 0.0
 
 
 ROUTING = RoutingCounters()

@@ -24,7 +24,7 @@ class RaySettings:
     stats_period_s: float = 0.2  # Ray Serve polls each replica's load for the router this often
     report_period_s: float = 0.5  # each replica reports realized lengths, load and metrics to the cluster state
     max_skips: int = DEFAULT_MAX_SKIPS  # a request held at the router for room is passed over at most this often
-    max_hold_s: float = 10.0  # ... and held at most this long; then it goes to the best replica and waits there
+    max_hold_s: float = 10.0  # ... and held at most this long, then it waits at a replica (0: never hold)
     w_memory: float = 1.0  # odma.kv.placement's weights
     w_compute: float = 1.0
     max_queue: int = 256  # requests (samples) waiting in the whole cluster before 429
@@ -39,6 +39,8 @@ class RaySettings:
             raise ConfigError(f"predict_at must be one of {PREDICT_AT}, got {self.predict_at!r}")
         if self.replicas < 1 or self.max_queue < 1 or self.max_skips < 0:
             raise ConfigError("replicas and max_queue must be >= 1, max_skips >= 0")
-        for name in ("stats_period_s", "report_period_s", "max_hold_s", "health_check_period_s", "replica_cpus"):
+        if self.max_hold_s < 0:
+            raise ConfigError(f"max_hold_s must be >= 0, got {self.max_hold_s}")
+        for name in ("stats_period_s", "report_period_s", "health_check_period_s", "replica_cpus"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
