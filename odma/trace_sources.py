@@ -17,7 +17,10 @@ from odma.traces import Trace, TraceRecord, normalized_prompt, parse_jsonl_trace
 
 NAMED_TRACES = (
     "alpaca", "alpaca-eval:<generator>", "nq", "nq-open", "sharegpt", "sharegpt-chat", "azure-code", "azure-conv",
+    "smollm2-answers",
 )
+# SmolLM2's own answers generated through odma's engine (scripts/generate_smollm2_answers.py), in the repo
+SMOLLM2_ANSWERS = Path(__file__).resolve().parent.parent / "datasets" / "smollm2_answers" / "answers.jsonl"
 
 
 def load_one(spec: str, *, tokenizer: str, data_dir: str | Path | None, limit: int | None) -> Trace:
@@ -36,6 +39,8 @@ def load_one(spec: str, *, tokenizer: str, data_dir: str | Path | None, limit: i
         return _sharegpt_chat(tokenizer, limit)
     if spec in ("azure-code", "azure-conv"):
         return _azure(root, spec.split("-", 1)[1], limit)
+    if spec == "smollm2-answers":
+        return _smollm2_answers(limit)
     path = Path(spec).expanduser()
     if path.suffix in (".jsonl", ".json") or path.exists():
         return parse_jsonl_trace(path, tokenizer, limit)
@@ -217,6 +222,14 @@ def _nq_smollm2(root: Path, limit: int | None) -> Trace:
             if limit is not None and len(records) >= limit:
                 break
     return Trace("nq", records, "smollm2", {"length_cap": 512})
+
+
+def _smollm2_answers(limit: int | None) -> Trace:
+    """SmolLM2-135M-Instruct's answers to Alpaca, ShareGPT and NQ prompts through odma's engine (temperature 0.7,
+    top_p 0.95, at most 512 tokens; some prompts answered several times): datasets/smollm2_answers/README.md."""
+    path = _require(SMOLLM2_ANSWERS, "SmolLM2 answers (datasets/smollm2_answers)")
+    trace = parse_jsonl_trace(path, "smollm2", limit)
+    return Trace("smollm2-answers", trace.records, trace.tokenizer, {"length_cap": 512})
 
 
 def _nq_open(root: Path, tokenizer: str, limit: int | None) -> Trace:

@@ -69,7 +69,7 @@ class Calibration:
 class Manifest:
     """predictor.json: what a saved predictor folder holds and how it was made."""
 
-    kind: str  # "encoder" | "sklearn"
+    kind: str  # "encoder" | "sklearn" | "probe"
     calibration: Calibration | None = None
     settings: dict = field(default_factory=dict)  # kind-specific (backbone, layers, max_len, metadata vocab...)
     report: dict = field(default_factory=dict)  # test metrics at export time

@@ -15,11 +15,13 @@ from predictor.base import Manifest, Predictor
 KINDS: dict[str, str] = {
     "encoder": "predictor.onnx_runtime:OnnxPredictor",
     "sklearn": "predictor.sklearn_baseline:SklearnPredictor.load",
+    "probe": "predictor.probe:ProbePredictor.load",
 }
 # spec name → loader(), or loader(text after ':') for the names that take an argument (`noisy-oracle:0.5`)
 NAMES: dict[str, str] = {
     "default": "predictor.default:load_default",
     "sklearn": "predictor.default:load_default_sklearn",
+    "probe": "predictor.default:load_default_probe",  # SmolLM2's own hidden states (the default served model)
     "oracle": "predictor.oracle:OraclePredictor",
 }
 NAMES_WITH_ARGUMENT: dict[str, str] = {
@@ -47,7 +49,7 @@ def load_predictor(spec: str) -> Predictor:
 
 def load_predictor_folder(folder: Path) -> Predictor:
     if not folder.is_dir():
-        raise PredictorError(f"unknown predictor {str(folder)!r}: use default, sklearn, oracle, noisy-oracle:SIGMA or a folder")
+        raise PredictorError(f"unknown predictor {str(folder)!r}: use default, sklearn, probe, oracle, noisy-oracle:SIGMA or a folder")
     manifest = Manifest.load(folder)
     if manifest.kind not in KINDS:
         raise PredictorError(f"{folder}: unknown predictor kind {manifest.kind!r}")

@@ -197,3 +197,15 @@ def test_the_engine_scheduler_charges_migrations_to_the_clock():
     res = run_engine(equal_trace(40, prompt=10, output=60), "oracle,grow32", budget=8192)["policies"]
     assert res["grow32"]["migrations"] == 40 and res["oracle"]["migrations"] == 0
     assert res["grow32"]["makespan_s"] > res["oracle"]["makespan_s"]
+
+
+def test_a_growth_hint_makes_one_growth_of_several():
+    """Equal 60-token outputs reserved for a guess of 8 in equal-width buckets (16/32/48/64): without a hint a
+    request climbs bucket by bucket (3 growths); hinted with its realized length it grows once."""
+    names = [f"odma/predict=8/bounds=equal-width{h}" for h in ("", "/hint=oracle", "/hint=pred")]
+    res = run(equal_trace(100, prompt=10, output=60), ",".join(names), budget=8192)["policies"]
+    plain, oracle, pred = (res[n] for n in names)
+    assert plain["migrations"] == 300 and oracle["migrations"] == 100
+    assert pred["migrations"] == plain["migrations"]  # a hint no larger than what is needed changes nothing
+    for r in (plain, oracle, pred):
+        assert r["completed"] == 100 and r["lost"] == 0

@@ -2,8 +2,9 @@
 
 Layers, lowest first: `backends` (devices; knows nothing of odma) · odma's core (errors, config, traces,
 tokenizer) · `odma.kv` (the memory room) and `odma.models` · `predictor` · `odma.engine` · `odma.analyze`,
-`training` · `odma.server` (with `odma.serve_ray`, the same server on Ray Serve) · `odma.bench`. A package may import only packages listed for it below; no package
-imports another's private (`_name`) members; no two modules import each other at import time.
+`training` · `odma.server` (with `odma.serve_ray`, the same server on Ray Serve) · `odma.bench`. A package may
+import only packages listed for it below; no package imports another's private (`_name`) members; no two modules
+import each other at import time.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ ALLOWED = {
     "odma.core": set(),
     "odma.kv": {"odma.core", "backends"},
     "odma.models": {"odma.core", "backends"},
-    "predictor": {"odma.core", "odma.kv", "odma.models"},
+    "predictor": {"odma.core", "odma.kv", "odma.models", "backends"},  # the probe runs the served model itself
     "odma.engine": {"odma.core", "odma.kv", "odma.models", "backends", "predictor"},
     "odma.analyze": {"odma.core", "odma.kv", "predictor", "odma.engine"},  # it simulates the engine's scheduler
     "training": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine"},

@@ -31,6 +31,8 @@ FLAGS = {
     "slo_ttft_s": (["--slo-ttft", "2"], 2.0),
     "slo_tpot_s": (["--slo-tpot", "0.2"], 0.2),
     "predictor": (["--predictor", "sklearn"], "sklearn"),
+    "probe": (["--probe", "probe"], "probe"),
+    "probe_online": (["--no-probe-online"], False),
     "s3_buckets": (["--s3-buckets", "5"], 5),
     "length_log": (["--length-log", "/tmp/x.jsonl"], Path("/tmp/x.jsonl")),
     "bootstrap_from_log": (["--no-bootstrap-from-log"], False),

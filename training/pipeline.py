@@ -25,7 +25,7 @@ from training.metrics import evaluate_records, ranking_bound
 class TrainOptions:
     trace: str
     out: Path
-    model: str = "encoder"  # "encoder" | "sklearn"
+    model: str = "encoder"  # "encoder" | "sklearn" | "probe"
     backbone: str = "minilm"
     layers: int | None = 3
     max_len: int = 64
@@ -41,6 +41,9 @@ class TrainOptions:
     finetune_epochs: int = 3
     progress: bool = True
     latency_requests: int = 200
+    probe_layer: int | None = None  # --model probe: the served model's layer (None: chosen on a train holdout)
+    served_model: str = "smollm2"  # --model probe: whose hidden states
+    refine_every: int = 16  # --model probe: decode steps between refinements (what the engine is told)
 
 
 def _log(opts: TrainOptions, msg: str) -> None:
@@ -66,12 +69,21 @@ def train(opts: TrainOptions) -> dict:
     if opts.model == "encoder":
         predictor, export_check, s3_test_buckets = _train_encoder(opts, trace, train_t, val_t, test_t, y_train,
                                                                   stats, out)
-    elif opts.model == "sklearn":
-        predictor, export_check = _train_sklearn(opts, train_t, y_train, stats, out), None
+    elif opts.model in ("sklearn", "probe"):
+        if opts.model == "sklearn":
+            predictor = _train_sklearn(opts, train_t, y_train, stats, out)
+        else:
+            from training.probe import ProbeOptions, train_probe
+
+            predictor = train_probe(ProbeOptions(served_model=opts.served_model, layer=opts.probe_layer,
+                                                 refine_every=opts.refine_every, seed=opts.seed),
+                                    trace, train_t, val_t, y_train, stats, out, opts.progress,
+                                    lambda msg: _log(opts, msg))
+        export_check = None
         if opts.s3_baseline:
             s3_test_buckets = _s3_baseline_only(opts, train_t, test_t, y_train, stats)
     else:
-        raise PredictorError(f"unknown model {opts.model!r}: use encoder or sklearn")
+        raise PredictorError(f"unknown model {opts.model!r}: use encoder, sklearn or probe")
 
     # Calibrate what is served (the exported predictor), on the held-out calibration split.
     val_pred = predictor.predict(val_t.records)
@@ -88,14 +100,19 @@ def train(opts: TrainOptions) -> dict:
     report = evaluate_records(test_t.records, test_pred, y_test, calibration, stats, s3_test_buckets)
     report["ranking_bound"] = ranking_bound([p.length for p in val_pred], y_val, [p.length for p in test_pred], y_test,
                                             opts.target, cap)
-    from predictor.latency import measure
+    if opts.model == "probe":
+        report.update(_probe_extras(predictor, test_t.records, test_pred, data.capped_lengths(train_t, cap), cap,
+                                    opts.progress))
+        lat = {}
+    else:
+        from predictor.latency import measure
 
-    lat = measure(predictor, test_t.records, n_single=opts.latency_requests)
+        lat = measure(predictor, test_t.records, n_single=opts.latency_requests)
     report.update(_common_fields(opts, trace, stats, predictor))
     report.update({
         "onnx_p50_ms_batch1": lat["p50_ms_batch1"] if opts.model == "encoder" else None,
         "onnx_throughput_rps": lat["throughput_rps"] if opts.model == "encoder" else None,
-        "latency": lat,
+        "latency": lat or None,
         "n_train": len(train_t), "n_calibration": len(val_t), "n_test": len(test_t),
         "calibration_split": {"underprediction_rate": round(point.underprediction_rate, 4),
                               "mean_overreservation": round(point.overreservation, 4)},
@@ -290,17 +307,43 @@ def evaluate_existing(spec: str, trace_spec: str, split: str = "all", limit: int
         raise PredictorError(f"the {split} split of {trace_spec!r} is empty")
     y = np.minimum(np.array([r.output_tokens for r in records]), predictor.calibration.large_bound)
     s3 = _saved_s3_buckets(predictor, manifest, records, progress) if s3_baseline else None
-    report = evaluate_records(records, predictor.predict(records), y, predictor.calibration, stats, s3)
-    from predictor.latency import measure
+    probe = manifest.kind == "probe"
+    if probe:  # runs the served model's prefill itself; states cached on disk for later runs
+        from predictor.probe.hidden import ServedModelStates
 
-    lat = measure(predictor, records)
+        predictor.attach_model(ServedModelStates.load(manifest.settings.get("served_model", "smollm2"),
+                                                      manifest.settings.get("dtype", "float32")), default_cache_dir())
+        predictor.prompt_states(records, progress=progress)
+    preds = predictor.predict(records)
+    report = evaluate_records(records, preds, y, predictor.calibration, stats, s3)
+    if probe:
+        report.update(_probe_extras(predictor, records, preds, None, stats.cap, progress, stats.median_length))
+        lat = {}
+    else:
+        from predictor.latency import measure
+
+        lat = measure(predictor, records)
     encoder = manifest.kind == "encoder"
     report.update(_common_fields(None, trace, stats, predictor))
     report.update({"model": manifest.kind, "predictor": spec, "split": split,
                    "onnx_p50_ms_batch1": lat["p50_ms_batch1"] if encoder else None,
-                   "onnx_throughput_rps": lat["throughput_rps"] if encoder else None, "latency": lat,
+                   "onnx_throughput_rps": lat["throughput_rps"] if encoder else None, "latency": lat or None,
                    "n_train": manifest.settings.get("n_train"), "n_test": len(records)})
     return report
+
+
+def _probe_extras(predictor, records, preds, train_lengths, cap: int, progress: bool,
+                  median_length: float | None = None) -> dict:
+    """The probe's decode-time report (remaining-length MAE by generated tokens) and its cost against the
+    prefill it rides on."""
+    from predictor.probe.cost import probe_cost
+    from training.probe import refine_report
+
+    if train_lengths is None:  # eval-only: the median baseline from the saved training median
+        train_lengths = np.full(1, median_length or 1.0)
+    lengths = np.array([p.length for p in preds])
+    return {"refine": refine_report(predictor, records, lengths, train_lengths, cap, progress),
+            "probe_cost": probe_cost(predictor, predictor._states, records)}
 
 
 def _saved_s3_buckets(predictor, manifest: Manifest, records, progress: bool):

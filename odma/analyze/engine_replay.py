@@ -9,7 +9,7 @@ memory is the same `KVManager` the event-driven replay builds for the policy.
 from __future__ import annotations
 
 from odma.analyze.metrics import _pct, _r
-from odma.analyze.policies import PolicySpec, predicted_for
+from odma.analyze.policies import PolicySpec, hint_for, predicted_for
 from odma.analyze.predictions import Predictions
 from odma.analyze.profiles import CostModel
 from odma.analyze.simulate import SimJob, simulate
@@ -24,8 +24,10 @@ def jobs_for(workload: Workload, spec: PolicySpec, predictions: Predictions | No
     for i, it in enumerate(workload.items):
         length = predicted_for(spec, predictions.lengths[i] if predictions else 0.0, it.output_tokens)
         u = predictions.uncertainties[i] if predictions and spec.predict == "predictor" else 0.0
+        hint = hint_for(spec, predictions.lengths[i] if predictions else 0.0, u, it.output_tokens,
+                        predictions.calibrated if predictions else None)
         jobs.append(SimJob(it.request_id, it.arrival_s, it.prompt_tokens, it.output_tokens, it.max_new_tokens,
-                           None if length is None else (length, u)))
+                           None if length is None else (length, u), hint))
     return jobs
 
 

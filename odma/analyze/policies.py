@@ -33,6 +33,7 @@ from odma.kv import (
 
 KINDS = ("static", "bucket", "exact", "paged")
 BOUNDS = ("quantile", "optimal", "equal-width")
+HINTS = ("none", "pred", "cal", "oracle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,10 @@ class PolicySpec:
     k: int | None = None  # bucket count; None: the replay's --buckets
     max_batch: int | None = None  # running requests at most for this policy; None: the engine's setting
     on_full: str | None = None  # stall | preempt when growth finds no room; None: the engine's setting
+    # growth hint (output tokens the first growth goes straight to): none (bucket by bucket), pred (the L̂ this
+    # policy uses, before its scale), cal (the predictor's calibrated reservation for that L̂) or oracle (the
+    # realized length)
+    hint: str = "none"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -68,6 +73,8 @@ class PolicySpec:
             raise ConfigError(f"{self.name}: ceiling must be >= 1 token, got {self.ceiling}")
         if not (self.scale > 0 and math.isfinite(self.scale)):
             raise ConfigError(f"{self.name}: scale must be a positive number, got {self.scale}")
+        if self.hint not in HINTS:
+            raise ConfigError(f"{self.name}: hint must be one of {HINTS}, got {self.hint!r}")
         if self.on_full not in (None, "stall", "preempt"):
             raise ConfigError(f"{self.name}: full must be stall or preempt, got {self.on_full!r}")
         if self.predict not in ("predictor", "oracle", "none"):
@@ -110,6 +117,7 @@ _KEYS = {
     "batch": ("max_batch", int),
     "full": ("on_full", str),
     "dynamic": ("dynamic", lambda v: v.lower() in ("1", "true", "yes")),
+    "hint": ("hint", str),
 }
 
 
@@ -214,6 +222,22 @@ def _config(spec: PolicySpec, ctx: BuildContext, k: int, alpha: float, tau: floa
         ceiling=ceiling,
         table=table,
     )
+
+
+def hint_for(spec: PolicySpec, predictor: float, uncertainty: float, oracle: int, calibrated) -> float | None:
+    """The growth hint a policy hands the pool for one request (output tokens its first growth should hold)."""
+    if spec.hint == "oracle":
+        return float(oracle)
+    if spec.hint == "none" or spec.predict == "none":
+        return None
+    raw = {"oracle": float(oracle), "predictor": predictor}.get(spec.predict)
+    if raw is None:  # a constant guess: the same hint for every request
+        raw, uncertainty = float(spec.predict), 0.0
+    if spec.hint == "pred":
+        return raw
+    if calibrated is None:
+        raise ConfigError(f"{spec.name}: hint=cal needs a predictor with a calibration")
+    return float(calibrated.select(raw, uncertainty).bound)
 
 
 def predicted_for(spec: PolicySpec, predictor: float, oracle: int) -> float | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from odma.analyze.workload import Workload
 from odma.config import ReservationTable
@@ -23,6 +24,9 @@ class Predictions:
     tau: float | None = None
     ceiling: float | None = None
     table: ReservationTable | None = None
+    # the predictor's calibrated reservation: L̂, u → a bucket manager whose `select` is the allocator's choice
+    # at the calibrated under-prediction target (growth hints read its bound); None without a calibration
+    calibrated: Any = None
 
     def summary(self, workload: Workload) -> dict:
         """How far L̂ is from the realized (clipped) lengths."""
@@ -83,4 +87,5 @@ def predict(workload: Workload, spec: str) -> Predictions:
         tau=None if cal is None else cal.tau,
         ceiling=None if cal is None else cal.ceiling,
         table=None if cal is None else cal.table,
+        calibrated=None if cal is None else cal.bucket_manager(),
     )

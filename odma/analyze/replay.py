@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from odma.analyze.metrics import Totals, progress_bar, summarize
-from odma.analyze.policies import PolicySpec, predicted_for
+from odma.analyze.policies import PolicySpec, hint_for, predicted_for
 from odma.analyze.predictions import Predictions
 from odma.analyze.profiles import CostModel, StepWork
 from odma.analyze.workload import WorkItem, Workload
@@ -185,7 +185,8 @@ class Replay:
         p = self.predictions
         predicted = predicted_for(self.spec, p.lengths[index] if p else 0.0, item.output_tokens)
         u = p.uncertainties[index] if p and self.spec.predict == "predictor" else 0.0
-        return _Req(item, KVRequest(item.request_id, item.prompt_tokens, item.max_new_tokens, predicted, u))
+        hint = hint_for(self.spec, p.lengths[index] if p else 0.0, u, item.output_tokens, p.calibrated if p else None)
+        return _Req(item, KVRequest(item.request_id, item.prompt_tokens, item.max_new_tokens, predicted, u, hint))
 
     # -- the loop ----------------------------------------------------------------------------------
 

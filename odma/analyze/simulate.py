@@ -56,6 +56,7 @@ class SimJob:
     output_tokens: int  # it generates exactly this many tokens
     max_tokens: int
     prediction: tuple[float, float] | None = None  # the predictor's (L̂, u); None: untagged
+    growth_hint: float | None = None  # output tokens its first growth should hold (Sequence.growth_hint)
 
 
 @dataclass(slots=True)
@@ -93,6 +94,7 @@ def sim_sequence(job: SimJob):
     from odma.engine.sequence import Sequence
 
     seq = Sequence(job.request_id, [0] * job.prompt_tokens, SamplingParams(max_tokens=job.max_tokens))
+    seq.growth_hint = job.growth_hint
     if job.prediction is not None:
         length, u = job.prediction
         seq.predicted_length = seq.predicted_tokens = float(length)

@@ -31,9 +31,9 @@ import torch
 
 from backends import KVLayout, Span, get_backend
 from odma.errors import ConfigError
+from odma.models import DTYPES
 
 PAGE = 16
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

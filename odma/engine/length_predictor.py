@@ -73,3 +73,36 @@ def load_engine_predictor(spec: str | None) -> LoadedPredictor:
         reason = f"{type(exc).__name__}: {exc}"
         log.warning("length predictor %r unavailable (%s); using the running-median fallback (u = 1.0)", spec, reason)
         return LoadedPredictor(RunningMedian(), RunningMedian.name, reason)
+
+
+def load_length_probe(config, model, generator: str) -> tuple[Any, str | None]:
+    """(LengthProbe, None), or (None, why not) when `config.probe` is unset or cannot serve this model: a probe
+    that fails to load, or was trained on another model's hidden states, is refused with a warning, never a crash."""
+    if not config.probe:
+        return None, None
+    try:
+        from odma.engine.length_probe import LengthProbe
+        from predictor import load_predictor
+        from predictor.probe import ProbePredictor
+        from predictor.probe.identity import model_identity
+
+        probe = load_predictor(config.probe)
+        if not isinstance(probe, ProbePredictor):
+            raise ValueError(f"{config.probe!r} is a {type(probe).__name__}, not a probe (kind 'probe')")
+        identity = model_identity(model)
+        probe.check_model(identity)
+        online = None
+        if config.probe_online:
+            from predictor.online import OnlineConfig, OnlineProbe, default_state_dir
+
+            online = OnlineProbe(identity, probe.hidden_size, probe.layer, probe,
+                                 config=OnlineConfig(large_bound=config.max_tokens_cap),
+                                 state_dir=default_state_dir(identity))
+        log.info("length probe: layer %d%s, %s", probe.layer,
+                 f", refined every {probe.refine_every} tokens" if probe.refine_head is not None else "",
+                 f"online ({online.source}, state {online.state_path})" if online is not None else "shipped heads only")
+        return LengthProbe(probe, online, generator), None
+    except Exception as exc:  # noqa: BLE001 - a probe that cannot serve leaves serving on the text predictor
+        reason = f"{type(exc).__name__}: {exc}"
+        log.warning("length probe %r unavailable (%s); serving without it", config.probe, reason)
+        return None, reason

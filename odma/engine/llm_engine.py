@@ -9,7 +9,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -17,18 +16,20 @@ import torch
 from odma.engine.config import EngineConfig, parse_kv_budget
 from odma.engine.fork import Forks
 from odma.engine.length_log import LengthLog, read_realized_lengths
-from odma.engine.length_predictor import LoadedPredictor, RunningMedian, load_engine_predictor, usable_prediction
+from odma.engine.length_predictor import LoadedPredictor, load_engine_predictor, load_length_probe
 from odma.engine.model_runner import ModelRunner
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
 from odma.engine.sequence import RequestTags, Sequence, Status
+from odma.engine.stopping import stop_reason
+from odma.engine.tagging import LengthTagger
 from odma.engine.worker import DeviceWorker, build_worker
-from odma.errors import ConfigError, InvalidRequestError, OdmaError, RequestTooLargeError
+from odma.errors import ConfigError, InvalidRequestError, RequestTooLargeError
 from odma.kv import KVPool, build_policy, rank_devices
+from odma.models import DTYPES
 from odma.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +133,16 @@ class LLMEngine:
             from concurrent.futures import ThreadPoolExecutor
 
             self._device_threads = ThreadPoolExecutor(len(self.workers), thread_name_prefix="odma-device")
-        self.predictor = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.metrics = metrics or NullMetrics()
         from odma.models.weights import model_name
 
         self.generator = model_name(config.model)  # the predictor's `generator` field: whose lengths these are
+        loaded = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
+        self.tagger = LengthTagger(loaded, self.policy, self.generator, self.metrics)
+        self.probe, self.probe_fallback = load_length_probe(config, model, self.generator)
+        if self.probe is not None:
+            for w in self.workers:
+                w.runner.capture_layers = self.probe.capture_layers
         self.length_log = (LengthLog(config.length_log, config.policy, config.model, self.generator)
                            if config.length_log else None)
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -146,7 +152,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.steps = 0
         self.errors = 0
-        self.rejected_predictions = 0  # predictions not finite or out of range: those requests reserved the worst case
         self.busy_seconds = 0.0  # time inside model steps (the rest of wall time: idle, scheduling, HTTP)
         self.decode_tokens = 0  # Σ decode batch sizes over steps
         self.prefill_tokens = 0  # prompt (and recomputed) tokens fed
@@ -155,6 +160,19 @@ class LLMEngine:
             config.kv_budget, self.predictor.name,
             f" (fallback: {self.predictor.fallback_reason})" if self.predictor.fallback_reason else "",
         )
+
+    @property
+    def predictor(self) -> LoadedPredictor:
+        return self.tagger.predictor
+
+    @predictor.setter
+    def predictor(self, loaded: LoadedPredictor) -> None:
+        self.tagger.predictor = loaded
+
+    @property
+    def rejected_predictions(self) -> int:
+        """Predictions not finite or out of range: those requests reserved the worst case."""
+        return self.tagger.rejected
 
     # The first device's parts (the only device's, unless --devices names several).
     @property
@@ -321,6 +339,8 @@ class LLMEngine:
                 outputs.append(self._finish(w.seq, "error"))
             return outputs
         self.busy_seconds += step_seconds
+        if self.probe is not None:  # before the tokens are appended: it reads what each item was fed
+            self.probe.after_step(work, worker.runner.captured)
         for w in work:
             if w.q_len == 1:
                 self.decode_tokens += 1
@@ -337,7 +357,8 @@ class LLMEngine:
                 seq.first_token_at = now
                 slowest_first_token = max(slowest_first_token, now - seq.arrival)
                 self.metrics.on_first_token(seq, now - seq.arrival)
-            reason = self._stop_reason(seq, tok)
+            reason = stop_reason(seq, tok, eos_ids=self.runner.eos_ids, tokenizer=self.tokenizer,
+                                 max_model_len=self.max_model_len)
             outputs.append(self._finish(seq, reason, tok) if reason else StepOutput(seq, tok, False))
         self._scale_swap_buffer(worker, step_seconds, slowest_first_token, work)
         return outputs
@@ -354,28 +375,6 @@ class LLMEngine:
         ttft_violated = c.slo_ttft_s is not None and slowest_first_token > c.slo_ttft_s
         worker.swap.controller.end_iteration(ttft_violated, tpot_violated)
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if (tok in self.runner.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return "stop"
-        if p.stop and self.tokenizer is not None and seq.num_generated >= p.min_tokens and self._stop_string_ends(seq):
-            return "stop"
-        if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _stop_string_ends(self, seq: Sequence) -> bool:
-        """Did this step's token complete a stop string? Only the tail is decoded: a string of n characters
-        spans at most n tokens (the HTTP layer trims the text; here the request ends in this very step, so
-        its realized length carries no overrun)."""
-        window = max(len(s) for s in seq.params.stop) + 2
-        ids = seq.output_ids[-window:]
-        tail = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if not any(s in tail for s in seq.params.stop):
-            return False
-        before = self.tokenizer.decode(ids[:-1], skip_special_tokens=True)  # same start, one token less
-        return any(tail.count(s) > before.count(s) for s in seq.params.stop)  # ends in this token (min_tokens)
-
     def _finish(self, seq: Sequence, reason: str, tok: int | None = None) -> StepOutput:
         realized = reason in ("stop", "length")
         # a request not placed yet (still in the inbox) is in no queue: any scheduler just marks it finished
@@ -384,8 +383,9 @@ class LLMEngine:
         seq.finished_at = time.monotonic()
         self._live.pop(seq.request_id, None)
         if realized:
-            if isinstance(self.predictor.predictor, RunningMedian):
-                self.predictor.predictor.observe(seq.num_generated)
+            self.tagger.learn(seq)
+            if self.probe is not None:
+                self.probe.learn(seq)
             if self.length_log is not None:
                 self.length_log.write(seq)
         self.metrics.on_finish(seq)
@@ -397,7 +397,7 @@ class LLMEngine:
             self._inbox.clear()
         groups = [seqs for kind, seqs in items if kind == "add"]
         if groups:
-            self._tag([seqs[0] for seqs in groups])  # the other samples of a group get the first's tag
+            self.tagger.tag([seqs[0] for seqs in groups])  # the other samples of a group get the first's tag
             for first, *forks in groups:
                 worker = self._place(first)
                 self._worker_of[first.request_id] = worker
@@ -412,45 +412,6 @@ class LLMEngine:
                 if seq is not None and seq.status is not Status.FINISHED:
                     outputs.append(self._finish(seq, reason))
         return outputs
-
-    def _tag(self, seqs: list[Sequence]) -> None:
-        """Predict (L̂, u) for the new requests in one batch (a request that brings a prediction made upstream keeps
-        it) and record the bucket each selects. Nothing a predictor returns can fail the step: an unusable prediction
-        (not finite, negative) or a failing call leaves the request untagged, and it reserves for the worst case."""
-        given = {id(s): s.tags.prediction for s in seqs if s.tags is not None and s.tags.prediction is not None}
-        todo = [s for s in seqs if id(s) not in given]
-        predicted = iter(self._predict(todo) if todo else ())
-        preds = [given[id(s)] if id(s) in given else next(predicted) for s in seqs]
-        select = getattr(self.policy, "select", None)  # bucketed policies: the bucket reserve() will pick
-        for seq, pred in zip(seqs, preds):
-            checked = usable_prediction(pred)
-            if checked is None:
-                if pred is not None and pred[0] is not None:
-                    self.rejected_predictions += 1
-                    log.warning("length predictor returned %r for %s; it reserves for the worst case", pred, seq.request_id)
-                continue
-            if select is not None:
-                try:
-                    seq.bucket = select(checked[0], checked[1]).index
-                except OdmaError as exc:
-                    self.rejected_predictions += 1
-                    log.warning("prediction %r for %s not usable (%s); it reserves for the worst case", pred, seq.request_id, exc)
-                    continue
-            seq.predicted_length = seq.predicted_tokens = checked[0]
-            seq.uncertainty = checked[1]
-
-    def _predict(self, seqs: list[Sequence]) -> list:
-        requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
-        start = time.perf_counter()
-        try:
-            preds = list(self.predictor.predictor.predict(requests))
-            if len(preds) != len(seqs):
-                raise ValueError(f"{len(preds)} predictions for {len(seqs)} requests")
-        except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: reserve for the worst case
-            log.exception("length predictor failed; these requests go to the large bucket")
-            preds = [None] * len(seqs)
-        self.metrics.on_predict(time.perf_counter() - start, len(seqs))
-        return preds
 
     def _place(self, seq: Sequence) -> DeviceWorker:
         """The device with the least memory pressure and compute load (odma.kv.placement's score, the queue
@@ -497,3 +458,5 @@ class LLMEngine:
             self._device_threads.shutdown(wait=True)
         if self.length_log is not None:
             self.length_log.close()
+        if self.probe is not None:
+            self.probe.close()

@@ -8,7 +8,7 @@ from backends import Arena, Backend, KVLayout, Span
 from odma.engine.logprobs import SampledLogprobs, prompt_logprobs
 from odma.engine.scheduler import Work
 from odma.engine.sampling import Sampler
-from odma.models.llama import CausalLM, SeqSlot
+from odma.models.llama import CausalLM, HiddenCapture, SeqSlot
 
 
 class ModelRunner:
@@ -22,6 +22,10 @@ class ModelRunner:
         self.decode_kernel = backend.decode_attention()
         self.sampler = Sampler()
         self.eos_ids: tuple[int, ...] = tuple(c.eos_token_ids)  # end a request unless ignore_eos
+        # hidden states a length probe reads: set capture_layers, and after each run() `captured[layer]` holds
+        # one [len(work), hidden] row per work item (its last fed position); empty: nothing captured, no cost
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: dict[int, torch.Tensor] = {}
 
     @property
     def bytes_per_token(self) -> int:
@@ -39,13 +43,16 @@ class ModelRunner:
             ids += w.seq.token_ids(w.start, w.start + w.q_len)
             positions += range(w.start, w.start + w.q_len)
             slots.append(SeqSlot(self.arena.view(w.seq.block), w.start, w.q_len))
+        capture = HiddenCapture(self.capture_layers) if self.capture_layers else None
         with prompt_logprobs(self.model, work):  # only for requests that ask (echo with logprobs)
             logits = self.model(
                 torch.tensor(ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device),
                 slots,
                 self.decode_kernel,
+                capture=capture,
             ).cpu()
+        self.captured = {k: v.cpu() for k, v in capture.last.items()} if capture is not None else {}
         for w in work:
             w.seq.num_cached = w.start + w.q_len
         params = [w.seq.params for w in work]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ class Sequence:
     predicted_tokens: float | None = None  # the pool's view of L̂ (minus recomputed outputs)
     predicted_remaining: float | None = None  # a refined estimate of the output still to come (decode-time)
     growth_hint: float | None = None  # output tokens (of this block's reservation) the next growth should hold
+    probe_features: Any = None  # the served model's prompt-end state the length probe read (fp16), for learning
     uncertainty: float = 0.0  # u
     bucket: int | None = None  # the bucket tag the predictor's L̂ selects (scheduling hint)
     output_ids: list[int] = field(default_factory=list)

@@ -31,6 +31,12 @@ def tiny_engine(folder: str | Path, *, predicted: float | None = None, align: in
                         max_tokens_cap=128, default_max_tokens=16, pool=PoolConfig(align=align))
     config = replace(base, **overrides)
     predictor = LoadedPredictor(FixedPredictor(predicted), "fixed", None) if predicted is not None else None
-    from odma.engine.llm_engine import DTYPES
+    from odma.models import DTYPES
 
-    return LLMEngine(config, model=load_model(folder, dtype=DTYPES[config.dtype]), predictor=predictor)
+    tokenizer = None
+    if (Path(folder) / "tokenizer_config.json").exists():  # a tiny model saved beside a real tokenizer
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return LLMEngine(config, model=load_model(folder, dtype=DTYPES[config.dtype]), tokenizer=tokenizer,
+                     predictor=predictor)

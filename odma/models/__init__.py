@@ -2,6 +2,6 @@
 
 from odma.models.config import ModelConfig
 from odma.models.llama import CausalLM
-from odma.models.weights import load_model, resolve_model
+from odma.models.weights import DTYPES, load_model, resolve_model
 
-__all__ = ["ModelConfig", "CausalLM", "load_model", "resolve_model"]
+__all__ = ["DTYPES", "ModelConfig", "CausalLM", "load_model", "resolve_model"]

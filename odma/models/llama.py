@@ -7,7 +7,7 @@ so no padding, no gather of scattered pages, and no per-request allocation of KV
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +28,17 @@ class SeqSlot:
     kv: torch.Tensor  # [layers, 2, capacity, kv_heads, head_dim], a view into the pool's arena
     start: int  # tokens already cached in the block
     q_len: int  # tokens fed this step (prompt chunk, or 1 when decoding)
+
+
+@dataclass(slots=True)
+class HiddenCapture:
+    """Asks `CausalLM.forward` for the residual stream after given decoder layers (0: the embeddings) at each
+    request's last fed position: what a length probe reads at the end of a prefill or at a decode step.
+    `forward` fills `last[layer]` with a [len(seqs), hidden] float32 tensor, in `seqs` order. Passing none
+    costs nothing."""
+
+    layers: tuple[int, ...]
+    last: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class RMSNorm(nn.Module):
@@ -180,17 +191,29 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlot],
-                decode_kernel: DecodeAttention | None = None) -> torch.Tensor:
+                decode_kernel: DecodeAttention | None = None, capture: HiddenCapture | None = None) -> torch.Tensor:
         """input_ids, positions: [T] for all requests' new tokens, in `seqs` order. Returns [len(seqs), vocab].
-        decode_kernel: the backend's decode attention (None: SDPA for every request)."""
+        decode_kernel: the backend's decode attention (None: SDPA for every request). capture: hidden states
+        to hand back (see HiddenCapture)."""
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)
         decode = None
         if decode_kernel is not None:
             decode = decode_kernel.plan([s.kv for s in seqs], [s.start for s in seqs], [s.q_len for s in seqs])
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, seqs, decode)
         last = torch.tensor([s.q_len for s in seqs], device=x.device).cumsum(0) - 1
+        if capture is None:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, seqs, decode)
+        else:
+            wanted = set(capture.layers)
+            if not wanted <= set(range(len(self.model.layers) + 1)):
+                raise ConfigError(f"capture layers {sorted(wanted)} outside 0..{len(self.model.layers)}")
+            if 0 in wanted:
+                capture.last[0] = x[last].float()
+            for i, layer in enumerate(self.model.layers, 1):
+                x = layer(x, cos, sin, seqs, decode)
+                if i in wanted:
+                    capture.last[i] = x[last].float()
         return self.lm_head(self.model.norm(x[last])).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> None:

@@ -28,6 +28,8 @@ DEFAULT_MODEL = "smollm2"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names → torch
+
 def _gguf_source(spec: str) -> tuple[Path, str] | None:
     """(folder, gguf file name) when `spec` names a GGUF model, else None."""
     if spec in (DEFAULT_MODEL, SMOLLM2_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct"):

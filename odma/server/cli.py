@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worst-case-prompt-share", type=float, default=d.pool.worst_case_prompt_share,
                    help="a request whose prompt exceeds this share of the pool reserves prompt + max_tokens up front")
     p.add_argument("--predictor", default=d.predictor, help="length predictor: default, sklearn, oracle, a folder, or median")
+    p.add_argument("--probe", default=d.probe,
+                   help="the served model's own length probe: probe (the shipped SmolLM2 one), a probe folder, or none")
+    p.add_argument("--probe-online", action=argparse.BooleanOptionalAction, default=d.probe_online,
+                   help="the probe learns online from finished requests")
     p.add_argument("--length-log", default=str(d.length_log), help="JSONL of realized lengths ('' to disable)")
     p.add_argument("--bootstrap-from-log", action=argparse.BooleanOptionalAction, default=d.bootstrap_from_log,
                    help="seed the bucket bounds with the length log's last realized lengths")
@@ -110,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, parallel_devices=args.parallel_devices, s3_buckets=args.s3_buckets,
         balloon_keep_tokens=args.balloon_keep_tokens, bootstrap_from_log=args.bootstrap_from_log,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, admission_theta=args.admission_theta, swap_space=args.swap_space, predictor=args.predictor,
+        probe=None if args.probe in (None, "", "none") else args.probe, probe_online=args.probe_online,
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,
         balloon=args.balloon, balloon_segment_tokens=args.balloon_segment_tokens,

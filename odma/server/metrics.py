@@ -3,6 +3,8 @@ from the pool and the scheduler (so they are never stale and cost nothing betwee
 
 from __future__ import annotations
 
+import json
+
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -96,8 +98,37 @@ class _EngineCollector:
         yield from self._work(engine)
         yield from self._requests(engine)
         yield predictor_info(engine.predictor)
+        yield from self._probe(engine)
         yield labelled(GaugeMetricFamily, "odma_policy_info", "The reservation policy in use", "policy",
                        {engine.config.policy: 1})
+
+    @staticmethod
+    def _probe(engine):
+        """The served model's length probe: which head serves (shipped / online), its work, its cost, the online
+        window and the calibration in force; a probe that was asked for and refused is reported with the reason."""
+        probe = engine.probe
+        if probe is None:
+            if engine.probe_fallback:
+                info = GaugeMetricFamily("odma_probe_info", "The length probe in use (refused: why)",
+                                         labels=["source", "reason"])
+                info.add_metric(["refused", engine.probe_fallback[:200]], 1)
+                yield info
+            return
+        s = probe.stats()
+        online = s.get("online") or {}
+        cal = online.get("calibration") or {}
+        info = GaugeMetricFamily("odma_probe_info", "The length probe in use: shipped heads or the online refit, and "
+                                 "the calibration in force", labels=["source", "reason", "calibration"])
+        calib = json.dumps({k: cal.get(k) for k in ("alpha", "tau", "ceiling", "target")}) if cal else ""
+        info.add_metric([s["source"], "", calib], 1)
+        yield info
+        yield counter("odma_probe_predictions", "Prompt-end predictions from the served model's states", s["predicted"])
+        yield counter("odma_probe_refinements", "Decode-time refinements of the remaining length", s["refined"])
+        yield counter("odma_probe_failures", "Probe calls that raised (the requests kept their tags)", s["failures"])
+        yield counter("odma_probe_seconds", "Time inside the probe (predict, refine, learn)", s["seconds"])
+        if online:
+            yield gauge("odma_probe_online_samples", "Finished requests in the online window", online["samples"])
+            yield counter("odma_probe_online_refits", "Online refits of the probe's head", online["refits"])
 
     @staticmethod
     def _queue(engine):

@@ -17,6 +17,7 @@ from predictor.registry import load_predictor_folder
 HERE = Path(__file__).resolve().parent
 ENCODER_DIR = HERE / "encoder"
 SKLEARN_DIR = HERE / "sklearn"
+PROBE_DIR = HERE / "probe"  # SmolLM2's own hidden states (predictor/probe), selected by `load_predictor("probe")`
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,10 @@ def load_default_encoder() -> Predictor:
 
 def load_default_sklearn() -> Predictor:
     return load_predictor_folder(SKLEARN_DIR)
+
+
+def load_default_probe() -> Predictor:
+    return load_predictor_folder(PROBE_DIR)
 
 
 def load_default() -> Predictor:
