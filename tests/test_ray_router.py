@@ -73,12 +73,32 @@ def test_what_it_sent_counts_until_the_replica_reports_it():
     first = request(0, need=600)
     assert choose(r, [a, b], first)[0] == ["a"]
     r.on_request_routed(first, "a", None)
-    assert choose(r, [a, b], request(1, need=600)) == [["b"]]  # a's report predates the send: 400 left there
+    second = request(1, need=600)
+    assert choose(r, [a, b], second) == [["b"]]  # a's report predates the send: 400 left there
+    r.on_request_completed("b", "i1")
     r.on_request_completed("a", "i0")
     assert choose(r, [a, b], request(2, need=600))[0] == ["a"]
     r.on_request_routed(request(3, need=600), "a", None)
-    a.routing_stats = stats(largest=400, reserved=600, at=time.time() + 1)  # a report that includes it
+    a.routing_stats = stats(largest=400, reserved=600, at=time.time() + 1)  # a report that includes both sends
     assert choose(r, [a, b], request(4, need=300))[0] == ["b"]  # counted once, via the report
+
+
+def test_a_burst_spreads_before_ray_reports_any_routing():
+    """Ray calls on_request_routed only after the replica accepted (a round trip): the requests of a burst are
+    all chosen before that, and must still see each other."""
+    r = router()
+    a, b = Replica("a", stats(largest=4000)), Replica("b", stats(largest=4000))
+    firsts = [choose(r, [a, b], request(i, need=500))[0][0] for i in range(4)]
+    assert sorted(firsts) == ["a", "a", "b", "b"]
+
+
+def test_a_request_counts_only_where_it_was_routed():
+    r = router()
+    a, b = Replica("a", stats(largest=1000)), Replica("b", stats(largest=1000))
+    pr = request(0, need=600)
+    assert choose(r, [a, b], pr)[0] == ["a"]
+    r.on_request_routed(pr, "b", None)  # a refused it (its queue was full): Ray took the next rank
+    assert choose(r, [a, b], request(1, need=600)) == [["a"]]  # b holds it, not a
 
 
 def test_a_request_without_room_goes_where_nothing_waits_before_it():

@@ -221,6 +221,12 @@ def test_a_replica_killed_mid_stream(cluster):
             t.start()
         for e in started:
             e.wait()
+        while True:  # the replicas' reports show all four streams running, on both replicas (the router spread them)
+            running = {n: metric(t, "odma_running_requests") for n, t in snapshot(cluster)["metrics"].items()}
+            if sum(running.values()) == 4:
+                break
+            time.sleep(0.1)
+        assert sorted(running.values()) == [2, 2], running
         victim, actor = next(iter(actors.items()))
         ray.kill(actor, no_restart=True)
         killed_at = time.monotonic()

@@ -15,6 +15,10 @@ from odma.serve_ray.messages import RemoteJob
 from odma.serve_ray.scoring import Candidate, HoldBook, ReplicaLoad, Sent, pending_after, rank_replicas, route
 from odma.serve_ray.settings import DEFAULT_MAX_SKIPS
 
+# a send older than this only matters until its replica's next report; forgetting it bounds what a request
+# cancelled between choice and routing leaves behind
+FORGET_SENT_S = 600.0
+
 
 def _job(pending_request: Optional[PendingRequest]) -> RemoteJob | None:
     if pending_request is None:
@@ -51,25 +55,43 @@ class MemoryAwareRouter(RequestRouter):
                 scoring.ROUTING.decisions += 1
         chosen = route(candidates, need, **self._weights)
         if chosen:
-            return [[by_id[k]] for k in chosen]  # one replica per rank: Ray tries them in this order
+            return self._ranks(chosen, by_id, pending_request, job)  # one replica per rank: Ray tries them in order
         _, others = rank_replicas(candidates, need, **self._weights)
         if pending_request is None or self._holds.max_hold_s <= 0:
-            return [[by_id[k]] for k in others]
+            return self._ranks(others, by_id, pending_request, job)
         key = pending_request.metadata.internal_request_id
         if self._holds.overdue(key):
             self._holds.release(key)
             scoring.ROUTING.released += 1
-            return [[by_id[k]] for k in others]
+            return self._ranks(others, by_id, pending_request, job)
         if self._holds.hold(key, pending_request.created_at):
             scoring.ROUTING.holds += 1
         pending_request.routing_context.should_backoff = True  # retry after Ray's backoff, not in a busy loop
         return []
 
+    def _ranks(self, keys: list, by_id: dict, pending_request: Optional[PendingRequest],
+               job: RemoteJob | None) -> List[List[RunningReplica]]:
+        """The answer to Ray; the request counts as sent to the first choice from now on. Ray tells the router a
+        request was routed only once the replica accepted it (a round trip later): requests routed meanwhile
+        must see this one, or a burst all goes to the same replica."""
+        if keys and job is not None and pending_request is not None:
+            self._record(keys[0], pending_request.metadata.internal_request_id, job)
+        return [[by_id[k]] for k in keys]
+
+    def _record(self, replica_id: ReplicaID, key: str, job: RemoteJob) -> None:
+        """`key` is on its way to `replica_id` (and to no other replica)."""
+        now = time.time()
+        for sent in self._sent.values():
+            sent.pop(key, None)
+            for k in [k for k, s in sent.items() if now - s.at > FORGET_SENT_S]:  # cancelled before it was routed
+                del sent[k]
+        self._sent.setdefault(replica_id, {})[key] = Sent(job.need, job.prompt_tokens * job.n, now)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         job = _job(pending_request)
         key = pending_request.metadata.internal_request_id
         if job is not None:
-            self._sent.setdefault(replica_id, {})[key] = Sent(job.need, job.prompt_tokens * job.n, time.time())
+            self._record(replica_id, key, job)  # where it went (Ray may have taken a later rank)
         self._holds.routed(key, pending_request.created_at)
         scoring.ROUTING.routed += 1
 
