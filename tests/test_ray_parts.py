@@ -4,6 +4,8 @@ wire, the ingress's validation and sizing, and the engine keeping a prediction m
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -318,3 +320,29 @@ def test_the_engine_keeps_a_prediction_made_upstream(folder):
     assert own.predicted_length == 7.0 and Counting.calls == 1  # only the request without one was predicted
     while not (given.finished and own.finished):
         engine.step()
+
+
+# -- without Ray ---------------------------------------------------------------------------------------
+
+NO_RAY = "import sys; sys.modules['ray'] = None  # as if Ray were not installed\n"
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_single_process_odma_serve_never_imports_ray():
+    code = ("import sys\n"
+            "import odma.server.cli, odma.server.app, odma.serve_ray, odma.serve_ray.front, odma.serve_ray.replica\n"
+            "import odma.serve_ray.cluster, odma.serve_ray.app\n"
+            "odma.server.cli.build_parser().parse_args([])\n"
+            "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray was imported'\n")
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+
+
+def test_odma_serve_ray_without_ray_says_what_to_install():
+    done = run_python(NO_RAY + "from odma.server.cli import main\n"
+                      "sys.exit(main(['--ray', '--model', 'no-such-model', '--log-level', 'error']))\n")
+    assert done.returncode == 2, done.stderr
+    assert "--ray needs Ray Serve: pip install 'odma[ray]'" in done.stderr and "Traceback" not in done.stderr

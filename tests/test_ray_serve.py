@@ -56,17 +56,19 @@ def cluster(folder, tmp_path_factory):
     settings = RaySettings(replicas=2, replica_cpus=0.5, report_period_s=0.25, health_check_period_s=1.0,
                            app_name=APP)
     port = free_port()
-    with deadline(300, "starting Ray Serve with two replicas"):
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
     try:
         with deadline(300, "starting Ray Serve with two replicas"):
+            # address="local": a fresh Ray for this module, never a cluster RAY_ADDRESS points at
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     object_store_memory=256 << 20)
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             serve.run(build_application(config, settings, served_name=MODEL), name=APP, route_prefix="/")
         yield SimpleNamespace(url=f"http://127.0.0.1:{port}", config=config,
                               state=serve.get_deployment_handle("OdmaCluster", app_name=APP))
-    finally:
+    finally:  # also after a failed or timed-out start: no Ray outlives the module
         with deadline(120, "shutting Ray down"):
-            serve.shutdown()
+            if ray.is_initialized():
+                serve.shutdown()
             ray.shutdown()
 
 

@@ -156,9 +156,11 @@ def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | 
 
 def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
-        from odma.serve_ray.app import serve_forever
+        import ray.serve  # noqa: F401 - odma.serve_ray imports Ray only once it deploys: say what is missing now
     except ImportError as exc:
         raise ConfigError(f"--ray needs Ray Serve: pip install 'odma[ray]' ({exc})") from None
+    from odma.serve_ray.app import serve_forever
+
     return serve_forever(config, ray_settings_from_args(args), host=args.host, port=args.port,
                          served_name=args.served_model_name, generation_config=args.generation_config,
                          override_generation_config=args.override_generation_config, max_n=args.max_n)
