@@ -346,3 +346,21 @@ def test_odma_serve_ray_without_ray_says_what_to_install():
                       "sys.exit(main(['--ray', '--model', 'no-such-model', '--log-level', 'error']))\n")
     assert done.returncode == 2, done.stderr
     assert "--ray needs Ray Serve: pip install 'odma[ray]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_ray_bench_gives_its_single_server_every_option_odma_bench_serve_does():
+    """odma-bench ray starts its `single` server with odma-bench serve's helper: every option that helper reads
+    must be in odma-bench ray's arguments (main added --schedule: the single mode crashed on it)."""
+    import argparse
+    import inspect
+    import re
+
+    from odma.bench import ray_bench, serve_bench
+
+    p = argparse.ArgumentParser()
+    ray_bench.add_arguments(p)
+    args = ray_bench._server_args(p.parse_args([]), "64MiB")
+    read = set(re.findall(r"args\.(\w+)", inspect.getsource(serve_bench._server_process)))
+    assert read and read <= set(vars(args)), sorted(read - set(vars(args)))
+    config = ray_bench._engine_config(p.parse_args(["--schedule", "sjf"]), "64MiB")
+    assert config.schedule == "sjf" and config.kv_budget == "64MiB"  # the replicas get the same options

@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default="default")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads of every engine (single and each replica)")
+    p.add_argument("--schedule", default="fcfs", choices=["fcfs", "sjf"], help="every engine's order of service")
+    p.add_argument("--sjf-aging-rounds", type=int, default=None, help="every engine's sjf aging bound")
+    p.add_argument("--probe", default=None, help="every engine's length probe (e.g. 'probe')")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--modes", default="single,odma,pow2", help=f"comma-separated, of {MODES}")
     p.add_argument("--rounds", type=int, default=1, help="repeat the modes this often (ratios per round)")
@@ -72,7 +75,9 @@ def _engine_config(args, kv_budget: str):
     cap = str(max(args.max_tokens, args.hop_max_tokens, 16))
     argv = ["--model", args.model, "--policy", args.policy, "--kv-budget", kv_budget, "--max-num-seqs",
             str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor, "--dtype", args.dtype,
-            "--threads", str(args.threads), "--length-log", "", "--max-tokens-cap", cap, "--default-max-tokens", cap]
+            "--threads", str(args.threads), "--length-log", "", "--max-tokens-cap", cap, "--default-max-tokens", cap,
+            "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),
+            *(["--probe", args.probe] if args.probe else [])]
     return config_from_args(build_parser().parse_args(argv))
 
 
