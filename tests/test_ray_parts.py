@@ -364,3 +364,15 @@ def test_the_ray_bench_gives_its_single_server_every_option_odma_bench_serve_doe
     assert read and read <= set(vars(args)), sorted(read - set(vars(args)))
     config = ray_bench._engine_config(p.parse_args(["--schedule", "sjf"]), "64MiB")
     assert config.schedule == "sjf" and config.kv_budget == "64MiB"  # the replicas get the same options
+
+
+def test_odma_serve_ray_flags_reach_the_settings():
+    from odma.server.cli import build_parser, ray_settings_from_args
+
+    default = ray_settings_from_args(build_parser().parse_args(["--ray"]))
+    assert default.max_hold_s == 0 and default.router == "odma" and default.predict_at == "front"
+    set_ = ray_settings_from_args(build_parser().parse_args(
+        ["--ray", "--replicas", "3", "--router", "pow2", "--predict-at", "replica", "--router-max-hold-s", "5",
+         "--threads", "2", "--max-queue", "9"]))
+    assert (set_.replicas, set_.router, set_.predict_at, set_.max_hold_s, set_.replica_cpus, set_.max_queue) == \
+        (3, "pow2", "replica", 5.0, 2.0, 9)

@@ -4,7 +4,8 @@ router against Ray Serve's default power-of-two-choices, on the same trace repla
 Modes (`--modes`, run in the order given, `--rounds` times): `single` (one odma-serve process with the whole
 `--kv-budget`), `odma` / `pow2` (`--replicas` engine replicas on a local Ray, each with budget / replicas, behind
 the memory-aware router or Ray's default; the predictor runs at the ingress), `odma-replica` (the memory-aware
-router with the predictor at the replicas). Each measurement starts from a fresh deployment after a short warm-up.
+router with the predictor at the replicas), `odma-hold` (the router holds a request no replica has room for,
+up to 10 s; the default never holds), `odma-nohold` (explicitly never holds: the default). Each measurement starts from a fresh deployment after a short warm-up.
 `--hop` adds the Ray hop's overhead at low load: sequential requests (one at a time), TTFT of `single` vs Ray.
 """
 
@@ -23,7 +24,7 @@ from odma.bench import serve_bench
 
 # Ray modes: the RaySettings each one changes
 RAY_MODES = {"odma": {}, "pow2": {"router": "pow2"}, "odma-replica": {"predict_at": "replica"},
-             "odma-nohold": {"max_hold_s": 0.0}}
+             "odma-hold": {"max_hold_s": 10.0}, "odma-nohold": {"max_hold_s": 0.0}}
 MODES = ("single", *RAY_MODES)
 
 
@@ -164,8 +165,8 @@ def _ratios(rounds: list[dict]) -> dict:
     """Per round, side by side: memory-aware vs power-of-two, each Ray mode vs one odma-serve."""
     out: dict = {}
     for r in rounds:
-        for a, b in (("odma", "pow2"), ("odma-nohold", "pow2"), ("odma", "single"), ("pow2", "single"),
-                     ("odma-replica", "odma")):
+        for a, b in (("odma", "pow2"), ("odma-hold", "pow2"), ("odma-nohold", "pow2"), ("odma", "single"),
+                     ("odma-hold", "single"), ("pow2", "single"), ("odma-replica", "odma")):
             if a in r and b in r:
                 key = f"{a}/{b}"
                 entry = out.setdefault(key, {"throughput": [], "ttft_p99": [], "ttft_p50": []})

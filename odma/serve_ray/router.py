@@ -34,7 +34,7 @@ class MemoryAwareRouter(RequestRouter):
     Ray Serve pickles this module by value into the process that routes: shared state is reached through
     imported modules (`scoring.ROUTING`), which stay references."""
 
-    def initialize_state(self, max_skips: int = DEFAULT_MAX_SKIPS, max_hold_s: float = 10.0, w_memory: float = 1.0,
+    def initialize_state(self, max_skips: int = DEFAULT_MAX_SKIPS, max_hold_s: float = 0.0, w_memory: float = 1.0,
                          w_compute: float = 1.0) -> None:
         self._holds = HoldBook(max_skips, max_hold_s)
         self._weights = {"w_memory": w_memory, "w_compute": w_compute}

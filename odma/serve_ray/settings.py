@@ -24,7 +24,10 @@ class RaySettings:
     stats_period_s: float = 0.2  # Ray Serve polls each replica's load for the router this often
     report_period_s: float = 0.5  # each replica reports realized lengths, load and metrics to the cluster state
     max_skips: int = DEFAULT_MAX_SKIPS  # a request held at the router for room is passed over at most this often
-    max_hold_s: float = 10.0  # ... and held at most this long, then it waits at a replica (0: never hold)
+    # ... and held at most this long, then it waits at a replica. 0 (the default): never hold; a request without
+    # room waits in the queue of the replica closest to room, under that engine's own guard. Holding measured
+    # worse on NQ (TTFT p50 x4.6-10, docs/BENCHMARKS.md): the router learns of freed room later than the replica.
+    max_hold_s: float = 0.0
     w_memory: float = 1.0  # odma.kv.placement's weights
     w_compute: float = 1.0
     max_queue: int = 256  # requests (samples) waiting in the whole cluster before 429

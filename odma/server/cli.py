@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the length predictor runs: front (once, at the ingress, so the router sees it) or replica")
     ray.add_argument("--ray-address", default=None, help="join a running Ray cluster (auto, ray://host:10001); default: start one")
     ray.add_argument("--replica-cpus", type=float, default=None, help="Ray CPUs per replica (default: --threads)")
+    ray.add_argument("--router-max-hold-s", type=float, default=r.max_hold_s,
+                     help="hold a request no replica has room for at the router up to this long (0: never; it "
+                          "waits at the replica closest to room)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -127,7 +130,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def ray_settings_from_args(args: argparse.Namespace) -> RaySettings:
     return RaySettings(replicas=args.replicas, router=args.router, predict_at=args.predict_at, address=args.ray_address,
-                       replica_cpus=args.replica_cpus or float(args.threads), max_queue=args.max_queue)
+                       replica_cpus=args.replica_cpus or float(args.threads), max_queue=args.max_queue,
+                       max_hold_s=args.router_max_hold_s)
 
 
 def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | None = None, *,
