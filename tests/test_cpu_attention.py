@@ -143,3 +143,22 @@ def test_a_compiler_without_march_native_gets_the_portable_build(monkeypatch, tm
     monkeypatch.setenv("CC", str(wrapper))
     assert cpu_attention.load() is not None
     assert len(list((tmp_path / "cache").rglob("*.so"))) == 1  # the portable one; the refused build left nothing
+
+
+@pytest.mark.parametrize("head_dim", [64, 12])  # 64: the vectorized path (8 rows at a time) where built; 12: plain
+def test_kernel_matches_a_float64_reference_at_every_row_tail(kernel, head_dim):
+    heads, kv_heads, cap = 9, 3, 48
+    g = torch.Generator().manual_seed(7)
+    lens = [1, 7, 8, 9, 16, 17, 33]  # every remainder of 8 that matters, and a single row
+    blocks = [torch.randn(1, 2, cap, kv_heads, head_dim, generator=g) for _ in lens]
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    k, v = (torch.randn(len(lens), kv_heads, head_dim, generator=g) for _ in range(2))
+    ref = []
+    for i, n in enumerate(lens):
+        kk = torch.cat([blocks[i][0, 0, : n - 1], k[i : i + 1]]).double()
+        vv = torch.cat([blocks[i][0, 1, : n - 1], v[i : i + 1]]).double()
+        qq = q[i].double().view(kv_heads, heads // kv_heads, head_dim)
+        s = torch.einsum("kgd,tkd->kgt", qq, kk) * head_dim ** -0.5
+        ref.append(torch.einsum("kgt,tkd->kgd", s.softmax(-1), vv).reshape(heads, head_dim))
+    out = kernel.plan(blocks, [n - 1 for n in lens], [1] * len(lens), workers=1).attend(0, q, k, v)
+    torch.testing.assert_close(out.double(), torch.stack(ref), atol=1e-5, rtol=1e-5)

@@ -39,3 +39,12 @@ def test_top_p_keeps_only_the_nucleus():
     params = [SamplingParams(temperature=1.0, top_p=0.8)]
     picks = {_draw(Sampler, logits, params, seed)[0] for seed in range(200)}
     assert picks == {0, 1}  # 0.6 alone < 0.8; 0.6 + 0.3 reaches it; the tail is never drawn
+
+
+def test_the_model_s_inference_tensors_can_be_sampled_outside_inference_mode():
+    # the sampler edits logits in place (temperature, banned ids); a model's output is an inference tensor
+    with torch.inference_mode():
+        logits = torch.randn(3, 50) * 4
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0), SamplingParams(min_tokens=2)]
+    picks = Sampler()(logits, params, [None, None, None], [(), (), (1, 2)])
+    assert len(picks) == 3 and picks[1] == int(logits[1].argmax()) and picks[2] not in (1, 2)

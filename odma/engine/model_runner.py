@@ -8,12 +8,15 @@ from backends import Arena, Backend, KVLayout, Span
 from odma.engine.logprobs import SampledLogprobs, prompt_logprobs
 from odma.engine.scheduler import Work
 from odma.engine.sampling import Sampler
+from odma.models.cpu_linear import pack_linears
 from odma.models.llama import CausalLM, HiddenCapture, SeqSlot
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: Backend, total_tokens: int, kv_dtype: torch.dtype | None = None) -> None:
         c = model.config
+        if backend.name == "cpu":
+            pack_linears(model)  # oneDNN-packed weights: decode GEMMs without a per-call repack (cpu_linear.py)
         self.model = model
         self.backend = backend
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype)

@@ -71,8 +71,10 @@ def generator_seed(seed: int, index: int = 0) -> int:
 
 class Sampler:
     """Picks one token per row. Rows that sample use an inverse-CDF draw with one uniform per row,
-    taken from the request's own generator when it has a seed (so reruns repeat exactly)."""
+    taken from the request's own generator when it has a seed (so reruns repeat exactly).
+    The logits it is given may be overwritten (a [batch, vocab] copy per step is what it avoids)."""
 
+    @torch.inference_mode()  # logits from the model are inference tensors; they are edited in place below
     def __call__(
         self,
         logits: torch.Tensor,
@@ -84,11 +86,13 @@ class Sampler:
         for i, ban in enumerate(banned):
             if ban:  # min_tokens: EOS / stop ids may not end the request yet
                 logits[i, list(ban)] = -math.inf
-        out = logits.argmax(-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        out = torch.empty(len(params), dtype=torch.long)
+        if greedy:  # before _sample, which may scale the logits in place
+            out[greedy] = _rows(logits, greedy).argmax(-1)
         if rows:
-            picked = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
-            out[rows] = picked
+            out[rows] = self._sample(_rows(logits, rows), [params[i] for i in rows], [generators[i] for i in rows])
         return out.tolist()
 
     # Top-p/top-k only look at the head of the distribution: take the largest probabilities of each row
@@ -102,12 +106,12 @@ class Sampler:
     def _sample(cls, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
         vocab = logits.shape[-1]
         temp = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        probs = torch.softmax(logits / temp, dim=-1)
+        probs = torch.softmax(logits.div_(temp), dim=-1)
         u = torch.cat([torch.rand(1, generator=g) for g in gens])
         out = torch.empty(len(params), dtype=torch.long)
         plain = [i for i, p in enumerate(params) if p.top_p >= 1 and (p.top_k == 0 or p.top_k >= vocab)]
         if plain:
-            out[plain] = _inverse_cdf(probs[plain], u[plain])
+            out[plain] = _inverse_cdf(_rows(probs, plain), u[plain])
         plain_rows = set(plain)
         rows = [i for i in range(len(params)) if i not in plain_rows]  # rows still to sample
         for k in (*(h for h in cls.HEADS if h < vocab), vocab):
@@ -116,10 +120,10 @@ class Sampler:
             top_p = torch.tensor([params[i].top_p for i in rows]).unsqueeze(1)
             top_k = torch.tensor([min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in rows]).unsqueeze(1)
             if k < vocab:
-                sorted_p, order = probs[rows].topk(k, dim=-1, sorted=True)
+                sorted_p, order = _rows(probs, rows).topk(k, dim=-1, sorted=True)
                 done = ((sorted_p.sum(-1, keepdim=True) >= top_p) | (top_k <= k)).squeeze(1).tolist()
             else:
-                sorted_p, order = probs[rows].sort(dim=-1, descending=True)
+                sorted_p, order = _rows(probs, rows).sort(dim=-1, descending=True)
                 done = [True] * len(rows)
             here = [j for j, ok in enumerate(done) if ok]
             if here:
@@ -132,6 +136,11 @@ class Sampler:
                 out[[rows[j] for j in here]] = order.gather(1, idx.unsqueeze(1)).squeeze(1)
             rows = [rows[j] for j, ok in enumerate(done) if not ok]
         return out
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] without copying [batch, vocab] when rows are all of them, in order (the usual case)."""
+    return t if len(rows) == t.shape[0] and rows == list(range(len(rows))) else t[rows]
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -178,11 +178,11 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype  # not lm_head's: on CPU it may hold only a packed copy
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         c = self.config

