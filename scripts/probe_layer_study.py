@@ -13,7 +13,6 @@ with the ridge strength chosen on a slice of train. The test split is not touche
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 
-def pooled_states(states_model, prompts: list[str], chunk_tokens: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+def pooled_states(states_model, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(last, mean): [n, layers + 1, hidden] each."""
     import torch
 
@@ -51,22 +50,21 @@ def pooled_states(states_model, prompts: list[str], chunk_tokens: int = 4096) ->
     return last, mean
 
 
-def cached_states(states_model, name: str, prompts: list[str], folder: Path):
-    key = hashlib.sha256(("\n".join(prompts)).encode()).hexdigest()[:12]
-    path = folder / f"{name.replace('/', '_').replace(':', '_')}-{key}.npz"
-    if path.exists():
-        with np.load(path) as d:
-            return d["last"], d["mean"]
-    out_last, out_mean = [], []
-    for s in range(0, len(prompts), 256):
-        a, b = pooled_states(states_model, prompts[s : s + 256])
-        out_last.append(a)
-        out_mean.append(b)
-        print(f"  states {min(s + 256, len(prompts))}/{len(prompts)}", flush=True)
-    last, mean = np.concatenate(out_last), np.concatenate(out_mean)
-    folder.mkdir(parents=True, exist_ok=True)
-    np.savez(path, last=last, mean=mean)
-    return last, mean
+def cached_states(states_model, prompts: list[str], last_cache, mean_cache):
+    """Last-token states go to the training pipeline's cache (odma-train --model probe reads them), mean-pooled
+    ones to the study's own."""
+    _, miss_last = last_cache.lookup(prompts)
+    _, miss_mean = mean_cache.lookup(prompts)
+    missing = sorted(set(miss_last) | set(miss_mean))
+    for s in range(0, len(missing), 256):
+        idx = missing[s : s + 256]
+        a, b = pooled_states(states_model, [prompts[i] for i in idx])
+        last_cache.add([prompts[i] for i in idx], a)
+        mean_cache.add([prompts[i] for i in idx], b)
+        print(f"  states {min(s + 256, len(missing))}/{len(missing)}", flush=True)
+    last, _ = last_cache.lookup(prompts)
+    mean, _ = mean_cache.lookup(prompts)
+    return np.stack(last), np.stack(mean)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from predictor.features import MetadataEncoder
     from predictor.probe.fit import fit_ridge
+    from odma.config import default_cache_dir
     from predictor.probe.hidden import ServedModelStates
+    from predictor.probe.identity import model_identity
+    from predictor.probe.state_cache import StateCache
     from training import data
 
     torch.set_num_threads(args.threads)
@@ -90,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     cap = min(args.max_new_tokens, data.length_cap(trace, args.max_new_tokens))
     train_t, val_t, _ = data.splits(trace)
     states_model = ServedModelStates.load("smollm2")
-    tr_last, tr_mean = cached_states(states_model, "train", [r.prompt for r in train_t.records], args.cache)
-    va_last, va_mean = cached_states(states_model, "val", [r.prompt for r in val_t.records], args.cache)
+    identity = model_identity(states_model.model)
+    last_cache = StateCache(default_cache_dir(), identity)
+    mean_cache = StateCache(args.cache, identity + "-mean")
+    tr_last, tr_mean = cached_states(states_model, [r.prompt for r in train_t.records], last_cache, mean_cache)
+    va_last, va_mean = cached_states(states_model, [r.prompt for r in val_t.records], last_cache, mean_cache)
     y_tr, y_va = data.capped_lengths(train_t, cap), data.capped_lengths(val_t, cap)
     meta = MetadataEncoder.fit(train_t.records)
     m_tr, m_va = meta.encode(train_t.records), meta.encode(val_t.records)

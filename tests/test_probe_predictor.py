@@ -225,3 +225,27 @@ def test_corrupt_or_incomplete_probe_folders_fail_clearly(trained, tmp_path):
     (broken / "predictor.json").write_text(json.dumps(manifest))
     with pytest.raises(PredictorError, match="probe head takes"):
         load_predictor(str(broken))
+
+
+def test_the_committed_answers_load_as_a_named_trace():
+    """datasets/smollm2_answers: SmolLM2's own answers, capped at 512, every sample of a prompt in one split."""
+    from collections import defaultdict
+
+    from odma.traces import load_trace, split_trace
+
+    trace = load_trace("smollm2-answers")
+    assert trace.name == "smollm2-answers" and trace.meta["length_cap"] == 512 and len(trace) >= 1500
+    assert all(r.output and 1 <= r.output_tokens <= 512 and r.generator == "SmolLM2-135M-Instruct" for r in trace)
+    assert all(r.finished or r.output_tokens == 512 for r in trace)
+    split_of = {}
+    for name, part in zip(("train", "val", "test"), split_trace(trace)):
+        split_of.update({r.request_id: name for r in part.records})
+    by_prompt = defaultdict(set)
+    for r in trace:
+        by_prompt[r.request_id.split("#")[0]].add(split_of[r.request_id])
+    assert all(len(s) == 1 for s in by_prompt.values())
+    multi = [p for p in by_prompt if sum(r.request_id.startswith(p + "#") for r in trace) >= 5]
+    assert len(multi) >= 200
+    # drawn from the source traces' val/test splits; ShareGPT's source splits by conversation, this trace by prompt
+    # text, so only the Alpaca and NQ ones are sure to stay out of training here
+    assert {split for p in multi if not p.startswith("sharegpt") for split in by_prompt[p]} <= {"val", "test"}
