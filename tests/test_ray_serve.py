@@ -172,7 +172,8 @@ def test_shared_bounds_learned_from_both_replicas_reach_both(cluster):
                                       if l.startswith("odma_bucket_bound_tokens{") and 'bucket="-1"' not in l)
                          for name, text in texts.items()}
             learned = {96, 208} <= set(snap["bounds"])  # 90 and 200 (from both replicas), aligned to 16
-            if learned and len(bounds_of) == 2 and all(b == snap["bounds"] for b in bounds_of.values()):
+            reported = snap["lengths_seen"] >= before["lengths_seen"] + len(lengths)  # the bounds may come first
+            if learned and reported and len(bounds_of) == 2 and all(b == snap["bounds"] for b in bounds_of.values()):
                 break
             time.sleep(0.25)
     assert snap["lengths_seen"] >= before["lengths_seen"] + len(lengths) and snap["bounds"] != before["bounds"]
