@@ -249,3 +249,21 @@ def test_the_committed_answers_load_as_a_named_trace():
     # drawn from the source traces' val/test splits; ShareGPT's source splits by conversation, this trace by prompt
     # text, so only the Alpaca and NQ ones are sure to stay out of training here
     assert {split for p in multi if not p.startswith("sharegpt") for split in by_prompt[p]} <= {"val", "test"}
+
+
+def test_the_shipped_smollm2_probe_loads_by_name_and_ranks_an_essay_above_a_short_answer():
+    """predictor/default/probe: trained by `odma-train --model probe --no-refine --trace smollm2-answers,nq`
+    (docs/predictor.md); it reads the installed SmolLM2's own states."""
+    from types import SimpleNamespace
+
+    from predictor.registry import load_predictor
+
+    probe = load_predictor("probe")
+    assert probe.manifest.kind == "probe" and probe.calibration is not None
+    assert probe.manifest.report["spearman"] >= 0.5  # the recorded test-split quality of what is shipped
+    essay, capital = probe.predict([
+        SimpleNamespace(prompt="Write a long, detailed essay about the history of the Roman Empire.", prompt_tokens=45),
+        SimpleNamespace(prompt="What is the capital of France?", prompt_tokens=38)])
+    cap = probe.calibration.large_bound
+    assert all(1 <= p.length <= cap and 0 <= p.uncertainty <= 1 for p in (essay, capital))
+    assert essay.length > 2 * capital.length

@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-layer", type=int, help="--model probe: layer of the served model (default: measured)")
     p.add_argument("--served-model", default="smollm2", help="--model probe: the model whose states are read")
     p.add_argument("--refine-every", type=int, default=16, help="--model probe: decode steps between refinements")
+    p.add_argument("--no-refine", action="store_true",
+                   help="--model probe: only the prompt-time head (the decode-time head teacher-forces every answer)")
     p.add_argument("--backbone", default="minilm", help="'minilm' (offline default) or a local HF encoder folder")
     p.add_argument("--layers", type=int, default=3,
                    help="keep the first N encoder layers (0 = all); fewer is faster, see docs/predictor.md")
@@ -87,7 +89,7 @@ def _run(args) -> dict:
         max_len=args.max_len, quantize=not args.no_quantize, target=args.target, max_new_tokens=args.max_new_tokens,
         table_groups=args.table_groups, limit=args.limit, s3_baseline=not args.no_s3_baseline, threads=args.threads, seed=args.seed,
         finetune_layers=args.finetune_layers, finetune_epochs=args.finetune_epochs, progress=not args.quiet,
-        probe_layer=args.probe_layer, served_model=args.served_model, refine_every=args.refine_every))
+        probe_layer=args.probe_layer, served_model=args.served_model, refine_every=args.refine_every, refine=not args.no_refine))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ class TrainOptions:
     probe_layer: int | None = None  # --model probe: the served model's layer (None: chosen on a train holdout)
     served_model: str = "smollm2"  # --model probe: whose hidden states
     refine_every: int = 16  # --model probe: decode steps between refinements (what the engine is told)
+    refine: bool = True  # --model probe: fit the decode-time head (teacher-forces every training answer: slow)
 
 
 def _log(opts: TrainOptions, msg: str) -> None:
@@ -76,7 +77,7 @@ def train(opts: TrainOptions) -> dict:
             from training.probe import ProbeOptions, train_probe
 
             predictor = train_probe(ProbeOptions(served_model=opts.served_model, layer=opts.probe_layer,
-                                                 refine_every=opts.refine_every, seed=opts.seed),
+                                                 refine_every=opts.refine_every, refine=opts.refine, seed=opts.seed),
                                     trace, train_t, val_t, y_train, stats, out, opts.progress,
                                     lambda msg: _log(opts, msg))
         export_check = None
