@@ -2,8 +2,9 @@
 
 Layers, lowest first: `backends` (devices; knows nothing of odma) · odma's core (errors, config, traces,
 tokenizer) · `odma.kv` (the memory room) and `odma.models` · `predictor` · `odma.engine` · `odma.analyze`,
-`training` · `odma.server` · `odma.bench`. A package may import only packages listed for it below; no package
-imports another's private (`_name`) members; no two modules import each other at import time.
+`training` · `odma.server` (with `odma.serve_ray`, the same server on Ray Serve) · `odma.bench`. A package may
+import only packages listed for it below; no package imports another's private (`_name`) members; no two modules
+import each other at import time.
 """
 
 from __future__ import annotations
@@ -30,10 +31,15 @@ ALLOWED = {
 }
 
 
+SAME_LAYER = {"serve_ray": "server"}  # odma-serve on Ray Serve: the server's layer (the CLI starts either)
+
+
 def layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "odma":
         return parts[0]
+    if len(parts) > 1 and parts[1] in SAME_LAYER:
+        return f"odma.{SAME_LAYER[parts[1]]}"
     return f"odma.{parts[1]}" if len(parts) > 1 and parts[1] in SUBPACKAGES else "odma.core"
 
 

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "scheduler": ("odma.bench.scheduler_bench", "the engine's scheduler and pool on a trace, with a measured step-time model"),
     "balloon": ("odma.bench.balloon_bench", "long-context workload, KV <-> activation ballooning off vs on, same memory"),
     "serve": ("odma.bench.serve_bench", "replay a trace against odma-serve over HTTP (or HF generate as a baseline)"),
+    "ray": ("odma.bench.ray_bench", "odma on Ray Serve vs one odma-serve (same total KV); memory-aware vs power-of-two routing"),
     "profile": ("odma.bench.profile_bench", "shares of a prefill and a decode step (GEMM, attention, sampling, Python) and their roofline"),
     "peer": ("odma.bench.peer_bench", "odma-serve vs vLLM-CPU: same model, KV bytes and threads; guidellm + natural lengths"),
 }

@@ -49,6 +49,29 @@ def open_backend(device: str):
         raise ConfigError(str(exc)) from None
 
 
+def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_tokens_cap: int, max_model_len: int,
+                  max_request_tokens: int, align: int) -> None:
+    """Refuse a request no engine with these limits could serve (InvalidRequestError / RequestTooLargeError), before
+    anything is queued. Also what a cluster's ingress checks, which holds no model."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty (0 tokens)")
+    if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if params.max_tokens > max_tokens_cap:
+        raise InvalidRequestError(f"max_tokens {params.max_tokens} exceeds this server's cap of {max_tokens_cap}")
+    total = len(ids) + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
+            f"context of {max_model_len} tokens"
+        )
+    if -(-total // align) * align > max_request_tokens:
+        raise RequestTooLargeError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the KV pool's largest "
+            f"block ({max_request_tokens} tokens); lower max_tokens or raise --kv-budget"
+        )
+
+
 class NullMetrics:
     """The hooks the engine calls; the server's Prometheus metrics implement the same methods."""
 
@@ -230,25 +253,14 @@ class LLMEngine:
         return seqs
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty (0 tokens)")
-        vocab = self.model.config.vocab_size
-        if any(type(t) is not int or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if params.max_tokens > self.config.max_tokens_cap:
-            raise InvalidRequestError(f"max_tokens {params.max_tokens} exceeds this server's cap of {self.config.max_tokens_cap}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        limit = max(w.kv.max_request_tokens for w in self.workers)
-        if not self._fits(total, limit):
-            raise RequestTooLargeError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the KV pool's largest "
-                f"block ({limit} tokens); lower max_tokens or raise --kv-budget"
-            )
+        check_request(ids, params, vocab_size=self.model.config.vocab_size, max_tokens_cap=self.config.max_tokens_cap,
+                      max_model_len=self.max_model_len, max_request_tokens=self.max_request_tokens,
+                      align=self.config.pool.align)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + output tokens the largest block of any device's pool can hold."""
+        return max(w.kv.max_request_tokens for w in self.workers)
 
     def _fits(self, tokens: int, limit: int) -> bool:
         return -(-tokens // self.config.pool.align) * self.config.pool.align <= limit

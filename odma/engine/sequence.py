@@ -22,6 +22,9 @@ class RequestTags:
     system_prompt_id: str | None = None  # a stable hash of the system prompt: recurring ones are learnable
     prior_output_tokens: float | None = None  # mean tokens of the conversation's earlier assistant replies
     last_output_tokens: int | None = None  # tokens of the latest of them
+    # (L̂, u) predicted upstream (a cluster's ingress predicts once, to route by it): the engine tags the request
+    # with it instead of running its own predictor
+    prediction: tuple[float, float] | None = None
 
 
 class Status(Enum):

@@ -25,19 +25,13 @@ class LengthTagger:
         self.rejected = 0  # predictions not finite or out of range: those requests reserved the worst case
 
     def tag(self, seqs: list[Sequence]) -> None:
-        """Predict (L̂, u) for the new requests in one batch and record the bucket each selects. An unusable
-        prediction (not finite, negative) or a failing call leaves the request untagged: it reserves for the worst
-        case."""
-        requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
-        start = time.perf_counter()
-        try:
-            preds = list(self.predictor.predictor.predict(requests))
-            if len(preds) != len(seqs):
-                raise ValueError(f"{len(preds)} predictions for {len(seqs)} requests")
-        except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: reserve for the worst case
-            log.exception("length predictor failed; these requests go to the large bucket")
-            preds = [None] * len(seqs)
-        self.metrics.on_predict(time.perf_counter() - start, len(seqs))
+        """Predict (L̂, u) for the new requests in one batch (a request that brings a prediction made upstream, e.g.
+        at a cluster's router, keeps it) and record the bucket each selects. An unusable prediction (not finite,
+        negative) or a failing call leaves the request untagged: it reserves for the worst case."""
+        given = {id(s): s.tags.prediction for s in seqs if s.tags is not None and s.tags.prediction is not None}
+        todo = [s for s in seqs if id(s) not in given]
+        predicted = iter(self._predict(todo) if todo else ())
+        preds = [given[id(s)] if id(s) in given else next(predicted) for s in seqs]
         select = getattr(self.policy, "select", None)  # bucketed policies: the bucket reserve() will pick
         for seq, pred in zip(seqs, preds):
             checked = usable_prediction(pred)
@@ -56,6 +50,19 @@ class LengthTagger:
                     continue
             seq.predicted_length = seq.predicted_tokens = checked[0]
             seq.uncertainty = checked[1]
+
+    def _predict(self, seqs: list[Sequence]) -> list:
+        requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
+        start = time.perf_counter()
+        try:
+            preds = list(self.predictor.predictor.predict(requests))
+            if len(preds) != len(seqs):
+                raise ValueError(f"{len(preds)} predictions for {len(seqs)} requests")
+        except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: reserve for the worst case
+            log.exception("length predictor failed; these requests go to the large bucket")
+            preds = [None] * len(seqs)
+        self.metrics.on_predict(time.perf_counter() - start, len(seqs))
+        return preds
 
     def learn(self, seq: Sequence) -> None:
         """A request finished with a realized length."""

@@ -128,6 +128,7 @@ class BucketManager:
         self._since_refresh = 0
         self._last_refresh = time.monotonic()
         self._dynamic = True
+        self._follower = False  # bounds come from elsewhere (install), e.g. a cluster's shared window
         self._large_choice = BucketChoice(LARGE, self.config.large_bound)
         self._bounds = default_bounds(self.config)
         self.version = 0
@@ -206,7 +207,7 @@ class BucketManager:
     # -- refresh (off the hot path) --------------------------------------------------------------
 
     def refresh_due(self) -> bool:
-        if not self._dynamic or len(self._window) < self.config.min_samples:
+        if not self._dynamic or self._follower or len(self._window) < self.config.min_samples:
             return False
         return (
             self._since_refresh >= self.config.refresh_every_n
@@ -225,6 +226,24 @@ class BucketManager:
             return False
         new = self.compute_bounds(snapshot)
         self.refreshes += 1
+        if new == self._bounds:
+            return False
+        self._bounds = new
+        self.version += 1
+        return True
+
+    def follow(self) -> None:
+        """From now on the bounds are computed elsewhere and handed in with `install` (several engines that share
+        one window of realized lengths); this manager still observes, but never refreshes from its own window."""
+        self._follower = True
+
+    def install(self, bounds: Sequence[int]) -> bool:
+        """Adopt bounds computed elsewhere (sorted, positive, at most the large bound); True if they changed.
+        Like a refresh: one swap, readers never block, in-flight requests keep their blocks."""
+        new = tuple(int(b) for b in bounds)
+        if not new or list(new) != sorted(set(new)) or new[0] < 1 or new[-1] > self.config.large_bound:
+            raise ConfigError(f"bucket bounds must be increasing positive integers up to {self.config.large_bound}, "
+                              f"got {list(bounds)}")
         if new == self._bounds:
             return False
         self._bounds = new

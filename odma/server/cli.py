@@ -12,6 +12,7 @@ from odma.config import BucketConfig, PoolConfig, default_cache_dir
 from odma.engine.config import POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
+from odma.serve_ray.settings import PREDICT_AT, ROUTERS, RaySettings
 
 log = logging.getLogger("odma.serve")
 
@@ -85,6 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(temperature, top_p, top_k, max_new_tokens)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads (default: all cores but one, which the HTTP side and the predictor need)")
+    ray = p.add_argument_group("Ray Serve (several replicas behind one endpoint; needs the ray extra: pip install 'odma[ray]')")
+    r = RaySettings()
+    ray.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines behind one endpoint")
+    ray.add_argument("--replicas", type=int, default=r.replicas, help="engine replicas (each: --kv-budget, --threads)")
+    ray.add_argument("--router", default=r.router, choices=ROUTERS,
+                     help="odma: memory-aware (predicted KV need vs each replica's largest free range and queue); "
+                          "pow2: Ray Serve's default power-of-two-choices")
+    ray.add_argument("--predict-at", default=r.predict_at, choices=PREDICT_AT,
+                     help="where the length predictor runs: front (once, at the ingress, so the router sees it) or replica")
+    ray.add_argument("--ray-address", default=None, help="join a running Ray cluster (auto, ray://host:10001); default: start one")
+    ray.add_argument("--replica-cpus", type=float, default=None, help="Ray CPUs per replica (default: --threads)")
+    ray.add_argument("--router-max-hold-s", type=float, default=r.max_hold_s,
+                     help="hold a request no replica has room for at the router up to this long (0: never; it "
+                          "waits at the replica closest to room)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -113,6 +128,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def ray_settings_from_args(args: argparse.Namespace) -> RaySettings:
+    return RaySettings(replicas=args.replicas, router=args.router, predict_at=args.predict_at, address=args.ray_address,
+                       replica_cpus=args.replica_cpus or float(args.threads), max_queue=args.max_queue,
+                       max_hold_s=args.router_max_hold_s)
+
+
 def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | None = None, *,
                  generation_config: str = "auto", override_generation_config: str | None = None, max_n: int = 16):
     """(app, runtime): the engine, its metrics and the FastAPI app, ready for uvicorn."""
@@ -137,6 +158,18 @@ def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | 
     return app, runtime
 
 
+def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
+    try:
+        import ray.serve  # noqa: F401 - odma.serve_ray imports Ray only once it deploys: say what is missing now
+    except ImportError as exc:
+        raise ConfigError(f"--ray needs Ray Serve: pip install 'odma[ray]' ({exc})") from None
+    from odma.serve_ray.app import serve_forever
+
+    return serve_forever(config, ray_settings_from_args(args), host=args.host, port=args.port,
+                         served_name=args.served_model_name, generation_config=args.generation_config,
+                         override_generation_config=args.override_generation_config, max_n=args.max_n)
+
+
 # Libraries that log at INFO on the root logger (onnxruntime's quantizer printed ~40 lines while the default
 # predictor was built): the server's own loggers follow --log-level, the rest only say warnings unless debugging.
 OWN_LOGGERS = ("odma", "predictor", "backends", "training", "uvicorn")
@@ -159,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         log.info("starting odma-serve: model=%s device=%s policy=%s kv-budget=%s (cache: %s)",
                  config.model, config.device, config.policy, config.kv_budget, default_cache_dir())
+        if args.ray:
+            return _serve_on_ray(args, config)
         app, _ = build_server(config, args.max_queue, args.served_model_name, generation_config=args.generation_config,
                               override_generation_config=args.override_generation_config, max_n=args.max_n)
     except OdmaError as exc:

@@ -99,8 +99,7 @@ class JobBuilder:
 
     def _room(self) -> int:
         """Prompt + output tokens one request may hold: the model's context or the largest block, less."""
-        largest = max(w.kv.max_request_tokens for w in self.engine.workers)
-        return min(self.engine.max_model_len, largest)
+        return min(self.engine.max_model_len, self.engine.max_request_tokens)
 
     def _tags(self, body) -> RequestTags:
         """The predictor's metadata: how deep the conversation is (assistant turns so far), how long those

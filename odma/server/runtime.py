@@ -64,6 +64,11 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
+    @property
+    def alive(self) -> bool:
+        """The engine loop thread runs (a health check)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def has_room(self, samples: int = 1) -> bool:
         """Room in the queue for a request of `samples` samples (one request always fits an empty queue)."""
         waiting = self.engine.num_waiting
