@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -146,7 +147,7 @@ def test_swaps_are_atomic_under_concurrent_predict(tmp_path, monkeypatch):
 
     monkeypatch.setattr(online, "fit_online", recording_fit)
     probe = make(tmp_path, min_samples=100, refit_every=20, background=True)
-    x, reqs, y = draw(1200, 9)
+    x, reqs, y = draw(500, 9)
     batch, breqs = x[:16], reqs[:16]
     seen: list[list[Prediction]] = []
     errors: list[BaseException] = []
@@ -156,6 +157,7 @@ def test_swaps_are_atomic_under_concurrent_predict(tmp_path, monkeypatch):
         try:
             while not stop.is_set():
                 seen.append(probe.predict(batch, breqs))
+                time.sleep(0.0005)  # let the refit thread run: three spinning readers starve it of the GIL
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
