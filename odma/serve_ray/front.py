@@ -27,7 +27,7 @@ from odma.engine.llm_engine import check_request
 from odma.engine.sequence import RequestTags, Sequence
 from odma.kv import KVRequest, build_policy
 from odma.kv.buckets import align_up
-from odma.server.runtime import Event
+from odma.server.runtime import Event, drain_events
 from odma.serve_ray.merge_metrics import merge_texts
 from odma.serve_ray.messages import RemoteJob, Views, sample_ids
 from odma.serve_ray.scoring import ROUTING, ReplicaLoad
@@ -293,17 +293,9 @@ class RemoteRuntime:
         need = self.view.need(job.prompt_tokens, job.params.max_tokens, prediction, job.n)
         return replace(job, tags=tags, need=need)
 
-    async def events(self, handle: RemoteHandle) -> AsyncIterator[Event]:
+    def events(self, handle: RemoteHandle) -> AsyncIterator[Event]:
         """The events of all the handle's samples until each finished; leaving early cancels the replica's work."""
-        try:
-            while not handle.finished:
-                event = await handle.queue.get()
-                if event.finished:
-                    handle.remaining -= 1
-                yield event
-        finally:
-            if not handle.finished:
-                self.cancel(handle)
+        return drain_events(handle, self.cancel)
 
     def cancel(self, handle: RemoteHandle) -> None:
         if handle.task is not None and not handle.task.done():

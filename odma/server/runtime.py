@@ -36,6 +36,21 @@ class Event:
     seq: Sequence
 
 
+async def drain_events(handle, cancel) -> AsyncIterator[Event]:
+    """The events of all the handle's samples until each finished; leaving early (client gone) calls
+    `cancel(handle)`, which stops the samples still running and frees their blocks. Any handle with `queue`,
+    `remaining` and `finished` (this module's Handle, the Ray ingress's RemoteHandle)."""
+    try:
+        while not handle.finished:
+            event = await handle.queue.get()
+            if event.finished:
+                handle.remaining -= 1
+            yield event
+    finally:
+        if not handle.finished:
+            cancel(handle)
+
+
 def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
     for queue, event in items:
         queue.put_nowait(event)
@@ -125,18 +140,8 @@ class AsyncEngine:
         self._wake.set()
         return handle
 
-    async def events(self, handle: "Handle") -> AsyncIterator[Event]:
-        """The events of all the handle's samples until each finished; leaving early (client gone) cancels
-        the ones still running and frees their blocks."""
-        try:
-            while not handle.finished:
-                event = await handle.queue.get()
-                if event.finished:
-                    handle.remaining -= 1
-                yield event
-        finally:
-            if not handle.finished:
-                self.cancel(handle)
+    def events(self, handle: "Handle") -> AsyncIterator[Event]:
+        return drain_events(handle, self.cancel)
 
     def cancel(self, handle: "Handle") -> None:
         with self._lock:
