@@ -199,6 +199,23 @@ def test_the_engine_scheduler_charges_migrations_to_the_clock():
     assert res["grow32"]["makespan_s"] > res["oracle"]["makespan_s"]
 
 
+def test_admission_by_predicted_demand_admits_what_memory_can_finish():
+    """40 equal requests (10 + 60 tokens) in 700 slots, reserving a quarter of L̂ and growing bucket by bucket: the
+    pool alone admits more than it can grow (21 at once, 3,441 stalled request-steps); admitting by predicted demand
+    (oracle L̂, unscaled as the engine keeps it: 70 tokens each) runs at most 10 at once, hardly stalls (blocks round
+    up to bucket bounds) and finishes sooner. Both finish everything."""
+    policy = "odma/bounds=equal-width/scale=0.25"
+    res = run_engine(equal_trace(40, prompt=10, output=60), f"{policy},{policy}/demand=1.0", budget=700)["policies"]
+    pool_only, demand = res[policy], res[f"{policy}/demand=1.0"]
+    assert pool_only["peak_running"] > 10 and demand["peak_running"] <= 10 and demand["demand_refusals"] > 0
+    assert demand["stall_steps"] * 10 < pool_only["stall_steps"]
+    assert demand["makespan_s"] < pool_only["makespan_s"]
+    for r in (pool_only, demand):
+        assert r["completed"] == 40 and r["lost"] == 0
+    with pytest.raises(ConfigError, match="--scheduler engine"):
+        run(equal_trace(4, prompt=10, output=60), f"{policy}/demand=1.0", budget=700)
+
+
 def test_a_growth_hint_makes_one_growth_of_several():
     """Equal 60-token outputs reserved for a guess of 8 in equal-width buckets (16/32/48/64): without a hint a
     request climbs bucket by bucket (3 growths); hinted with its realized length it grows once."""

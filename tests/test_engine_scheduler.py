@@ -94,6 +94,37 @@ def _tagged(i: int, predicted: float) -> Sequence:
     return s
 
 
+def test_admission_by_predicted_demand_stops_where_the_running_set_would_outgrow_the_pool():
+    """Reservations start at the smallest bucket (16 slots), so the 48-slot pool alone admits three requests; each
+    is predicted to end at 8 + 20 = 28 tokens, so with demand 1.0 only one runs (a second makes 56 > 48), with
+    prediction 12 (ends at 20) two do. A request without a prediction counts its whole max_tokens (40), yet an
+    idle engine still admits it (no deadlock)."""
+    def admitted(demand, predicted):
+        sched = _scheduler(max_num_seqs=8, admission_demand=demand)
+        for i, p in enumerate(predicted):
+            sched.add(_tagged(i, p) if p is not None else Sequence(f"r{i}", [1] * 8, SamplingParams(max_tokens=32)))
+        names = _admitted(sched)
+        sched.kv.check()
+        return names, sched.counters.demand_refusals
+
+    assert admitted(None, [20, 20, 20]) == (["r0", "r1", "r2"], 0)  # the pool alone: three small blocks
+    assert admitted(1.0, [20, 20, 20]) == (["r0"], 2)
+    assert admitted(1.0, [12, 12, 12]) == (["r0", "r1"], 1)
+    assert admitted(1.5, [20, 20, 20]) == (["r0", "r1"], 1)  # 56 <= 72, 84 > 72
+    assert admitted(1.0, [None, 12]) == (["r0"], 1)  # 40 + 20 > 48
+
+
+def test_predicted_final_tokens_shrink_with_progress_and_never_undercount_what_is_held():
+    seq = _tagged(0, 20)
+    assert Scheduler.final_tokens(seq) == 28
+    seq.output_ids.extend([5] * 15)
+    assert Scheduler.final_tokens(seq) == 28  # 23 held + 5 predicted to come
+    seq.output_ids.extend([5] * 10)  # past its prediction: what it holds
+    assert Scheduler.final_tokens(seq) == 33
+    seq.predicted_remaining = 100.0  # a refined estimate beyond max_tokens is capped at max_tokens
+    assert Scheduler.final_tokens(seq) == 8 + 32
+
+
 def test_sjf_admits_the_shortest_predicted_first_and_fcfs_keeps_arrival_order():
     lengths = [30, 5, 20, 1, 12]
     for order, expected in (("sjf", ["r3", "r1"]), ("fcfs", ["r0", "r1"])):

@@ -27,6 +27,7 @@ FLAGS = {
     "default_max_tokens": (["--default-max-tokens", "12"], 12),
     "preempt": (["--preempt", "wait"], "wait"),
     "admission_theta": (["--admission-theta", "0.5"], 0.5),
+    "admission_demand": (["--admission-demand", "0.9"], 0.9),
     "swap_space": (["--swap-space", "2GiB"], "2GiB"),
     "slo_ttft_s": (["--slo-ttft", "2"], 2.0),
     "slo_tpot_s": (["--slo-tpot", "0.2"], 0.2),

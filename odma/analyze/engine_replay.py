@@ -26,8 +26,10 @@ def jobs_for(workload: Workload, spec: PolicySpec, predictions: Predictions | No
         u = predictions.uncertainties[i] if predictions and spec.predict == "predictor" else 0.0
         hint = hint_for(spec, predictions.lengths[i] if predictions else 0.0, u, it.output_tokens,
                         predictions.calibrated if predictions else None)
+        # admission by demand reads L̂ unscaled, as the engine keeps it (only then: the other replays stay as recorded)
+        raw = length / spec.scale if spec.demand is not None and length is not None else None
         jobs.append(SimJob(it.request_id, it.arrival_s, it.prompt_tokens, it.output_tokens, it.max_new_tokens,
-                           None if length is None else (length, u), hint))
+                           None if length is None else (length, u), hint, raw))
     return jobs
 
 
@@ -47,7 +49,7 @@ def run_with_engine(workload: Workload, spec: PolicySpec, manager: KVManager, co
     max_batch = spec.max_batch if spec.max_batch is not None else engine.max_batch
     scheduler = Scheduler(manager, max_num_seqs=max_batch or max(1, len(workload.items)),
                           max_prefill_tokens=engine.max_prefill_tokens, preempt=preempt, order=engine.schedule,
-                          aging_rounds=engine.sjf_aging_rounds)
+                          aging_rounds=engine.sjf_aging_rounds, admission_demand=spec.demand)
     jobs = jobs_for(workload, spec, predictions)
     sim = simulate(jobs, scheduler, cost)  # a ContiguousKV refreshes its bucket bounds on release
     records = list(sim.records.values())
@@ -80,6 +82,7 @@ def run_with_engine(workload: Workload, spec: PolicySpec, manager: KVManager, co
         "stall_steps": c.stalls,
         "preemptions": c.preemptions,
         "admission_refusals": c.admission_refusals,
+        "demand_refusals": c.demand_refusals,
         "makespan_s": _r(makespan),
         "steps": sim.steps,
         **manager.counters(),

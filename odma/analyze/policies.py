@@ -53,6 +53,9 @@ class PolicySpec:
     k: int | None = None  # bucket count; None: the replay's --buckets
     max_batch: int | None = None  # running requests at most for this policy; None: the engine's setting
     on_full: str | None = None  # stall | preempt when growth finds no room; None: the engine's setting
+    # engine scheduler only: admit while the running requests' predicted final KV stays within this share of
+    # the pool (the engine's admission_demand); None: off
+    demand: float | None = None
     # growth hint (output tokens the first growth goes straight to): none (bucket by bucket), pred (the L̂ this
     # policy uses, before its scale), cal (the predictor's calibrated reservation for that L̂) or oracle (the
     # realized length)
@@ -75,6 +78,8 @@ class PolicySpec:
             raise ConfigError(f"{self.name}: scale must be a positive number, got {self.scale}")
         if self.hint not in HINTS:
             raise ConfigError(f"{self.name}: hint must be one of {HINTS}, got {self.hint!r}")
+        if self.demand is not None and not (0 < self.demand < math.inf):
+            raise ConfigError(f"{self.name}: demand must be a positive share of the pool, got {self.demand}")
         if self.on_full not in (None, "stall", "preempt"):
             raise ConfigError(f"{self.name}: full must be stall or preempt, got {self.on_full!r}")
         if self.predict not in ("predictor", "oracle", "none"):
@@ -118,6 +123,7 @@ _KEYS = {
     "full": ("on_full", str),
     "dynamic": ("dynamic", lambda v: v.lower() in ("1", "true", "yes")),
     "hint": ("hint", str),
+    "demand": ("demand", float),
 }
 
 

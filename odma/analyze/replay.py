@@ -97,6 +97,9 @@ class Replay:
                 f"policy {spec.name}: a request may need {worst} tokens but the largest block holds "
                 f"{manager.max_request_tokens}; lower --max-model-len or enlarge the budget"
             )
+        if spec.demand is not None:
+            raise ConfigError(f"policy {spec.name}: demand= is an admission rule of the engine's scheduler: use "
+                              "--scheduler engine")
         self.workload, self.spec, self.manager, self.cost = workload, spec, manager, cost
         self.predictions, self.engine, self.progress = predictions, engine, progress
         on_full = spec.on_full or engine.on_full

@@ -57,6 +57,9 @@ class SimJob:
     max_tokens: int
     prediction: tuple[float, float] | None = None  # the predictor's (L̂, u); None: untagged
     growth_hint: float | None = None  # output tokens its first growth should hold (Sequence.growth_hint)
+    # L̂ itself where `prediction` holds the replay's scaled view of it (scale=): the engine keeps L̂ unscaled on
+    # the request and scales in the pool, and admission by predicted demand reads it. None: `prediction`'s
+    predicted_output: float | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +101,8 @@ def sim_sequence(job: SimJob):
     if job.prediction is not None:
         length, u = job.prediction
         seq.predicted_length = seq.predicted_tokens = float(length)
+        if job.predicted_output is not None:
+            seq.predicted_length = float(job.predicted_output)
         seq.uncertainty = float(u)
     return seq
 

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", default="160MiB")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--preempt", default="swap", choices=["wait", "recompute", "swap"])
+    p.add_argument("--admission-demand", type=float, default=None,
+                   help="the started server's --admission-demand (admission by the running set's predicted final KV)")
     p.add_argument("--predictor", default="default")
     p.add_argument("--schedule", default="fcfs", choices=["fcfs", "sjf"], help="the started server's order of service")
     p.add_argument("--sjf-aging-rounds", type=int, default=None, help="the started server's sjf aging bound")
@@ -150,7 +152,7 @@ def _vllm_gauges(text: str) -> dict:
 def _server_counters(text: str) -> dict:
     out = {}
     for name in ("odma_migrations_total", "odma_preemptions_total", "odma_stalls_total", "odma_reservation_refusals_total",
-                 "odma_migration_refusals_total", "odma_kv_budget_bytes", "odma_engine_steps_total",
+                 "odma_migration_refusals_total", "odma_demand_refusals_total", "odma_kv_budget_bytes", "odma_engine_steps_total",
                  "odma_engine_busy_seconds_total", "odma_engine_decode_tokens_total", "odma_engine_prefill_tokens_total"):
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
         if m:
@@ -260,7 +262,8 @@ def _server_process(args):
            *(["--threads", str(args.threads)] if args.threads else []), "--length-log", args.length_log, "--max-tokens-cap", str(max(args.max_tokens, 16)),
            "--default-max-tokens", str(max(args.max_tokens, 16)), "--max-queue", str(args.num + 1),
            "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),
-           *(["--probe", args.probe] if args.probe else [])]
+           *(["--probe", args.probe] if args.probe else []),
+           *(["--admission-demand", str(args.admission_demand)] if args.admission_demand else [])]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -297,6 +300,7 @@ def run(args: argparse.Namespace) -> dict:
         with _server_process(args) as url:
             result = asyncio.run(_replay(url, records, args))
         result.update(policy=args.policy, kv_budget=args.kv_budget, preempt=args.preempt, dtype=args.dtype,
+                      max_num_seqs=args.max_num_seqs, admission_demand=args.admission_demand,
                       kv_dtype=args.kv_dtype or "server default", **common)
     elif args.url:
         result = {**asyncio.run(_replay(args.url.rstrip("/"), records, args)), **common}

@@ -60,6 +60,10 @@ class EngineConfig:
     preempt: str = "swap"
     # eLLM Algorithm 1: admit a new request only while reservations stay within θ of the pool (1.0: off)
     admission_theta: float = 1.0
+    # admit a new request only while the predicted final KV of the running requests (prompt + L̂ each, within
+    # max_tokens) plus its own stays within this share of the pool; None = off (the pool's reservations and
+    # max_num_seqs alone decide)
+    admission_demand: float | None = None
     swap_space: str = "1GiB"  # host buffer for --preempt swap (bytes, like --kv-budget)
     # SLOs that scale the swap buffer's logical size (eLLM Algorithm 2): TPOT violations shrink it (fetches
     # slow decoding), TTFT violations grow it (swapping lets new requests in sooner); None = fixed size
@@ -126,6 +130,8 @@ class EngineConfig:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
         if not 0 < self.admission_theta <= 1:
             raise ConfigError(f"admission_theta must be in (0, 1], got {self.admission_theta}")
+        if self.admission_demand is not None and not (0 < self.admission_demand < float("inf")):
+            raise ConfigError(f"admission_demand must be a positive share of the pool, got {self.admission_demand}")
         for name in ("slo_ttft_s", "slo_tpot_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:

@@ -4,11 +4,12 @@ waiting ones whose memory can be reserved. Pure bookkeeping; memory is asked thr
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from odma.engine.ordering import make_order
+from odma.engine.ordering import make_order, predicted_remaining
 from odma.engine.sequence import Sequence, Status
 from odma.kv import KVHandle, KVManager
 
@@ -44,6 +45,7 @@ class SchedulerCounters:
     migrations: int = 0  # blocks moved to a larger range mid-decode
     admission_refusals: int = 0  # reserve() said no room now; the request stays queued
     theta_refusals: int = 0  # admitting would have pushed reservations past θ of the pool (eLLM Algorithm 1)
+    demand_refusals: int = 0  # admitting would have pushed the predicted final KV of the running set past the pool
     activation_refusals: int = 0  # ballooning: the prefill's activation room could not be freed yet
     bucket_matched_admissions: int = 0  # admitted ahead of FIFO order into a just-freed bucket
     prefill_chunks: int = 0  # prefill steps that fed part of a prompt (ballooning: the rest of its room was lent)
@@ -65,6 +67,7 @@ class Scheduler:
         aging_rounds: int = 256,
         swapper: Swapper | None = None,
         admission_theta: float = 1.0,
+        admission_demand: float | None = None,
         chunk_prefills: bool = False,
         clear_window: bool = False,
     ) -> None:
@@ -88,6 +91,15 @@ class Scheduler:
         # none), so there is no hold-and-wait; offloading others to let a prefill in is what swap preemption
         # does on the growth path.
         self.admission_theta = admission_theta
+        if admission_demand is not None and not (admission_demand > 0 and math.isfinite(admission_demand)):
+            raise ValueError(f"admission_demand must be a positive share of the pool, got {admission_demand}")
+        # Admission by predicted demand: a new request is admitted only while the KV the running requests are
+        # predicted to hold when they finish (prompt + L̂, capped at max_tokens), plus its own, stays within this
+        # share of the pool. Reservations start small and grow, so the pool alone admits more requests than it
+        # can finish without preempting; this caps the batch where memory runs out instead of at a fixed count.
+        # Only the sum counts, and errors of single predictions average out in it. None: off.
+        self.admission_demand = admission_demand
+        self._demand = 0  # predicted final tokens of the running requests, summed at the start of a round
         # Ballooning: a prefill whose whole activation room is lent runs in chunks of the room that is free,
         # instead of waiting until the segments holding blocks drain.
         self.chunk_prefills = chunk_prefills
@@ -180,6 +192,8 @@ class Scheduler:
         if self.clear_window:
             self._clear_way()
         candidates = self.order.candidates(self.waiting, self._freed_buckets)
+        if self.admission_demand is not None:
+            self._demand = sum(self.final_tokens(s) for s in self.running)
         if self.elastic is not None:
             self.elastic.begin_round()
         for seq in candidates:
@@ -196,6 +210,7 @@ class Scheduler:
                     break  # the head has waited long enough: nobody overtakes it, memory is held for it
                 continue
             self._start(seq, handle)
+            self._demand += self.final_tokens(seq) if self.admission_demand is not None else 0
             work.append(Work(seq, seq.num_cached, q_len))
             self.counters.prefill_chunks += q_len < need
             budget -= q_len
@@ -225,6 +240,9 @@ class Scheduler:
             return 0
         if self.running and not self._under_theta(seq):
             self.counters.theta_refusals += 1
+            return 0
+        if self.running and not self._under_demand(seq):
+            self.counters.demand_refusals += 1
             return 0
         return q_len
 
@@ -268,6 +286,21 @@ class Scheduler:
             return True
         need = self.kv.initial_tokens(seq)
         return self.kv.reserved_tokens + need <= self.admission_theta * self.kv.capacity_tokens
+
+    def _under_demand(self, seq: Sequence) -> bool:
+        if self.admission_demand is None:
+            return True
+        return self._demand + self.final_tokens(seq) <= self.admission_demand * self.kv.capacity_tokens
+
+    @staticmethod
+    def final_tokens(seq: Sequence) -> int:
+        """Tokens `seq` is predicted to hold when it finishes: what it holds now plus its predicted remaining
+        output, within its max_tokens (the whole max_tokens when it has no prediction)."""
+        limit = len(seq.prompt_ids) + seq.params.max_tokens
+        remaining = predicted_remaining(seq)
+        if math.isinf(remaining):
+            return limit
+        return min(limit, seq.num_tokens + math.ceil(remaining))
 
     def _activation_room(self, prefill_tokens: int) -> bool:
         """Ballooning: free the activation room of this step's prefill (segments lent to the KV pool are

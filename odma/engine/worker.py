@@ -70,6 +70,7 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
                           preempt=config.preempt, swapper=swap, order=config.schedule,
                           aging_rounds=config.sjf_aging_rounds, admission_theta=config.admission_theta,
+                          admission_demand=config.admission_demand,
                           chunk_prefills=config.balloon and config.balloon_chunked_prefill,
                           clear_window=config.clear_window)
     log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); decode attention: %s", device, budget / 2**20,

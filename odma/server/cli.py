@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under memory pressure: stall, free and recompute later, or swap the K/V to a host buffer")
     p.add_argument("--admission-theta", type=float, default=d.admission_theta,
                    help="admit new requests only while reservations stay within this share of the pool (eLLM Alg. 1; 1 = off)")
+    p.add_argument("--admission-demand", type=float, default=d.admission_demand,
+                   help="admit new requests only while the predicted final KV of the running ones (prompt + L̂) plus "
+                        "theirs stays within this share of the pool (e.g. 1.0; default: off)")
     p.add_argument("--swap-space", default=d.swap_space, help="host KV buffer for --preempt swap (bytes: 1GiB, ...)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s): violations grow the swap buffer (eLLM Alg. 2)")
     p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO (s): violations shrink the swap buffer (eLLM Alg. 2)")
@@ -116,7 +119,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
         max_model_len=args.max_model_len, parallel_devices=args.parallel_devices, s3_buckets=args.s3_buckets,
         balloon_keep_tokens=args.balloon_keep_tokens, bootstrap_from_log=args.bootstrap_from_log,
-        default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, admission_theta=args.admission_theta, swap_space=args.swap_space, predictor=args.predictor,
+        default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, admission_theta=args.admission_theta,
+        admission_demand=args.admission_demand, swap_space=args.swap_space, predictor=args.predictor,
         probe=None if args.probe in (None, "", "none") else args.probe, probe_online=args.probe_online,
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,

@@ -183,6 +183,8 @@ class _EngineCollector:
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
         yield counter("odma_theta_refusals", "Admissions deferred to keep reservations within theta (eLLM Alg. 1)",
                       sched.theta_refusals)
+        yield counter("odma_demand_refusals", "Admissions deferred: the running requests' predicted final KV would pass "
+                      "--admission-demand of the pool", sched.demand_refusals)
         yield counter("odma_window_clears", "Held queue heads admitted by relocating the blocks in their way",
                       sched.window_clears)
         yield counter("odma_window_moves", "Blocks relocated to clear those windows", sched.window_moves)
