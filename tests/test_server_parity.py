@@ -84,6 +84,22 @@ def test_n_samples_stream_each_choice_to_its_end(srv):
     assert chunks[-1]["usage"]["completion_tokens"] == 16
 
 
+def test_guidellm_request_body_streams_usage_in_every_chunk(srv):
+    """guidellm (the standard load tool) sends vLLM's stream_options.continuous_usage_stats with ignore_eos and
+    stop: null; every chunk then carries the usage so far, growing to the final count."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stop": None,
+            "ignore_eos": True}
+    chunks = events(srv, "/v1/chat/completions", body)
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    completions = [u["completion_tokens"] for u in usages]
+    assert completions == sorted(completions) and completions[0] == 0 and completions[-1] == 6
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    plain = events(srv, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert [c["usage"] is None for c in plain] == [True] * (len(plain) - 1) + [False]  # usage only at the end
+
+
 def test_the_openai_client_gets_n_choices_with_logprobs(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2,
                                          temperature=0.8, logprobs=True, top_logprobs=2,

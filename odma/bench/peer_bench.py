@@ -195,7 +195,8 @@ def _guidellm_point(srv, streams: int, n: int, model_dir: Path, peer_python: Pat
     from odma.bench.peer_servers import stop
 
     prompt, output = (int(x) for x in args.shape.split("/"))
-    path = out / "guidellm" / f"{srv.spec.label}-c{streams}.json"
+    # absolute: guidellm runs in the logs folder (its own files land there) and resolves a relative path from it
+    path = (out / "guidellm" / f"{srv.spec.label}-c{streams}.json").resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(peer_python.parent / "guidellm"), "run",
            "--backend", f"kind=openai_http,target={srv.url}",

@@ -29,6 +29,7 @@ class Job:
     echo: str | None = None  # completions with echo: the prompt text the choices start with
     generate: bool = True  # False: max_tokens 0 (the engine's one token is computed for the logprobs, not sent)
     logprobs: int | None = None  # alternatives per token (completions' logprobs, chat's top_logprobs)
+    usage_every_chunk: bool = False  # stream_options.continuous_usage_stats (vLLM): usage so far in every chunk
 
 
 class JobBuilder:
@@ -48,7 +49,7 @@ class JobBuilder:
         k = body.logprobs
         params = self._params(body, max_tokens, logprobs=k, prompt_logprobs=k if echo is not None else None)
         return Job(False, ids, text, None, params, body.n or 1, bool(body.stream), body.include_usage(), echo,
-                   max_tokens > 0, k)
+                   max_tokens > 0, k, usage_every_chunk=body.continuous_usage())
 
     def chat(self, body) -> Job:
         tok = self.engine.tokenizer
@@ -68,7 +69,7 @@ class JobBuilder:
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, logprobs=k)
         return Job(True, ids, body.user_text(), self._tags(body), params, body.n or 1, bool(body.stream),
-                   body.include_usage(), logprobs=k)
+                   body.include_usage(), logprobs=k, usage_every_chunk=body.continuous_usage())
 
     # -- pieces ------------------------------------------------------------------------------------
 

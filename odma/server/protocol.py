@@ -95,6 +95,8 @@ NO_PENALTIES = "not supported (odma-serve applies no penalties): send 0 or leave
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool | None = None
+    # vLLM's extension (guidellm sends it): with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool | None = Field(None, description="with include_usage: usage in every chunk (vLLM)")
 
 
 class TextPart(BaseModel):
@@ -162,6 +164,9 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
 
         def include_usage(self) -> bool:
             return bool(self.stream_options and self.stream_options.include_usage)
+
+        def continuous_usage(self) -> bool:
+            return self.include_usage() and bool(self.stream_options.continuous_usage_stats)
 
     class CompletionRequest(Common):
         prompt: Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]

@@ -193,10 +193,13 @@ async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model:
     and logprobs as they come, a last chunk with its finish reason; usage at the end when asked; [DONE]."""
     created = int(time.time())
 
+    def usage_so_far() -> dict[str, int]:
+        return render.usage(len(job.prompt_ids), sum(s.completion_tokens for s in samples if s.seq))
+
     def event(choices: list[dict], **extra: Any) -> str:
         body = render.envelope(rid, job.chat, created, model, choices, chunk=True)
         if job.include_usage:
-            body["usage"] = None
+            body["usage"] = usage_so_far() if job.usage_every_chunk else None
         body.update(extra)
         return f"data: {json.dumps(body)}\n\n"
 
@@ -236,8 +239,7 @@ async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model:
                 yield chunk(sample, None, sample.finish_reason)
         else:
             if job.include_usage:
-                usage = render.usage(len(job.prompt_ids), sum(s.completion_tokens for s in samples if s.seq))
-                yield event([], usage=usage)
+                yield event([], usage=usage_so_far())
         yield "data: [DONE]\n\n"
     finally:
         await stream.aclose()  # a client that disconnects lands here: the job is cancelled
