@@ -40,8 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--policy", default="odma", choices=["odma", "static", "s3"])
     p.add_argument("--kv-budget", default="160MiB", help="the TOTAL budget: single gets it all, each replica a share")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="each replica's batch cap (default 64, as in the recorded runs; odma-serve's own default is 128)")
     p.add_argument("--preempt", default="swap", choices=["wait", "recompute", "swap"])
+    p.add_argument("--admission-demand", type=float, default=None, help="every engine's --admission-demand")
     p.add_argument("--predictor", default="default")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads of every engine (single and each replica)")
@@ -78,7 +80,8 @@ def _engine_config(args, kv_budget: str):
             str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor, "--dtype", args.dtype,
             "--threads", str(args.threads), "--length-log", "", "--max-tokens-cap", cap, "--default-max-tokens", cap,
             "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),
-            *(["--probe", args.probe] if args.probe else [])]
+            *(["--probe", args.probe] if args.probe else []),
+            *(["--admission-demand", str(args.admission_demand)] if args.admission_demand else [])]
     return config_from_args(build_parser().parse_args(argv))
 
 

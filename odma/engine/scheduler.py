@@ -58,7 +58,7 @@ class Scheduler:
         self,
         kv: KVManager,
         *,
-        max_num_seqs: int = 64,
+        max_num_seqs: int,
         max_prefill_tokens: int = 2048,
         preempt: str = "wait",
         lookahead: int = 16,
