@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from odma.models import load_model
-from odma.models.cpu_linear import PackedLinear, onednn_linear_available, pack_linears
+from odma.models.cpu_linear import PackedLinear, onednn_linear_available, pack_linears, packable_dtypes
 from odma.models.llama import SeqSlot
 from odma.models.tiny import make_tiny_model
 
@@ -23,6 +23,26 @@ def test_packed_linear_matches_f_linear(rows):
     packed = PackedLinear(lin, dense_above=512)
     x = torch.randn(rows, 96)
     torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="no oneDNN bf16 path on this CPU")
+@pytest.mark.parametrize("rows", [1, 16, 600])
+def test_packed_bf16_linear_matches_f_linear(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(lin, dense_above=512)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    out = packed(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1.6e-2, atol=1e-2)
+
+
+def test_a_bf16_model_is_packed_where_onednn_has_bf16(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    model = load_model(folder).to(torch.bfloat16)
+    n = pack_linears(model)
+    linears = sum(type(m) is nn.Linear for m in load_model(folder).modules())
+    assert n == (linears if torch.bfloat16 in packable_dtypes() else 0)
 
 
 def test_packing_a_model_keeps_its_outputs_and_tied_head(tmp_path, monkeypatch):

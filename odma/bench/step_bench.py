@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="sdpa,kernel",
                    help="decode attention variants: sdpa (torch, per request), kernel (the CPU backend's, fp32 KV)")
     p.add_argument("--linear", default="torch",
-                   help="linear-layer variants: torch (F.linear), onednn (fp32 weights packed once, as the engine runs "
-                        "on CPU: odma/models/cpu_linear.py); 'torch,onednn' times both")
+                   help="linear-layer variants: torch (F.linear), onednn (weights packed once, as the engine runs on "
+                        "CPU: fp32, and bf16 where oneDNN has it; odma/models/cpu_linear.py); 'torch,onednn' times both")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8, help="timed steps per mix (interleaved)")
 
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
 
         for w in models:
             m = load_model(folder, dtype=DTYPES[w])
-            if pack_linears(m):  # fp32 only, and only where oneDNN is available
+            if pack_linears(m):  # fp32, bf16 where oneDNN has it, and only where oneDNN is available
                 packed[w] = m
     c = models[mixes[0][0]].config
     capacity = args.context + 16

@@ -1,4 +1,4 @@
-"""Linear layers with their weights packed once for oneDNN (CPU, float32).
+"""Linear layers with their weights packed once for oneDNN (CPU, float32 and bfloat16).
 
 Why: `F.linear` on CPU re-packs the weight matrix into the GEMM's blocked layout on every call; with the few
 rows of a decode step (one per request) that packing is a large share of the GEMM, and the GEMMs are most
@@ -8,6 +8,10 @@ The results differ from `F.linear` in the last bits (another summation order), a
 With many rows (a large prefill) MKL's `F.linear` was 5-10 % faster than the packed oneDNN call on this AVX2
 CPU, so steps of more than DENSE_ABOVE tokens keep using it: the dense weight stays, and the packed copy costs
 the weights' size once more in host memory (538 MB for SmolLM2-135M in fp32).
+
+bfloat16 weights (`--dtype bfloat16`) are packed too where oneDNN has a bf16 path on this CPU: one thread, 16 rows,
+SmolLM2's shapes, the packed call took 0.78 × F.linear's time for the layers and 0.57 × for the LM head, with
+bit-identical results; from 256 rows on the two are within 7 % (docs/BENCHMARKS.md, "Session 14").
 
 `ODMA_CPU_LINEAR=torch` keeps `F.linear` (A/B measurements, or a torch build without mkldnn).
 """
@@ -31,6 +35,12 @@ def onednn_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes packed for oneDNN here: float32, and bfloat16 where this CPU has oneDNN's bf16 path."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
 class PackedLinear(nn.Module):
     """y = x @ W.T + b: oneDNN on the packed weight for up to DENSE_ABOVE rows, F.linear on W above that."""
 
@@ -51,17 +61,19 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every float32 CPU nn.Linear of `model` by a PackedLinear (in place; idempotent). Returns how many
-    were replaced; 0 where oneDNN is unavailable or ODMA_CPU_LINEAR=torch."""
+    """Replace every CPU nn.Linear of `model` whose weight dtype oneDNN packs here (`packable_dtypes`) by a
+    PackedLinear (in place; idempotent). Returns how many were replaced; 0 where oneDNN is unavailable or
+    ODMA_CPU_LINEAR=torch."""
     if os.environ.get("ODMA_CPU_LINEAR", "onednn") == "torch":
         return 0
     if not onednn_linear_available():
         log.info("oneDNN linear unavailable in this torch build; linear layers use F.linear")
         return 0
+    dtypes = packable_dtypes()
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
                 setattr(module, name, PackedLinear(child))
                 replaced += 1
     return replaced
