@@ -9,18 +9,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from odma.models import load_model
-from odma.models.cpu_linear import PackedLinear, onednn_linear_available, pack_linears, packable_dtypes
+from odma.models.cpu_linear import (DENSE_ABOVE, PackedLinear, linear_mode, onednn_linear_available, pack_linears,
+                                    packable_dtypes)
 from odma.models.llama import SeqSlot
 from odma.models.tiny import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without mkldnn")
 
 
+@pytest.mark.parametrize("dense_above", [None, 512])
 @pytest.mark.parametrize("rows", [1, 7, 64, 600])
-def test_packed_linear_matches_f_linear(rows):
+def test_packed_linear_matches_f_linear(rows, dense_above):
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=True)
-    packed = PackedLinear(lin, dense_above=512)
+    packed = PackedLinear(lin, dense_above=dense_above)
     x = torch.randn(rows, 96)
     torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
@@ -30,7 +32,7 @@ def test_packed_linear_matches_f_linear(rows):
 def test_packed_bf16_linear_matches_f_linear(rows):
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=True).to(torch.bfloat16)
-    packed = PackedLinear(lin, dense_above=512)
+    packed = PackedLinear(lin)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     out = packed(x)
     assert out.dtype == torch.bfloat16
@@ -64,3 +66,20 @@ def test_packing_a_model_keeps_its_outputs_and_tied_head(tmp_path, monkeypatch):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("ODMA_CPU_LINEAR", "torch")
     assert pack_linears(load_model(folder)) == 0
+
+
+def test_the_mode_decides_which_gemm_serves_large_steps(tmp_path, monkeypatch):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    for mode, dense_above in (("onednn", None), ("mixed", DENSE_ABOVE)):
+        monkeypatch.setenv("ODMA_CPU_LINEAR", mode)
+        model = load_model(folder)
+        assert pack_linears(model) > 0
+        assert {m.dense_above for m in model.modules() if isinstance(m, PackedLinear)} == {dense_above}
+
+
+def test_an_unknown_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("ODMA_CPU_LINEAR", "onednnn")
+    with pytest.raises(ValueError, match="ODMA_CPU_LINEAR"):
+        linear_mode()
+    monkeypatch.setenv("ODMA_CPU_LINEAR", "Mixed")
+    assert linear_mode() == "mixed"

@@ -36,16 +36,24 @@ def test_default_model_is_smollm2_from_the_cached_conversion(smollm2):
     assert smollm2.model.config.model_type == "llama" and smollm2.model.config.num_layers == 30
 
 
-def test_greedy_matches_transformers_generate_in_one_batch(smollm2):
+def _chat_ids(tok, prompts):
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False) for p in prompts]
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS + [p + " Answer in French." for p in PROMPTS[1:]]
+                                     + [" ".join(PROMPTS[1:]) * 3]],
+                         ids=["short step", "step of more than 512 tokens"])
+def test_greedy_matches_transformers_generate_in_one_batch(smollm2, prompts):
     from transformers import AutoModelForCausalLM
 
     from odma.engine import SamplingParams
     from odma.models import resolve_model
 
-    tok = smollm2.tokenizer
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=False), add_special_tokens=False) for p in PROMPTS]
+    ids = _chat_ids(smollm2.tokenizer, prompts)
     assert len({len(x) for x in ids}) == len(ids)  # different lengths
+    if len(prompts) > len(PROMPTS):  # one prefill step past 512 rows, where linears once switched to F.linear
+        assert 512 < sum(map(len, ids)) <= smollm2.config.max_prefill_tokens
     seqs = smollm2.generate(ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model()), dtype=torch.float32).eval()
     for x, seq in zip(ids, seqs):

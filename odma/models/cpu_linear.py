@@ -5,15 +5,20 @@ rows of a decode step (one per request) that packing is a large share of the GEM
 of a decode step (`odma-bench profile`). Packing once at load and calling oneDNN's linear on the packed weight
 is what vLLM-CPU does too (its `create_onednn_mm`); here through torch's own mkldnn ops, no extension.
 The results differ from `F.linear` in the last bits (another summation order), as any other GEMM would.
-With many rows (a large prefill) MKL's `F.linear` was 5-10 % faster than the packed oneDNN call on this AVX2
-CPU, so steps of more than DENSE_ABOVE tokens keep using it: the dense weight stays, and the packed copy costs
-the weights' size once more in host memory (538 MB for SmolLM2-135M in fp32).
+The packed call serves every row count, large prefills included: on this AVX-512 CPU (Zen 4) it ran SmolLM2's
+shapes at 102-112 GF/s on one thread against 74-101 for `F.linear` at every M from 16 to 2,600, and inside the
+engine a 638-token prefill step took 1.55 s instead of 2.2-2.4 s (docs/BENCHMARKS.md, "Session 15"). An
+earlier, isolated measurement on an AVX2 CPU had MKL 5-10 % ahead above 512 rows; `ODMA_CPU_LINEAR=mixed`
+keeps that split (F.linear for steps of more than DENSE_ABOVE rows) for such machines. The dense weight stays
+either way (a tied LM head, `mixed`), so the packed copy costs the weights' size once more in host memory
+(538 MB for SmolLM2-135M in fp32).
 
 bfloat16 weights (`--dtype bfloat16`) are packed too where oneDNN has a bf16 path on this CPU: one thread, 16 rows,
 SmolLM2's shapes, the packed call took 0.78 × F.linear's time for the layers and 0.57 × for the LM head, with
 bit-identical results; from 256 rows on the two are within 7 % (docs/BENCHMARKS.md, "Session 14").
 
-`ODMA_CPU_LINEAR=torch` keeps `F.linear` (A/B measurements, or a torch build without mkldnn).
+`ODMA_CPU_LINEAR` = `onednn` (default: packed for every step) | `mixed` (F.linear above DENSE_ABOVE rows) |
+`torch` (F.linear always: A/B measurements, or a torch build without mkldnn).
 """
 
 from __future__ import annotations
@@ -27,7 +32,16 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 BATCH_HINT = 64  # rows oneDNN lays the packed weight out for: a decode batch (any row count still works)
-DENSE_ABOVE = 512  # rows above which F.linear (MKL) is used instead: large prefills (measured, see above)
+DENSE_ABOVE = 512  # with ODMA_CPU_LINEAR=mixed: rows above which F.linear (MKL) is used instead
+MODES = ("onednn", "mixed", "torch")
+
+
+def linear_mode() -> str:
+    """ODMA_CPU_LINEAR, checked: a typo must not silently select another GEMM."""
+    mode = os.environ.get("ODMA_CPU_LINEAR", "onednn").strip().lower() or "onednn"
+    if mode not in MODES:
+        raise ValueError(f"ODMA_CPU_LINEAR={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
 
 
 def onednn_linear_available() -> bool:
@@ -42,9 +56,10 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b: oneDNN on the packed weight for up to DENSE_ABOVE rows, F.linear on W above that."""
+    """y = x @ W.T + b: oneDNN on the packed weight, or F.linear on W for steps of more than `dense_above` rows
+    (None: never)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, dense_above: int = DENSE_ABOVE) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, dense_above: int | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (a tied LM head stays tied)
@@ -52,7 +67,7 @@ class PackedLinear(nn.Module):
         self.dense_above = dense_above
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.dense_above:
+        if self.dense_above is not None and x.shape[0] > self.dense_above:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -64,7 +79,8 @@ def pack_linears(model: nn.Module) -> int:
     """Replace every CPU nn.Linear of `model` whose weight dtype oneDNN packs here (`packable_dtypes`) by a
     PackedLinear (in place; idempotent). Returns how many were replaced; 0 where oneDNN is unavailable or
     ODMA_CPU_LINEAR=torch."""
-    if os.environ.get("ODMA_CPU_LINEAR", "onednn") == "torch":
+    mode = linear_mode()
+    if mode == "torch":
         return 0
     if not onednn_linear_available():
         log.info("oneDNN linear unavailable in this torch build; linear layers use F.linear")
@@ -74,6 +90,6 @@ def pack_linears(model: nn.Module) -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child, dense_above=DENSE_ABOVE if mode == "mixed" else None))
                 replaced += 1
     return replaced
