@@ -5,13 +5,14 @@ rows of a decode step (one per request) that packing is a large share of the GEM
 of a decode step (`odma-bench profile`). Packing once at load and calling oneDNN's linear on the packed weight
 is what vLLM-CPU does too (its `create_onednn_mm`); here through torch's own mkldnn ops, no extension.
 The results differ from `F.linear` in the last bits (another summation order), as any other GEMM would.
-The packed call serves every row count, large prefills included: on this AVX-512 CPU (Zen 4) it ran SmolLM2's
-shapes at 102-112 GF/s on one thread against 74-101 for `F.linear` at every M from 16 to 2,600, and inside the
-engine a 638-token prefill step took 1.55 s instead of 2.2-2.4 s (docs/BENCHMARKS.md, "Session 15"). An
-earlier, isolated measurement on an AVX2 CPU had MKL 5-10 % ahead above 512 rows; `ODMA_CPU_LINEAR=mixed`
-keeps that split (F.linear for steps of more than DENSE_ABOVE rows) for such machines. The dense weight stays
-either way (a tied LM head, `mixed`), so the packed copy costs the weights' size once more in host memory
-(538 MB for SmolLM2-135M in fp32).
+The packed call serves every row count, large prefills included. On SmolLM2's shapes, one thread, at every M from
+16 to 2,600 it ran at 102-112 GF/s against 74-101 for `F.linear` on a Zen 4 CPU, and at 141-262 against 82-112 on
+a Zen 5 (oneDNN picks its AVX-512 kernels by CPU flag, MKL did not reach them); inside the engine a 638-token
+prefill step took 0.71-0.76 s instead of 1.51-2.08 s on the Zen 5 (docs/BENCHMARKS.md, "Session 16"). An earlier,
+isolated measurement on an AVX2 CPU had MKL 5-10 % ahead above 512 rows; `ODMA_CPU_LINEAR=mixed` keeps that split
+(F.linear for steps of more than DENSE_ABOVE rows) for such machines. The dense weight stays either way (a tied
+LM head, `mixed`), so the packed copy costs the weights' size once more in host memory (538 MB for SmolLM2-135M
+in fp32).
 
 bfloat16 weights (`--dtype bfloat16`) are packed too where oneDNN has a bf16 path on this CPU: one thread, 16 rows,
 SmolLM2's shapes, the packed call took 0.78 × F.linear's time for the layers and 0.57 × for the LM head, with
