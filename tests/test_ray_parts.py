@@ -376,3 +376,26 @@ def test_odma_serve_ray_flags_reach_the_settings():
          "--threads", "2", "--max-queue", "9"]))
     assert (set_.replicas, set_.router, set_.predict_at, set_.max_hold_s, set_.replica_cpus, set_.max_queue) == \
         (3, "pow2", "replica", 5.0, 2.0, 9)
+
+
+def test_the_ray_bench_can_drive_guidellm_and_compares_its_points():
+    """`odma-bench ray --guidellm` calls the peer bench's guidellm driver with its own arguments: every option
+    that driver reads must exist there; its ratios pair the points by concurrency."""
+    import argparse
+    import inspect
+    import re
+
+    from odma.bench import peer_bench, ray_bench
+
+    p = argparse.ArgumentParser()
+    ray_bench.add_arguments(p)
+    args = p.parse_args(["--guidellm", "4:16,16:64"])
+    read = set(re.findall(r"args\.(\w+)", inspect.getsource(peer_bench.guidellm_point)))
+    assert read and read <= set(vars(args)), sorted(read - set(vars(args)))
+    assert peer_bench.sweep(args.guidellm) == [(4, 16), (16, 64)]
+    point = lambda streams, tps: {"streams": streams, "output_tps": tps}  # noqa: E731
+    base = {"throughput_tps": 10.0, "ttft_p99_s": 1.0, "ttft_p50_s": 0.5}
+    rounds = [{"odma": {**base, "guidellm": [point(4, 30.0), point(16, 60.0)]},
+               "pow2": {**base, "guidellm": [point(4, 20.0), point(16, 40.0)]}}]
+    ratios = ray_bench._ratios(rounds)["odma/pow2"]
+    assert ratios["guidellm_output_tps"] == {"4": [1.5], "16": [1.5]} and ratios["throughput"] == [1.0]

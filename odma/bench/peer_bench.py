@@ -162,8 +162,8 @@ def _warm_up(srv) -> None:
 
 def _stage(stage: str, srv, records, model_dir, peer_python, out, args) -> dict:
     if stage == "guidellm":
-        return {"points": [_guidellm_point(srv, streams, n, model_dir, peer_python, out, args)
-                           for streams, n in _sweep(args.concurrency)]}
+        return {"points": [guidellm_point(srv.url, srv.spec.label, streams, n, model_dir, peer_python, out, args)
+                           for streams, n in sweep(args.concurrency)]}
     rate = args.poisson_rate if stage == "poisson" else math.inf
     return _replay_stage(srv, records[stage], rate, args)
 
@@ -191,15 +191,18 @@ def _replay_stage(srv, recs: list, rate: float, args) -> dict:
     return res
 
 
-def _guidellm_point(srv, streams: int, n: int, model_dir: Path, peer_python: Path, out: Path, args) -> dict:
+def guidellm_point(url: str, label: str, streams: int, n: int, model_dir: Path, peer_python: Path, out: Path,
+                   args) -> dict:
+    """One guidellm run against an OpenAI-compatible server at `url`: `streams` concurrent, `n` requests of
+    args.shape; its report lands in out/guidellm/LABEL-cSTREAMS.json. args: shape, seed, stage_timeout."""
     from odma.bench.peer_servers import stop
 
     prompt, output = (int(x) for x in args.shape.split("/"))
     # absolute: guidellm runs in the logs folder (its own files land there) and resolves a relative path from it
-    path = (out / "guidellm" / f"{srv.spec.label}-c{streams}.json").resolve()
+    path = (out / "guidellm" / f"{label}-c{streams}.json").resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(peer_python.parent / "guidellm"), "run",
-           "--backend", f"kind=openai_http,target={srv.url}",
+           "--backend", f"kind=openai_http,target={url}",
            "--profile", f"kind=concurrent,streams={streams}",
            "--constraint", f"kind=max_requests,count={n}",
            "--constraint", f"kind=max_duration,seconds={int(args.stage_timeout)}",
@@ -208,7 +211,7 @@ def _guidellm_point(srv, streams: int, n: int, model_dir: Path, peer_python: Pat
            "--seed", f"kind=static,value={args.seed}",
            "--output", f"kind=json,path={path}", "--disable-console-interactive"]
     load = os.getloadavg()[0]
-    log = out / "logs" / f"guidellm-{srv.spec.label}-c{streams}.log"
+    log = out / "logs" / f"guidellm-{label}-c{streams}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     point = {"streams": streams, "requests": n, "load_avg_1m_before": round(load, 2), "command": " ".join(cmd)}
     with open(log, "w") as f:  # own process group: its worker processes are stopped with it
@@ -243,7 +246,7 @@ def guidellm_metrics(report: dict) -> dict:
     }
 
 
-def _sweep(spec: str) -> list[tuple[int, int]]:
+def sweep(spec: str) -> list[tuple[int, int]]:
     points = []
     for item in spec.split(","):
         streams, _, n = item.strip().partition(":")

@@ -7,6 +7,8 @@ the memory-aware router or Ray's default; the predictor runs at the ingress), `o
 router with the predictor at the replicas), `odma-hold` (the router holds a request no replica has room for,
 up to 10 s; the default never holds), `odma-nohold` (explicitly never holds: the default). Each measurement starts from a fresh deployment after a short warm-up.
 `--hop` adds the Ray hop's overhead at low load: sequential requests (one at a time), TTFT of `single` vs Ray.
+`--guidellm 4:16,16:64` adds a guidellm concurrency sweep (fixed `--shape`) against every mode's endpoint, after
+its replay (guidellm from the `odma-bench peer` environment, scripts/peer_setup.sh).
 """
 
 from __future__ import annotations
@@ -57,7 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hop", action="store_true", help="also measure the Ray hop at low load (sequential requests)")
     p.add_argument("--hop-num", type=int, default=30)
     p.add_argument("--hop-max-tokens", type=int, default=8)
-    p.add_argument("--out", default=None, help="also write the result JSON here")
+    p.add_argument("--guidellm", default="", help="also a guidellm sweep per mode, STREAMS:REQUESTS,... (e.g. 4:16,16:64)")
+    p.add_argument("--shape", default="128/128", help="guidellm synthetic prompt/output tokens")
+    p.add_argument("--peer-venv", default=os.environ.get("PEER_VENV", "/work/peer-venv"),
+                   help="virtualenv with guidellm (scripts/peer_setup.sh)")
+    p.add_argument("--stage-timeout", type=float, default=1800.0, help="seconds per guidellm point")
+    p.add_argument("--out", default=None, help="also write the result JSON here (guidellm reports beside it)")
 
 
 def _server_args(args, kv_budget: str) -> argparse.Namespace:
@@ -110,7 +117,7 @@ async def _warm(url: str, records: list, args) -> None:
         raise SystemExit(f"warm-up failed: {out['errors'][:2]}")
 
 
-def _measure(url: str, records: list, hop_records: list, args, settle_s: float) -> dict:
+def _measure(url: str, records: list, hop_records: list, args, settle_s: float, label: str) -> dict:
     import httpx
 
     asyncio.run(_warm(url, records[: args.warmup], args))
@@ -121,7 +128,21 @@ def _measure(url: str, records: list, hop_records: list, args, settle_s: float) 
     result["server"].update(_extra_counters(text))
     if args.hop:
         result["hop"] = asyncio.run(_sequential(url, hop_records, args))
+    if args.guidellm:
+        result["guidellm"] = _guidellm(url, label, args)
     return result
+
+
+def _guidellm(url: str, label: str, args) -> list[dict]:
+    from odma.bench.peer_bench import guidellm_point, sweep
+    from odma.models import resolve_model
+
+    peer_python = Path(args.peer_venv) / "bin" / "python"
+    if not (peer_python.parent / "guidellm").exists():
+        raise SystemExit(f"no guidellm in {args.peer_venv}: run scripts/peer_setup.sh (or pass --peer-venv)")
+    out = Path(args.out).with_suffix("") if args.out else Path("runs") / f"ray-guidellm-{time.strftime('%Y%m%d-%H%M%S')}"
+    return [guidellm_point(url, label, streams, n, resolve_model(args.model), peer_python, out, args)
+            for streams, n in sweep(args.guidellm)]
 
 
 def _extra_counters(text: str) -> dict:
@@ -140,7 +161,7 @@ def _extra_counters(text: str) -> dict:
 
 def _run_single(args, records, hop_records) -> dict:
     with serve_bench._server_process(_server_args(args, args.kv_budget)) as url:
-        return _measure(url, records, hop_records, args, settle_s=0.0)
+        return _measure(url, records, hop_records, args, settle_s=0.0, label="single")
 
 
 def _run_ray(args, mode: str, records, hop_records, port: int) -> dict:
@@ -156,7 +177,8 @@ def _run_ray(args, mode: str, records, hop_records, port: int) -> dict:
     serve.run(build_application(config, settings), name=settings.app_name, route_prefix="/")
     deploy_s = time.perf_counter() - started
     try:
-        result = _measure(f"http://127.0.0.1:{port}", records, hop_records, args, settle_s=2 * settings.report_period_s + 0.5)
+        result = _measure(f"http://127.0.0.1:{port}", records, hop_records, args,
+                          settle_s=2 * settings.report_period_s + 0.5, label=mode)
     finally:
         serve.delete(settings.app_name)
     result["deploy_s"] = deploy_s
@@ -177,6 +199,10 @@ def _ratios(rounds: list[dict]) -> dict:
                 for q in ("p99", "p50"):
                     if r[a][f"ttft_{q}_s"] and r[b][f"ttft_{q}_s"]:
                         entry[f"ttft_{q}"].append(r[a][f"ttft_{q}_s"] / r[b][f"ttft_{q}_s"])
+                for pa, pb in zip(r[a].get("guidellm", []), r[b].get("guidellm", [])):
+                    if pa.get("output_tps") and pb.get("output_tps"):
+                        entry.setdefault("guidellm_output_tps", {}).setdefault(str(pa["streams"]), []).append(
+                            pa["output_tps"] / pb["output_tps"])
                 if "hop" in r[a] and "hop" in r[b] and b == "single":
                     entry.setdefault("hop_ttft_p50_added_ms", []).append(
                         1000 * (r[a]["hop"]["ttft_p50_s"] - r[b]["hop"]["ttft_p50_s"]))
