@@ -145,11 +145,12 @@ def test_a_compiler_without_march_native_gets_the_portable_build(monkeypatch, tm
     assert len(list((tmp_path / "cache").rglob("*.so"))) == 1  # the portable one; the refused build left nothing
 
 
-@pytest.mark.parametrize("head_dim", [64, 12])  # 64: the vectorized path (8 rows at a time) where built; 12: plain
-def test_kernel_matches_a_float64_reference_at_every_row_tail(kernel, head_dim):
-    heads, kv_heads, cap = 9, 3, 48
+# the kernel's shapes compiled with constant group size and head_dim (3/64, 4/64, 8/128), and the generic loop
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 64), (16, 2, 128), (9, 3, 12), (6, 3, 64)])
+def test_kernel_matches_a_float64_reference_at_every_row_tail(kernel, heads, kv_heads, head_dim):
+    cap = 48
     g = torch.Generator().manual_seed(7)
-    lens = [1, 7, 8, 9, 16, 17, 33]  # every remainder of 8 that matters, and a single row
+    lens = [1, 7, 8, 9, 16, 17, 33]  # a single row, rows fewer and more than the kernel prefetches ahead (8)
     blocks = [torch.randn(1, 2, cap, kv_heads, head_dim, generator=g) for _ in lens]
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     k, v = (torch.randn(len(lens), kv_heads, head_dim, generator=g) for _ in range(2))
