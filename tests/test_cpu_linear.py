@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from odma.errors import ConfigError
 from odma.models import load_model
 from odma.models.cpu_linear import (DENSE_ABOVE, PackedLinear, linear_mode, onednn_linear_available, pack_linears,
                                     packable_dtypes)
@@ -79,7 +80,7 @@ def test_the_mode_decides_which_gemm_serves_large_steps(tmp_path, monkeypatch):
 
 def test_an_unknown_mode_is_refused(monkeypatch):
     monkeypatch.setenv("ODMA_CPU_LINEAR", "onednnn")
-    with pytest.raises(ValueError, match="ODMA_CPU_LINEAR"):
+    with pytest.raises(ConfigError, match="ODMA_CPU_LINEAR"):
         linear_mode()
     monkeypatch.setenv("ODMA_CPU_LINEAR", "Mixed")
     assert linear_mode() == "mixed"

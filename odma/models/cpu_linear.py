@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from odma.errors import ConfigError
+
 log = logging.getLogger(__name__)
 BATCH_HINT = 64  # rows oneDNN lays the packed weight out for: a decode batch (any row count still works)
 DENSE_ABOVE = 512  # with ODMA_CPU_LINEAR=mixed: rows above which F.linear (MKL) is used instead
@@ -41,7 +43,7 @@ def linear_mode() -> str:
     """ODMA_CPU_LINEAR, checked: a typo must not silently select another GEMM."""
     mode = os.environ.get("ODMA_CPU_LINEAR", "onednn").strip().lower() or "onednn"
     if mode not in MODES:
-        raise ValueError(f"ODMA_CPU_LINEAR={mode!r}: expected one of {', '.join(MODES)}")
+        raise ConfigError(f"ODMA_CPU_LINEAR={mode!r}: expected one of {', '.join(MODES)}")
     return mode
 
 
