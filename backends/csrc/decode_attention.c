@@ -99,7 +99,7 @@ int odma_decode_attention_f32(const int64_t *blocks, const int64_t *layer_stride
         memcpy(V + (n - 1) * row, v_new + b * row, sizeof(float) * row);
         const float *qb = q + b * heads * head_dim;
         float *ob = out + b * heads * head_dim;
-        /* SmolLM2-135M/360M, Llama-3-8B/70B-style and Qwen-style shapes; anything else takes the generic loop */
+        /* SmolLM2-135M/360M (3/64), Llama-3.2-1B (4/64), Llama-3-8B (4/128), Llama-3-70B (8/128); else generic */
         if (group == 3 && head_dim == 64) attend(K, V, n, kv_heads, qb, ob, scores, scale, 3, 64);
         else if (group == 4 && head_dim == 64) attend(K, V, n, kv_heads, qb, ob, scores, scale, 4, 64);
         else if (group == 4 && head_dim == 128) attend(K, V, n, kv_heads, qb, ob, scores, scale, 4, 128);
