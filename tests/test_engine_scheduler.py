@@ -173,3 +173,27 @@ def test_sjf_preempts_the_request_with_the_most_predicted_work_left():
     sched.schedule()
     assert seqs[0].preemptions == 1 and r1.preemptions == 0 and seqs[2].preemptions == 0
     sched.kv.check()
+
+
+def test_a_victim_already_planned_this_step_is_taken_out_of_the_step():
+    """sjf may preempt a request that grew (and was planned) earlier in the same step, once the length probe has
+    refined its remaining work upwards; the step must not keep it: its block is gone, and a model step over it
+    failed every request of that step (seen on odma-serve with --schedule sjf --probe probe under Poisson load:
+    130 of 300 requests)."""
+    from odma.engine.sequence import Status
+
+    sched = _scheduler(max_num_seqs=3, order="sjf", preempt="recompute")
+    seqs = [_tagged(0, 4), _tagged(1, 6), _tagged(2, 3)]
+    for s in seqs:
+        sched.add(s)
+    assert _admitted(sched) == ["r2", "r0", "r1"]  # shortest predicted first: r2 runs first in every step
+    seqs[2].predicted_remaining = 100.0  # the probe now expects r2 to run long: the victim, planned before r1
+    r1 = seqs[1]
+    r1.output_ids += [5] * 8  # r1 outgrew its 16-slot block: needs 24 slots, none free
+    r1.num_cached = r1.num_tokens - 1
+    work = sched.schedule()
+    assert seqs[2].preemptions == 1 and r1.preemptions == 0  # (r0 goes too: r1 needs 24 contiguous slots)
+    planned = [w.seq.request_id for w in work]
+    assert "r2" not in planned and "r1" in planned
+    assert all(w.seq.status is Status.RUNNING and w.seq.block is not None for w in work)
+    sched.kv.check()

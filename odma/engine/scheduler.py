@@ -169,6 +169,12 @@ class Scheduler:
                     break
                 victim = self.order.victim(self.running)  # fcfs: the newest, which loses least work
                 self._preempt(victim)
+                # sjf may pick a request planned earlier in this loop (fcfs's newest never is): it has no block now
+                planned = next((i for i, w in enumerate(work) if w.seq is victim), None)
+                if planned is not None:
+                    dropped = work.pop(planned)
+                    if dropped.q_len > 1:
+                        prefill -= dropped.q_len
                 if victim is seq:
                     break
         return work, stalled
