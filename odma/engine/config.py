@@ -92,6 +92,9 @@ class EngineConfig:
     # a request that holds the queue without a contiguous range gets one: the range with the fewest live tokens
     # is fenced and its blocks relocated elsewhere (into lent segments, say) instead of waited for
     clear_window: bool = True
+    # a prompt that begins with at least this many tokens a running request has cached copies their K/V instead
+    # of computing them (odma.engine.prefix_share; the chat template's system prompt, a conversation's history); 0: off
+    prefix_share_min_tokens: int = 16
     pool: PoolConfig = field(default_factory=PoolConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
 
@@ -128,6 +131,8 @@ class EngineConfig:
                      "balloon_segment_tokens", "balloon_keep_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_share_min_tokens < 0:
+            raise ConfigError(f"prefix_share_min_tokens must be >= 0 (0: off), got {self.prefix_share_min_tokens}")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
         if not 0 < self.admission_theta <= 1:

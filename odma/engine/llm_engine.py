@@ -18,6 +18,7 @@ from odma.engine.fork import Forks
 from odma.engine.length_log import LengthLog, read_realized_lengths
 from odma.engine.length_predictor import LoadedPredictor, load_engine_predictor, load_length_probe
 from odma.engine.model_runner import ModelRunner
+from odma.engine.prefix_share import copy_prefixes
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
 from odma.engine.sequence import RequestTags, Sequence, Status
@@ -295,7 +296,8 @@ class LLMEngine:
         outputs = self._drain_inbox()
         self._queue_forks()
         # samples of n > 1 requests admitted this step copy the prompt's K/V instead of computing it
-        batches = [(w, self.forks.prepare(work, w.runner.arena)) for w in self.workers if (work := w.scheduler.schedule())]
+        batches = [(w, self.forks.prepare(copy_prefixes(work, w.runner.arena), w.runner.arena))
+                   for w in self.workers if (work := w.scheduler.schedule())]
         if len(batches) > 1 and self._device_threads is not None:
             results = list(self._device_threads.map(lambda b: self._run(*b), batches))
         else:

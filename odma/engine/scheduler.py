@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from odma.engine.ordering import make_order, predicted_remaining
+from odma.engine.prefix_share import PrefixIndex
 from odma.engine.sequence import Sequence, Status
 from odma.kv import KVHandle, KVManager
 
@@ -34,6 +35,7 @@ class Work:
     seq: Sequence
     start: int  # tokens already cached
     q_len: int  # tokens fed this step
+    copy_from: Sequence | None = None  # the first `start` tokens' K/V are copied from this request's block first
 
 
 @dataclass(slots=True)
@@ -51,6 +53,9 @@ class SchedulerCounters:
     prefill_chunks: int = 0  # prefill steps that fed part of a prompt (ballooning: the rest of its room was lent)
     window_clears: int = 0  # a held queue head got its range by relocating the blocks in it
     window_moves: int = 0  # blocks relocated for it
+    prefix_copies: int = 0  # admissions that copied a shared prompt prefix's K/V instead of computing it
+    prefix_tokens: int = 0  # prompt tokens those copies saved
+    prefix_holds: int = 0  # admissions put off one step to copy a prefix that a request prefilled in that step
 
 
 class Scheduler:
@@ -70,6 +75,7 @@ class Scheduler:
         admission_demand: float | None = None,
         chunk_prefills: bool = False,
         clear_window: bool = False,
+        prefix_min_tokens: int | None = None,
     ) -> None:
         if preempt not in PREEMPT_MODES:
             raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
@@ -108,6 +114,8 @@ class Scheduler:
         # Not with ballooning that reclaims lent room for whole prefills: the reclaim would move the cleared
         # blocks straight back out of the segments (measured: segments lent and taken back every step).
         self.clear_window = clear_window and (self.elastic is None or chunk_prefills)
+        # Shared prompt prefixes (odma.engine.prefix_share): copied from a running request that holds them; None: off
+        self.prefixes = PrefixIndex(prefix_min_tokens) if prefix_min_tokens else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -186,6 +194,8 @@ class Scheduler:
         kept = seq.num_cached if swapped else 0
         self.kv.evict(seq.request_id)
         self.running.remove(seq)
+        if self.prefixes is not None:
+            self.prefixes.remove(seq)
         seq.reset_for_recompute(kept)
         self.waiting.appendleft(seq)  # first in line when room appears
         self.counters.preemptions += 1
@@ -205,8 +215,11 @@ class Scheduler:
         for seq in candidates:
             if len(self.running) >= self.max_num_seqs:
                 break
-            need = seq.num_tokens - seq.num_cached
+            source, shared = self._prefix_source(seq)
+            need = seq.num_tokens - seq.num_cached - shared
             if work and need > budget:
+                continue
+            if source is None and self._hold_for_prefix(seq, work):
                 continue
             q_len = self._room_for(seq, need, prefill, budget)
             handle = self.kv.admit(seq) if q_len else None
@@ -217,7 +230,9 @@ class Scheduler:
                 continue
             self._start(seq, handle)
             self._demand += self.final_tokens(seq) if self.admission_demand is not None else 0
-            work.append(Work(seq, seq.num_cached, q_len))
+            work.append(Work(seq, seq.num_cached + shared, q_len, source))
+            self.counters.prefix_copies += source is not None
+            self.counters.prefix_tokens += shared
             self.counters.prefill_chunks += q_len < need
             budget -= q_len
             prefill += q_len
@@ -227,6 +242,29 @@ class Scheduler:
             seq.waited_steps += 1
         self._freed_buckets.clear()
         return work
+
+    def _prefix_source(self, seq: Sequence) -> tuple[Sequence | None, int]:
+        """(holder, tokens): a running request whose cached K/V `seq` may copy for its first tokens. Not for a
+        request that has K/V already (swapped in), that scores its prompt (echo: every prompt position must be
+        computed), or a sample of n > 1 that copies its sibling's whole prompt (odma.engine.fork)."""
+        if (self.prefixes is None or seq.num_cached or seq.params.prompt_logprobs is not None
+                or (seq.index and not seq.prompt_copied)):
+            return None, 0
+        return self.prefixes.lookup(seq)
+
+    def _hold_for_prefix(self, seq: Sequence, planned: list[Work]) -> bool:
+        """Put `seq` off one step when a request prefilled in this step shares at least a quarter of what it
+        would compute: next step it copies that prefix instead (a burst of chat requests computes the system
+        prompt once, not once per request). Never a request that has waited max_skips rounds already."""
+        if self.prefixes is None or not planned or seq.num_cached or seq.waited_steps >= self.max_skips:
+            return False
+        if seq.params.prompt_logprobs is not None or (seq.index and not seq.prompt_copied):
+            return False
+        shared = self.prefixes.shared_with(seq, [w.seq for w in planned if w.start + w.q_len >= self.prefixes.min_tokens])
+        if shared and 4 * shared >= seq.num_tokens:
+            self.counters.prefix_holds += 1
+            return True
+        return False
 
     def _room_for(self, seq: Sequence, need: int, prefill: int, budget: int) -> int:
         """How many of the `need` tokens `seq` may feed in this step, which already prefills `prefill` tokens, before
@@ -261,6 +299,8 @@ class Scheduler:
         seq.kv = handle
         seq.status = Status.RUNNING
         self.running.append(seq)
+        if self.prefixes is not None:
+            self.prefixes.add(seq)
         if seq.swapped:
             self.swapper.swap_in(seq)
             seq.swapped = False
@@ -338,6 +378,8 @@ class Scheduler:
             seq.swapped = False
         if seq in self.running:
             self.running.remove(seq)
+            if self.prefixes is not None:
+                self.prefixes.remove(seq)
         elif seq.status is Status.WAITING:
             try:
                 self.waiting.remove(seq)

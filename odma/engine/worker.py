@@ -72,7 +72,7 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
                           aging_rounds=config.sjf_aging_rounds, admission_theta=config.admission_theta,
                           admission_demand=config.admission_demand,
                           chunk_prefills=config.balloon and config.balloon_chunked_prefill,
-                          clear_window=config.clear_window)
+                          clear_window=config.clear_window, prefix_min_tokens=config.prefix_share_min_tokens)
     log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); decode attention: %s", device, budget / 2**20,
              total_tokens, bytes_per_token, "backend kernel" if runner.decode_kernel is not None else "SDPA per request")
     return DeviceWorker(device, backend, runner, kv, scheduler, swap)

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --balloon: prefill a prompt whose activation room is lent in chunks of the free room")
     p.add_argument("--clear-window", action=argparse.BooleanOptionalAction, default=d.clear_window,
                    help="relocate the blocks in the way of a request that holds the queue instead of waiting for them")
+    p.add_argument("--prefix-share-min-tokens", type=int, default=d.prefix_share_min_tokens,
+                   help="copy the K/V of a prompt prefix at least this long from a running request that has it "
+                        "cached instead of computing it (0: off)")
     p.add_argument("--worst-case-prompt-share", type=float, default=d.pool.worst_case_prompt_share,
                    help="a request whose prompt exceeds this share of the pool reserves prompt + max_tokens up front")
     p.add_argument("--predictor", default=d.predictor, help="length predictor: default, sklearn, oracle, a folder, or median")
@@ -126,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,
         balloon=args.balloon, balloon_segment_tokens=args.balloon_segment_tokens,
         balloon_chunked_prefill=args.balloon_chunked_prefill, clear_window=args.clear_window,
+        prefix_share_min_tokens=args.prefix_share_min_tokens,
         pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale,
                      worst_case_prompt_share=args.worst_case_prompt_share),
         buckets=replace(BucketConfig(), large_bound=args.max_tokens_cap),
