@@ -159,3 +159,12 @@ def test_shared_prefix_matches_a_plain_scan():
         while expected < min(len(a), len(b)) and a[expected] == b[expected]:
             expected += 1
         assert shared_prefix(a, b) == expected
+
+
+def test_a_negative_minimum_is_refused():
+    from odma.engine.config import EngineConfig
+    from odma.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="prefix_share_min_tokens"):
+        EngineConfig(prefix_share_min_tokens=-1)
+    assert EngineConfig(prefix_share_min_tokens=0).prefix_share_min_tokens == 0

@@ -43,6 +43,7 @@ FLAGS = {
     "balloon_keep_tokens": (["--balloon-keep-tokens", "128"], 128),
     "balloon_chunked_prefill": (["--no-balloon-chunked-prefill"], False),
     "clear_window": (["--no-clear-window"], False),
+    "prefix_share_min_tokens": (["--prefix-share-min-tokens", "0"], 0),
 }
 POOL_FLAGS = {
     "growth": (["--growth", "double"], "double"),
