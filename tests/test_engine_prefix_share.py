@@ -168,3 +168,15 @@ def test_a_negative_minimum_is_refused():
     with pytest.raises(ConfigError, match="prefix_share_min_tokens"):
         EngineConfig(prefix_share_min_tokens=-1)
     assert EngineConfig(prefix_share_min_tokens=0).prefix_share_min_tokens == 0
+
+
+def test_no_request_waits_behind_a_long_prefill_for_a_prefix(folder):
+    engine = tiny_engine(folder, kv_budget="4MiB")
+    long_prompt = SYSTEM + [1 + k % 90 for k in range(300)]  # its step prefills more than HOLD_STEP_TOKENS: waiting one step costs too much
+    seqs = [engine.add_request(long_prompt, GREEDY), engine.add_request(_prompt(1), GREEDY)]
+    engine.step()
+    sched = engine.workers[0].scheduler
+    assert sched.counters.prefix_holds == 0
+    assert engine.prefill_tokens == len(long_prompt) + len(_prompt(1))  # both prefilled in the first step
+    _drain(engine)
+    assert all(s.finished for s in seqs) and engine.pool.stats().live_blocks == 0

@@ -15,6 +15,7 @@ from odma.engine.sequence import Sequence, Status
 from odma.kv import KVHandle, KVManager
 
 PREEMPT_MODES = ("wait", "recompute", "swap")
+HOLD_STEP_TOKENS = 256  # a request waits for a shared prefix only behind a step that prefills at most this many tokens
 
 
 class Swapper(Protocol):
@@ -219,7 +220,7 @@ class Scheduler:
             need = seq.num_tokens - seq.num_cached - shared
             if work and need > budget:
                 continue
-            if source is None and self._hold_for_prefix(seq, work):
+            if source is None and self._hold_for_prefix(seq, work, prefill):
                 continue
             q_len = self._room_for(seq, need, prefill, budget)
             handle = self.kv.admit(seq) if q_len else None
@@ -252,11 +253,13 @@ class Scheduler:
             return None, 0
         return self.prefixes.lookup(seq)
 
-    def _hold_for_prefix(self, seq: Sequence, planned: list[Work]) -> bool:
+    def _hold_for_prefix(self, seq: Sequence, planned: list[Work], step_prefill: int) -> bool:
         """Put `seq` off one step when a request prefilled in this step shares at least a quarter of what it
         would compute: next step it copies that prefix instead (a burst of chat requests computes the system
-        prompt once, not once per request). Never a request that has waited max_skips rounds already."""
-        if self.prefixes is None or not planned or seq.num_cached or seq.waited_steps >= self.max_skips:
+        prompt once, not once per request). Only while this step prefills at most HOLD_STEP_TOKENS (the wait is
+        one step: a short one, not a long prompt's), never a request that has waited max_skips rounds already."""
+        if (self.prefixes is None or not planned or seq.num_cached or seq.waited_steps >= self.max_skips
+                or step_prefill > HOLD_STEP_TOKENS):
             return False
         if seq.params.prompt_logprobs is not None or (seq.index and not seq.prompt_copied):
             return False
