@@ -244,24 +244,23 @@ class Scheduler:
         self._freed_buckets.clear()
         return work
 
+    def _may_copy_prefix(self, seq: Sequence) -> bool:
+        """Not a request that has K/V already (swapped in), that scores its prompt (echo: every prompt position
+        must be computed), or a sample of n > 1 that copies its sibling's whole prompt (odma.engine.fork)."""
+        return (self.prefixes is not None and not seq.num_cached and seq.params.prompt_logprobs is None
+                and not (seq.index and not seq.prompt_copied))
+
     def _prefix_source(self, seq: Sequence) -> tuple[Sequence | None, int]:
-        """(holder, tokens): a running request whose cached K/V `seq` may copy for its first tokens. Not for a
-        request that has K/V already (swapped in), that scores its prompt (echo: every prompt position must be
-        computed), or a sample of n > 1 that copies its sibling's whole prompt (odma.engine.fork)."""
-        if (self.prefixes is None or seq.num_cached or seq.params.prompt_logprobs is not None
-                or (seq.index and not seq.prompt_copied)):
-            return None, 0
-        return self.prefixes.lookup(seq)
+        """(holder, tokens): a running request whose cached K/V `seq` may copy for its first tokens."""
+        return self.prefixes.lookup(seq) if self._may_copy_prefix(seq) else (None, 0)
 
     def _hold_for_prefix(self, seq: Sequence, planned: list[Work], step_prefill: int) -> bool:
         """Put `seq` off one step when a request prefilled in this step shares at least a quarter of what it
         would compute: next step it copies that prefix instead (a burst of chat requests computes the system
         prompt once, not once per request). Only while this step prefills at most HOLD_STEP_TOKENS (the wait is
         one step: a short one, not a long prompt's), never a request that has waited max_skips rounds already."""
-        if (self.prefixes is None or not planned or seq.num_cached or seq.waited_steps >= self.max_skips
+        if (not planned or not self._may_copy_prefix(seq) or seq.waited_steps >= self.max_skips
                 or step_prefill > HOLD_STEP_TOKENS):
-            return False
-        if seq.params.prompt_logprobs is not None or (seq.index and not seq.prompt_copied):
             return False
         shared = self.prefixes.shared_with(seq, [w.seq for w in planned if w.start + w.q_len >= self.prefixes.min_tokens])
         if shared and 4 * shared >= seq.num_tokens:
