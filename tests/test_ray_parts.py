@@ -399,3 +399,26 @@ def test_the_ray_bench_can_drive_guidellm_and_compares_its_points():
                "pow2": {**base, "guidellm": [point(4, 20.0), point(16, 40.0)]}}]
     ratios = ray_bench._ratios(rounds)["odma/pow2"]
     assert ratios["guidellm_output_tps"] == {"4": [1.5], "16": [1.5]} and ratios["throughput"] == [1.0]
+
+
+def test_the_peer_bench_reads_both_servers_prefix_reuse_and_gives_each_concurrency_its_own_prompts(tmp_path):
+    """vLLM's prefix-cache counters and odma's copied-prefix counters are read from /metrics; each guidellm point
+    draws its own prompts (a shared seed re-sent earlier points' prompts, which vLLM then served from cache)."""
+    import argparse
+
+    from odma.bench import peer_bench
+
+    text = ('vllm:prefix_cache_hits_total{engine="0",model_name="m"} 11264.0\n'
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 40063.0\n'
+            "odma_prefix_copied_tokens_total 24.0\nodma_engine_prefill_tokens_total 1000.0\n")
+    assert peer_bench._server_counters(text) == {"prefix_cache_hits": 11264.0, "prefix_cache_queries": 40063.0,
+                                                 "odma_prefix_copied_tokens": 24.0, "odma_engine_prefill_tokens": 1000.0}
+    fake = tmp_path / "bin" / "guidellm"  # a guidellm that fails at once: the point reports its command
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(0o755)
+    args = argparse.Namespace(shape="128/128", seed=5, stage_timeout=30)
+    points = [peer_bench.guidellm_point("http://127.0.0.1:9", "x", streams, 4, tmp_path, fake.parent / "python",
+                                        tmp_path, args) for streams in (1, 4)]
+    assert [p["seed"] for p in points] == [6, 9] and all("exited with 3" in p["error"] for p in points)
+    assert "kind=static,value=9" in points[1]["command"]

@@ -185,7 +185,7 @@ def _replay_stage(srv, recs: list, rate: float, args) -> dict:
     res["load_avg_1m_before"] = round(load, 2)
     res["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     try:
-        res["server"].update(_vllm_counters(httpx.get(srv.url + "/metrics", timeout=10).text))
+        res["server"].update(_server_counters(httpx.get(srv.url + "/metrics", timeout=10).text))
     except httpx.HTTPError:
         pass
     return res
@@ -195,9 +195,16 @@ def guidellm_point(url: str, label: str, streams: int, n: int, model_dir: Path, 
                    args) -> dict:
     """One guidellm run against an OpenAI-compatible server at `url`: `streams` concurrent, `n` requests of
     args.shape; its report lands in out/guidellm/LABEL-cSTREAMS.json. args: shape, seed, stage_timeout."""
+    import httpx
+
     from odma.bench.peer_servers import stop
 
     prompt, output = (int(x) for x in args.shape.split("/"))
+    # guidellm's seed draws the synthetic prompts: one seed per concurrency, the same for every server. With one
+    # seed for the whole sweep each point re-sent the previous points' prompts, and a server with a prefix cache
+    # of finished requests (vLLM's, 128-token blocks) served those from cache: 16 of c=16's 64 prompts, 64 of
+    # c=64's 128 (its hit counter matched that count exactly in session 17's run).
+    seed = args.seed + streams
     # absolute: guidellm runs in the logs folder (its own files land there) and resolves a relative path from it
     path = (out / "guidellm" / f"{label}-c{streams}.json").resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,12 +215,13 @@ def guidellm_point(url: str, label: str, streams: int, n: int, model_dir: Path, 
            "--constraint", f"kind=max_duration,seconds={int(args.stage_timeout)}",
            "--data", f"kind=synthetic_text,prompt_tokens={prompt},output_tokens={output}",
            "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
-           "--seed", f"kind=static,value={args.seed}",
+           "--seed", f"kind=static,value={seed}",
            "--output", f"kind=json,path={path}", "--disable-console-interactive"]
     load = os.getloadavg()[0]
     log = out / "logs" / f"guidellm-{label}-c{streams}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    point = {"streams": streams, "requests": n, "load_avg_1m_before": round(load, 2), "command": " ".join(cmd)}
+    point = {"streams": streams, "requests": n, "seed": seed, "load_avg_1m_before": round(load, 2),
+             "command": " ".join(cmd)}
     with open(log, "w") as f:  # own process group: its worker processes are stopped with it
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent)
     try:
@@ -226,6 +234,10 @@ def guidellm_point(url: str, label: str, streams: int, n: int, model_dir: Path, 
         return {**point, "error": f"guidellm exited with {code}; log: {log}"}
     point.update(guidellm_metrics(json.loads(path.read_text())))
     point["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    try:  # cumulative since the server started: the difference between points is this point's
+        point["server_counters"] = _server_counters(httpx.get(url + "/metrics", timeout=10).text)
+    except httpx.HTTPError:
+        pass
     return point
 
 
@@ -281,10 +293,13 @@ def _kv_bytes_per_token(model_dir: Path) -> int:
     return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
 
 
-def _vllm_counters(text: str) -> dict:
+def _server_counters(text: str) -> dict:
+    """vLLM's counters from its /metrics (odma-bench serve's client reads odma's own), and both servers' prefix
+    reuse: vLLM's prefix-cache hits, odma's prompt tokens copied from running requests."""
     out = {}
     for name in ("vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "odma_prefix_copied_tokens_total",
+                 "odma_engine_prefill_tokens_total"):
         m = re.search(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
         if m:
             out[name.removeprefix("vllm:").removesuffix("_total")] = float(m.group(1))
