@@ -422,3 +422,15 @@ def test_the_peer_bench_reads_both_servers_prefix_reuse_and_gives_each_concurren
                                         tmp_path, args) for streams in (1, 4)]
     assert [p["seed"] for p in points] == [6, 9] and all("exited with 3" in p["error"] for p in points)
     assert "kind=static,value=9" in points[1]["command"]
+
+
+def test_a_port_for_a_late_binding_server_lies_below_the_ephemeral_range():
+    import socket
+
+    from odma.server.threaded import _ephemeral_low, free_port
+
+    for _ in range(5):
+        port = free_port(below_ephemeral=True)
+        assert 1024 <= port < _ephemeral_low()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free, as promised

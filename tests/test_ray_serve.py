@@ -55,7 +55,7 @@ def cluster(folder, tmp_path_factory):
     config = EngineConfig(model=str(folder), length_log=tmp_path_factory.mktemp("logs") / "lengths.jsonl", **CONFIG)
     settings = RaySettings(replicas=2, replica_cpus=0.5, report_period_s=0.25, health_check_period_s=1.0,
                            app_name=APP)
-    port = free_port()
+    port = free_port(below_ephemeral=True)  # Ray's processes take ephemeral ports before the proxy binds
     try:
         with deadline(300, "starting Ray Serve with two replicas"):
             # address="local": a fresh Ray for this module, never a cluster RAY_ADDRESS points at

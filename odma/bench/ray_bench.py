@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> dict:
                     from odma.server.threaded import free_port
 
                     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
-                    port = free_port()
+                    port = free_port(below_ephemeral=True)
                     serve.start(http_options={"host": "127.0.0.1", "port": port})
                     ray_started = True
                 round_[mode] = _run_ray(args, mode, records, hop_records, port)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -9,10 +10,34 @@ import time
 import uvicorn
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", *, below_ephemeral: bool = False) -> int:
+    """A port free now. below_ephemeral: one under the kernel's ephemeral range, for a server that binds it only
+    after starting other processes (Ray's proxy): their own sockets take ephemeral ports, and one of them took the
+    port chosen for the proxy in a CI run ("Failed to bind to address")."""
+    if not below_ephemeral:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    low = _ephemeral_low()
+    span = min(12000, low - 1024)
+    start = random.randrange(span)
+    for i in range(span):
+        port = low - span + (start + i) % span
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port on {host} below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems' ranges start higher
 
 
 class ThreadedServer:
