@@ -14,11 +14,11 @@ def free_port(host: str = "127.0.0.1", *, below_ephemeral: bool = False) -> int:
     """A port free now. below_ephemeral: one under the kernel's ephemeral range, for a server that binds it only
     after starting other processes (Ray's proxy): their own sockets take ephemeral ports, and one of them took the
     port chosen for the proxy in a CI run ("Failed to bind to address")."""
-    if not below_ephemeral:
+    low = _ephemeral_low() if below_ephemeral else 0
+    if low <= 2048:  # not asked for, or no room below the range on this system
         with socket.socket() as s:
             s.bind((host, 0))
             return s.getsockname()[1]
-    low = _ephemeral_low()
     span = min(12000, low - 1024)
     start = random.randrange(span)
     for i in range(span):
