@@ -59,31 +59,31 @@ class PrefixIndex:
         and how many to copy (at least min_tokens, and never the last token: its logits give the next one).
         (None, 0) when none shares min_tokens."""
         key = self._key(seq)
-        holders = self._by_key.get(key) if key is not None else None
-        if not holders:
-            return None, 0
-        limit = seq.num_tokens - 1
-        ids = seq.token_ids(0, limit)
-        best, best_n = None, 0
-        for other in reversed(holders[-MAX_CANDIDATES:]):
-            if other is seq or other.block is None:
-                continue
-            n = shared_prefix(ids, other.token_ids(0, min(limit, other.num_cached)))
-            if n > best_n:
-                best, best_n = other, n
-        return (best, best_n) if best_n >= self.min_tokens else (None, 0)
+        holders = self._by_key.get(key, []) if key is not None else []
+        recent = [h for h in reversed(holders[-MAX_CANDIDATES:]) if h.block is not None]
+        return self._longest(seq, recent, lambda other: other.num_cached)
 
     def shared_with(self, seq: Sequence, others: list[Sequence]) -> int:
         """Tokens `seq` shares at the front with the longest of `others` (requests prefilled in this step, whose
         K/V a later step could copy); 0 below min_tokens."""
+        return self._longest(seq, others, lambda other: other.num_tokens)[1]
+
+    def _longest(self, seq: Sequence, others: list[Sequence], held) -> tuple[Sequence | None, int]:
+        """The one of `others` whose first `held(other)` tokens share the longest prefix with `seq`'s tokens (but
+        its last), and that length; (None, 0) below min_tokens."""
         key = self._key(seq)
         if key is None:
-            return 0
+            return None, 0
         limit = seq.num_tokens - 1
         ids = seq.token_ids(0, limit)
-        best = max((shared_prefix(ids, o.token_ids(0, min(limit, o.num_tokens))) for o in others
-                    if self._key(o) == key), default=0)
-        return best if best >= self.min_tokens else 0
+        best, best_n = None, 0
+        for other in others:
+            if other is seq or self._key(other) != key:
+                continue
+            n = shared_prefix(ids, other.token_ids(0, min(limit, held(other))))
+            if n > best_n:
+                best, best_n = other, n
+        return (best, best_n) if best_n >= self.min_tokens else (None, 0)
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
