@@ -7,36 +7,25 @@ V once, in order (`odma-bench step` compares). Prefill chunks still use SDPA. Wi
 requests are split into that many shares of about equal context, run from a thread pool (ctypes releases the
 GIL), so the kernel uses the cores the GEMMs use.
 
-The library is compiled with the system C compiler (`cc`, or $CC) for this CPU (-march=native; without it
-where the compiler refuses that flag) into
-$ODMA_CACHE_DIR/kernels, keyed by the source, the flags and the CPU's feature flags. No compiler, a failed
-build, or ODMA_CPU_KERNELS=0: `load()` returns None (logged once) and the model falls back to SDPA.
+The library is compiled with the system C compiler for this CPU (`ckernels.py`). No compiler, a failed build,
+or ODMA_CPU_KERNELS=0: `load()` returns None (logged once) and the model falls back to SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
+
+from backends import ckernels
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+SOURCE = ckernels.CSRC / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 PORTABLE_FLAGS = ("-O3", "-ffast-math", "-fPIC")  # where the compiler has no -march=native
-# compile with -ffast-math, link without: linking with it adds crtfastmath.o, whose constructor turns on
-# flush-to-zero for the whole process (Python then parsed 5e-324 as 0.0, and every float op lost its denormals)
-LINK_FLAGS = ("-shared",)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -153,62 +142,11 @@ def load() -> DecodeAttention | None:
     if _tried:
         return _loaded
     _tried = True
-    if os.environ.get("ODMA_CPU_KERNELS", "1") == "0":
+    if ckernels.disabled():
         log.info("CPU decode-attention kernel disabled by ODMA_CPU_KERNELS=0; using SDPA")
         return None
-    errors = []
-    for flags in (FLAGS, PORTABLE_FLAGS):
-        try:
-            _loaded = DecodeAttention(ctypes.CDLL(str(_build(flags))))
-            break
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            errors.append(str(e))
-    else:
-        log.warning("CPU decode-attention kernel unavailable (%s); decode attention falls back to SDPA",
-                    "; ".join(errors))
+    try:
+        _loaded = DecodeAttention(ckernels.load_library(SOURCE, (FLAGS, PORTABLE_FLAGS), link=("-lm",)))
+    except RuntimeError as e:
+        log.warning("CPU decode-attention kernel unavailable (%s); decode attention falls back to SDPA", e)
     return _loaded
-
-
-def kernel_dir() -> Path:
-    """Where built kernels are kept: kernels/ under $ODMA_CACHE_DIR, else under ~/.cache/odma (the folder odma
-    caches into; read from the environment here, because backends know nothing of odma)."""
-    env = os.environ.get("ODMA_CACHE_DIR")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "odma") / "kernels"
-
-
-def _build(flags: tuple[str, ...]) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = SOURCE.read_bytes()
-    recipe = " ".join(flags) + " | link: " + " ".join(LINK_FLAGS)
-    key = hashlib.sha256(source + recipe.encode() + compiler.encode() + _cpu_signature()).hexdigest()[:16]
-    target = kernel_dir() / f"decode_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: concurrent first starts never load a half-written library
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    obj = tmp + ".o"
-    try:
-        for cmd in ([compiler, *flags, "-c", "-o", obj, str(SOURCE)], [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
-        os.replace(tmp, target)
-    finally:
-        for path in (tmp, obj):
-            if os.path.exists(path):
-                os.unlink(path)
-    return target
-
-
-def _cpu_signature() -> bytes:
-    """What -march=native depends on: a library built on one CPU must not be loaded on another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return (platform.machine() + platform.processor() + flags).encode()
