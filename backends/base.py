@@ -18,6 +18,7 @@ from backends.errors import BackendError
 
 if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention
+    from backends.cpu_linear import LinearKernel
 
 
 class Block(Protocol):
@@ -191,6 +192,11 @@ class Backend(ABC):
     def decode_attention(self) -> DecodeAttention | None:
         """A kernel for decode attention over contiguous blocks, where this backend has one (None: the model
         uses torch's SDPA per request)."""
+        return None
+
+    def linear_kernel(self) -> LinearKernel | None:
+        """A GEMM for the model's linear layers on weights packed for it, where this backend has one (None:
+        torch's own)."""
         return None
 
     # -- arenas and segments -------------------------------------------------------------------------

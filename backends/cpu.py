@@ -6,9 +6,10 @@ import os
 
 import torch
 
-from backends import cpu_attention
+from backends import cpu_attention, cpu_linear
 from backends.base import Backend, Capabilities, MemoryInfo
 from backends.cpu_attention import DecodeAttention
+from backends.cpu_linear import LinearKernel
 
 
 class CPUBackend(Backend):
@@ -21,6 +22,9 @@ class CPUBackend(Backend):
 
     def decode_attention(self) -> DecodeAttention | None:
         return cpu_attention.load()
+
+    def linear_kernel(self) -> LinearKernel | None:
+        return cpu_linear.load()
 
     def synchronize(self) -> None:
         pass  # CPU ops are synchronous

@@ -1,12 +1,13 @@
 """A decode step's GEMMs at a given row count, by library: how far the fp32 linear layers of SmolLM2-135M are from
-the weight stream and from the FMA peak (docs/BENCHMARKS.md, "Session 17").
+the weight stream and from the FMA peak (docs/BENCHMARKS.md, "Session 17" and "Session 18").
 
     .venv/bin/python scripts/gemm_decode_rows.py [--rows 16] [--threads 1]
 
 Every shape gets 30 distinct weight matrices (one per layer; the LM head one), so the weights stream from DRAM as
 in a real step. Per shape and library: the median of 30 passes over the 30 layers, in ms. Libraries: oneDNN on
 weights packed for 16 and for 64 rows (`odma/models/cpu_linear.py` packs for 64), MKL on weights packed for the
-row count (`torch.ops.mkl._mkl_linear`), and `F.linear` (MKL, packing the weight on every call).
+row count (`torch.ops.mkl._mkl_linear`), `F.linear` (MKL, packing the weight on every call), and odma's own kernel
+(backends/cpu_linear.py, where it builds here), the engine's default for fp32 since session 18.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import statistics
 import time
 
 import torch
+
+from backends import cpu_linear
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
@@ -39,6 +42,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     m = args.rows
+    kernel = cpu_linear.load()
     out, totals = {}, {}
     for name, (k, n) in SHAPES.items():
         weights = [torch.randn(n, k) for _ in range(1 if name == "lm_head" else 30)]
@@ -51,6 +55,9 @@ def main() -> None:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
         row["mkl_packed"] = median_ms(lambda: [torch.ops.mkl._mkl_linear(x, pw, w, None, m) for pw, w in zip(mkl, weights)])
         row["f_linear"] = median_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+        if kernel is not None:
+            ours = [kernel.pack(w) for w in weights]
+            row["odma"] = median_ms(lambda: [kernel(x, p, None, n) for p in ours])
         out[name] = row
         for key, value in row.items():
             totals[key] = round(totals.get(key, 0.0) + value, 2)

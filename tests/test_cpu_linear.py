@@ -1,5 +1,6 @@
-"""oneDNN-packed linear layers (odma/models/cpu_linear.py): same results as F.linear up to summation order, on
-both sides of the row threshold; packing a model is idempotent, keeps a tied LM head tied, and can be turned off."""
+"""Packed linear layers (odma/models/cpu_linear.py): odma's fp32 kernel (backends/cpu_linear.py) and oneDNN give
+F.linear's results up to summation order at every row, column and depth tail; packing a model is idempotent,
+keeps a tied LM head tied, picks the kernel for fp32 only where it serves, and can be turned off."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends import cpu_linear
 from odma.errors import ConfigError
 from odma.models import load_model
-from odma.models.cpu_linear import (DENSE_ABOVE, PackedLinear, linear_mode, onednn_linear_available, pack_linears,
-                                    packable_dtypes)
+from odma.models.cpu_linear import (DENSE_ABOVE, KernelLinear, PackedLinear, linear_mode, onednn_linear_available,
+                                    pack_linears, packable_dtypes)
 from odma.models.llama import SeqSlot
 from odma.models.tiny import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without mkldnn")
+onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without mkldnn")
+KERNEL = cpu_linear.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="odma's linear kernel needs AVX-512 and a C compiler")
 
 
+@onednn
 @pytest.mark.parametrize("dense_above", [None, 512])
 @pytest.mark.parametrize("rows", [1, 7, 64, 600])
 def test_packed_linear_matches_f_linear(rows, dense_above):
@@ -28,6 +33,7 @@ def test_packed_linear_matches_f_linear(rows, dense_above):
     torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+@onednn
 @pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="no oneDNN bf16 path on this CPU")
 @pytest.mark.parametrize("rows", [1, 16, 600])
 def test_packed_bf16_linear_matches_f_linear(rows):
@@ -40,6 +46,7 @@ def test_packed_bf16_linear_matches_f_linear(rows):
     torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1.6e-2, atol=1e-2)
 
 
+@onednn
 def test_a_bf16_model_is_packed_where_onednn_has_bf16(tmp_path):
     folder = make_tiny_model(tmp_path / "m", "llama")
     model = load_model(folder).to(torch.bfloat16)
@@ -48,6 +55,7 @@ def test_a_bf16_model_is_packed_where_onednn_has_bf16(tmp_path):
     assert n == (linears if torch.bfloat16 in packable_dtypes() else 0)
 
 
+@onednn
 def test_packing_a_model_keeps_its_outputs_and_tied_head(tmp_path, monkeypatch):
     folder = make_tiny_model(tmp_path / "m", "llama")
     plain, packed = load_model(folder), load_model(folder)
@@ -69,6 +77,7 @@ def test_packing_a_model_keeps_its_outputs_and_tied_head(tmp_path, monkeypatch):
     assert pack_linears(load_model(folder)) == 0
 
 
+@onednn
 def test_the_mode_decides_which_gemm_serves_large_steps(tmp_path, monkeypatch):
     folder = make_tiny_model(tmp_path / "m", "llama")
     for mode, dense_above in (("onednn", None), ("mixed", DENSE_ABOVE)):
@@ -84,3 +93,100 @@ def test_an_unknown_mode_is_refused(monkeypatch):
         linear_mode()
     monkeypatch.setenv("ODMA_CPU_LINEAR", "Mixed")
     assert linear_mode() == "mixed"
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows,k,n", [(1, 5, 3), (7, 96, 200), (8, 33, 48), (9, 33, 49), (16, 576, 97), (17, 64, 47),
+                                      (600, 40, 100), (0, 8, 8)])
+def test_kernel_matches_a_float64_reference_at_every_tail(rows, k, n, bias):
+    # rows: a single one, one row pass (8) and a pass more; columns: below, at and above one panel (48)
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    out = KERNEL(x, KERNEL.pack(w), b if bias else None, n)
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@needs_kernel
+def test_kernel_reads_strided_rows_and_leading_dimensions():
+    g = torch.Generator().manual_seed(3)
+    w, wide = torch.randn(50, 32, generator=g), torch.randn(2, 5, 40, generator=g)
+    x = wide[..., 4:36]  # rows 40 floats apart, K = 32
+    out = KERNEL(x, KERNEL.pack(w), None, 50)
+    assert out.shape == (2, 5, 50)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_kernel_splits_panels_over_threads_without_changing_a_bit():
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(500, 70, generator=g), torch.randn(13, 70, generator=g)
+    packed = KERNEL.pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = KERNEL(x, packed, None, 500)
+        torch.set_num_threads(3)
+        three = KERNEL(x, packed, None, 500)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(three, one, rtol=0, atol=0)  # threads own whole panels: same sums, same order
+
+
+@needs_kernel
+def test_the_default_mode_gives_fp32_layers_to_the_kernel_and_keeps_outputs(tmp_path, monkeypatch):
+    monkeypatch.delenv("ODMA_CPU_LINEAR", raising=False)
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    plain, packed = load_model(folder), load_model(folder)
+    n = pack_linears(packed, KERNEL)
+    assert n == sum(type(m) is nn.Linear for m in plain.modules()) and n > 0
+    assert all(not isinstance(m, PackedLinear) for m in packed.modules())
+    assert pack_linears(packed, KERNEL) == 0  # idempotent
+    if plain.config.tie_word_embeddings:
+        assert packed.lm_head.weight is packed.model.embed_tokens.weight
+    c = plain.config
+    arenas = [torch.zeros(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim) for _ in range(2)]
+    ids, pos = torch.tensor([3, 4, 5, 6, 7]), torch.tensor([0, 1, 2, 0, 1])
+    outs = []
+    for model in (plain, packed):
+        seqs = [SeqSlot(arenas[0].clone(), 0, 3), SeqSlot(arenas[1].clone(), 0, 2)]
+        outs.append(model(ids, pos, seqs))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@onednn
+def test_the_kernel_serves_fp32_only_and_only_where_it_can(tmp_path, monkeypatch):
+    monkeypatch.delenv("ODMA_CPU_LINEAR", raising=False)
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    bf16 = load_model(folder).to(torch.bfloat16)
+    pack_linears(bf16, KERNEL)
+    assert not any(isinstance(m, KernelLinear) for m in bf16.modules())  # bf16 stays with oneDNN
+    for mode in ("onednn", "mixed"):  # an explicit oneDNN mode is obeyed
+        monkeypatch.setenv("ODMA_CPU_LINEAR", mode)
+        model = load_model(folder)
+        assert pack_linears(model, KERNEL) > 0 and not any(isinstance(m, KernelLinear) for m in model.modules())
+    monkeypatch.delenv("ODMA_CPU_LINEAR")
+    monkeypatch.setattr(KERNEL, "parallel", False)  # a build without OpenMP would leave threads idle
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        model = load_model(folder)
+        assert pack_linears(model, KERNEL) > 0 and not any(isinstance(m, KernelLinear) for m in model.modules())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_unbuildable_kernel_leaves_the_layers_to_onednn(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_linear, "_tried", False)
+    monkeypatch.setattr(cpu_linear, "_loaded", None)
+    monkeypatch.setenv("ODMA_CPU_KERNELS", "0")
+    assert cpu_linear.load() is None
+    monkeypatch.setattr(cpu_linear, "_tried", False)
+    monkeypatch.setenv("ODMA_CPU_KERNELS", "1")
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path))  # no cached library to reuse
+    monkeypatch.setenv("CC", "false")
+    assert cpu_linear.load() is None
+    assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind

@@ -25,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="sdpa,kernel",
                    help="decode attention variants: sdpa (torch, per request), kernel (the CPU backend's, fp32 KV)")
     p.add_argument("--linear", default="torch",
-                   help="linear-layer variants: torch (F.linear), onednn (weights packed once, as the engine runs on "
-                        "CPU: fp32, and bf16 where oneDNN has it; odma/models/cpu_linear.py); 'torch,onednn' times both")
+                   help="linear-layer variants: torch (F.linear), onednn (weights packed once for oneDNN: fp32, and "
+                        "bf16 where oneDNN has it), odma (the CPU backend's fp32 kernel, as the engine runs on CPU; "
+                        "odma/models/cpu_linear.py); 'torch,onednn,odma' times all three")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8, help="timed steps per mix (interleaved)")
 
@@ -61,18 +62,22 @@ def run(args: argparse.Namespace) -> dict:
     if "kernel" in variants and kernel is None:
         raise ConfigError("the CPU decode-attention kernel could not be built here (see the log)")
     linears = [x.strip() for x in args.linear.split(",") if x.strip()]
-    if not linears or set(linears) - {"torch", "onednn"}:
-        raise ConfigError(f"--linear takes torch and/or onednn, got {args.linear!r}")
+    if not linears or set(linears) - {"torch", "onednn", "odma"}:
+        raise ConfigError(f"--linear takes torch, onednn and/or odma, got {args.linear!r}")
     folder = resolve_model(args.model)
     models = {w: load_model(folder, dtype=DTYPES[w]) for w in {w for w, _ in mixes}}
     packed = {}
-    if "onednn" in linears:
-        from odma.models.cpu_linear import pack_linears
+    linear_kernel = get_backend("cpu").linear_kernel() if "odma" in linears else None
+    if "odma" in linears and linear_kernel is None:
+        raise ConfigError("the CPU linear kernel could not be built here (it needs AVX-512; see the log)")
+    from odma.models.cpu_linear import pack_linears
 
+    for linear in set(linears) - {"torch"}:
         for w in models:
             m = load_model(folder, dtype=DTYPES[w])
-            if pack_linears(m):  # fp32, bf16 where oneDNN has it, and only where oneDNN is available
-                packed[w] = m
+            # fp32, bf16 where oneDNN has it; odma: the kernel for fp32, oneDNN for the rest
+            if pack_linears(m, linear_kernel, mode=linear):
+                packed[linear, w] = m
     c = models[mixes[0][0]].config
     capacity = args.context + 16
     gen = torch.Generator().manual_seed(0)
@@ -84,14 +89,14 @@ def run(args: argparse.Namespace) -> dict:
         arena = torch.randn(args.batch, c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim, generator=gen).to(DTYPES[kv])
         seqs = [SeqSlot(arena[b], args.context, 1) for b in range(args.batch)]
         for linear in linears:
-            model = models[weights] if linear == "torch" else packed.get(weights)
+            model = models[weights] if linear == "torch" else packed.get((linear, weights))
             if model is None:
                 continue
             for attention in variants:
                 if attention == "kernel" and kv != "float32":
                     continue  # the kernel reads fp32 caches only
                 k = kernel if attention == "kernel" else None
-                name = f"{weights}/{kv} {attention}" + (" onednn" if linear == "onednn" else "")
+                name = f"{weights}/{kv} {attention}" + ("" if linear == "torch" else f" {linear}")
                 steps[name] = lambda model=model, seqs=seqs, k=k: model(ids, positions, seqs, k)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():  # warm-up

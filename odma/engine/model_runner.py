@@ -16,7 +16,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, backend: Backend, total_tokens: int, kv_dtype: torch.dtype | None = None) -> None:
         c = model.config
         if backend.name == "cpu":
-            pack_linears(model)  # oneDNN-packed weights: decode GEMMs without a per-call repack (cpu_linear.py)
+            pack_linears(model, backend.linear_kernel())  # weights packed once for the GEMM (cpu_linear.py)
         self.model = model
         self.backend = backend
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype)

@@ -1,4 +1,9 @@
-"""Linear layers with their weights packed once for oneDNN (CPU, float32 and bfloat16).
+"""Linear layers with their weights packed once: for odma's own fp32 kernel, or for oneDNN (CPU).
+
+The default (`ODMA_CPU_LINEAR=odma`): fp32 layers run the CPU backend's kernel (backends/cpu_linear.py) where it
+builds here (AVX-512, a C compiler) and serves torch's thread count; it overlaps the weight stream with the FMAs,
+which oneDNN does not: one thread, SmolLM2's layers, 0.72x oneDNN's time at 16 rows, 0.58x at 8, 0.9x at 64 and
+600 (docs/BENCHMARKS.md, "Session 18"). Every other layer (bf16, or no kernel) is packed for oneDNN as below.
 
 Why: `F.linear` on CPU re-packs the weight matrix into the GEMM's blocked layout on every call; with the few
 rows of a decode step (one per request) that packing is a large share of the GEMM, and the GEMMs are most
@@ -18,14 +23,16 @@ bfloat16 weights (`--dtype bfloat16`) are packed too where oneDNN has a bf16 pat
 SmolLM2's shapes, the packed call took 0.78 × F.linear's time for the layers and 0.57 × for the LM head, with
 bit-identical results; from 256 rows on the two are within 7 % (docs/BENCHMARKS.md, "Session 14").
 
-`ODMA_CPU_LINEAR` = `onednn` (default: packed for every step) | `mixed` (F.linear above DENSE_ABOVE rows) |
-`torch` (F.linear always: A/B measurements, or a torch build without mkldnn).
+`ODMA_CPU_LINEAR` = `odma` (default: the kernel for fp32, oneDNN for the rest) | `onednn` (packed for every step) |
+`mixed` (F.linear above DENSE_ABOVE rows) | `torch` (F.linear always: A/B measurements, or a torch build without
+mkldnn).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +40,18 @@ from torch import nn
 
 from odma.errors import ConfigError
 
+if TYPE_CHECKING:
+    from backends.cpu_linear import LinearKernel
+
 log = logging.getLogger(__name__)
 BATCH_HINT = 64  # rows oneDNN lays the packed weight out for: a decode batch (any row count still works)
 DENSE_ABOVE = 512  # with ODMA_CPU_LINEAR=mixed: rows above which F.linear (MKL) is used instead
-MODES = ("onednn", "mixed", "torch")
+MODES = ("odma", "onednn", "mixed", "torch")
 
 
 def linear_mode() -> str:
     """ODMA_CPU_LINEAR, checked: a typo must not silently select another GEMM."""
-    mode = os.environ.get("ODMA_CPU_LINEAR", "onednn").strip().lower() or "onednn"
+    mode = os.environ.get("ODMA_CPU_LINEAR", "odma").strip().lower() or "odma"
     if mode not in MODES:
         raise ConfigError(f"ODMA_CPU_LINEAR={mode!r}: expected one of {', '.join(MODES)}")
     return mode
@@ -78,21 +88,49 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every CPU nn.Linear of `model` whose weight dtype oneDNN packs here (`packable_dtypes`) by a
-    PackedLinear (in place; idempotent). Returns how many were replaced; 0 where oneDNN is unavailable or
-    ODMA_CPU_LINEAR=torch."""
-    mode = linear_mode()
+class KernelLinear(nn.Module):
+    """y = x @ W.T + b through the CPU backend's fp32 kernel on a copy of W packed for it."""
+
+    def __init__(self, linear: nn.Linear, kernel: LinearKernel) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (a tied LM head stays tied)
+        self.kernel = kernel
+        self.packed = kernel.pack(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        return self.kernel(x, self.packed, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for odma's kernel"
+
+
+def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str | None = None) -> int:
+    """Replace every CPU nn.Linear of `model` by a KernelLinear (fp32, where `kernel` is given and serves torch's
+    thread count, in the default mode) or a PackedLinear (dtypes oneDNN packs here, `packable_dtypes`); in
+    place, idempotent. Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch. mode: one of MODES instead
+    of ODMA_CPU_LINEAR's (benchmarks compare them)."""
+    mode = mode or linear_mode()
     if mode == "torch":
         return 0
-    if not onednn_linear_available():
+    use_kernel = mode == "odma" and kernel is not None and kernel.usable()
+    onednn = onednn_linear_available()
+    if not onednn and not use_kernel:
         log.info("oneDNN linear unavailable in this torch build; linear layers use F.linear")
         return 0
-    dtypes = packable_dtypes()
+    dtypes = packable_dtypes() if onednn else ()
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+                continue
+            if use_kernel and child.weight.dtype == torch.float32:
+                setattr(module, name, KernelLinear(child, kernel))
+            elif child.weight.dtype in dtypes:
                 setattr(module, name, PackedLinear(child, dense_above=DENSE_ABOVE if mode == "mixed" else None))
-                replaced += 1
+            else:
+                continue
+            replaced += 1
     return replaced
