@@ -5,7 +5,8 @@ The engine runs in-process (the server's engine, its scheduler, pool, predictor 
 prompts (NQ questions through the chat template, temperature 0.7, top_p 0.95, EOS ignored so the batch stays
 full). Steps are timed plainly (median wall ms), then profiled with torch.profiler, every event's self time
 assigned to one share:
-- gemm: aten::mm / addmm (the linear layers and the LM head);
+- gemm: aten::mm / addmm / oneDNN's linear, and the CPU backend's own GEMM (a ctypes call, under a range named
+  here): the linear layers and the LM head;
 - attention: the CPU decode kernel (a ctypes call, under a range named here) and SDPA for prefill chunks;
 - other ops: every other aten op inside the model (norms, rotary, SiLU, adds, copies, views, the embedding);
 - model python: the model's Python between those ops (module calls, slicing, the per-request loop);
@@ -28,7 +29,7 @@ from contextlib import contextmanager
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_mkl_linear", "mkl::_mkl_linear", "mkldnn::_linear_pointwise"}
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
-RANGES = ("odma.attention", "odma.sampler", "odma.scheduler", "odma.model")
+RANGES = ("odma.attention", "odma.linear", "odma.sampler", "odma.scheduler", "odma.model")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -171,8 +172,8 @@ def _category(e) -> str:
         return "attention"
     scope = _enclosing(e)
     if name in RANGES:  # a range's self time is the Python inside it between profiled ops
-        return {"odma.attention": "attention", "odma.sampler": "sampling", "odma.scheduler": "scheduler",
-                "odma.model": "model python"}[name]
+        return {"odma.attention": "attention", "odma.linear": "gemm", "odma.sampler": "sampling",
+                "odma.scheduler": "scheduler", "odma.model": "model python"}[name]
     if scope == "odma.attention":
         return "attention"
     if scope == "odma.sampler":
@@ -199,6 +200,8 @@ def _ranges(engine):
     profiler runs: record_function is a no-op then)."""
     from torch.profiler import record_function
 
+    from odma.models.cpu_linear import KernelLinear
+
     worker = engine.workers[0]
     runner, sched = worker.runner, worker.scheduler
     saved = (runner.model.forward, runner.sampler, runner.decode_kernel, sched.schedule)
@@ -207,6 +210,7 @@ def _ranges(engine):
         def inner(*a, **k):
             with record_function(name):
                 return fn(*a, **k)
+        inner.__wrapped__ = fn
         return inner
 
     class Kernel:  # the model calls kernel.plan(...) once a step and batch.attend → kernel(...) per layer
@@ -223,24 +227,30 @@ def _ranges(engine):
             with record_function("odma.attention"):
                 return self.k(*a, **kw)
 
+    linears = [m for m in runner.model.modules() if isinstance(m, KernelLinear)]  # the GEMM kernel, per layer
     runner.model.forward = wrap(runner.model.forward, "odma.model")
     runner.sampler = wrap(runner.sampler, "odma.sampler")
     if runner.decode_kernel is not None:
         runner.decode_kernel = Kernel(runner.decode_kernel)
     sched.schedule = wrap(sched.schedule, "odma.scheduler")
+    for m in linears:
+        m.kernel = wrap(m.kernel, "odma.linear")
     try:
         yield
     finally:
         runner.model.forward, runner.sampler, runner.decode_kernel, sched.schedule = saved
+        for m in linears:
+            m.kernel = m.kernel.__wrapped__
 
 
 def measure_machine(mib: int = 512) -> dict:
-    """One core's read bandwidth (sum over a buffer larger than the caches) and GEMM peak: the faster of torch's
-    sgemm (MKL; on AMD CPUs it may not use AVX-512) and oneDNN on a packed weight (what the engine's linear
-    layers call where it is available), fp32, 2048³."""
+    """One core's read bandwidth (sum over a buffer larger than the caches) and GEMM peak: the fastest of torch's
+    sgemm (MKL; on AMD CPUs it may not use AVX-512), oneDNN on a packed weight and the CPU backend's own GEMM
+    (what the engine's linear layers call where they are available), fp32, 2048³."""
     import torch
 
-    from odma.models.cpu_linear import PackedLinear, onednn_linear_available
+    from backends import get_backend
+    from odma.models.cpu_linear import KernelLinear, PackedLinear, onednn_linear_available
 
     x = torch.ones(mib << 18)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
@@ -248,6 +258,10 @@ def measure_machine(mib: int = 512) -> dict:
     if onednn_linear_available():
         packed = PackedLinear(torch.nn.Linear(2048, 2048, bias=False))
         gemms["onednn"] = lambda: packed(a)
+    kernel = get_backend("cpu").linear_kernel()
+    if kernel is not None:
+        ours = KernelLinear(torch.nn.Linear(2048, 2048, bias=False), kernel)
+        gemms["odma"] = lambda: ours(a)
     best_read = float("inf")
     best_gemm = dict.fromkeys(gemms, float("inf"))
     x.sum()
