@@ -1,10 +1,11 @@
-"""The CPU backend's fp32 GEMM over column-panel packed weights (csrc/linear_f32.c), called by ctypes.
+"""The CPU backend's GEMM over column-panel packed weights (csrc/linear.c), called by ctypes: fp32, and bf16
+where the CPU has AVX512_BF16.
 
-Why: a decode step reads every weight once for a few rows; oneDNN's fp32 kernel on SmolLM2's shapes waits for
-the weight stream and then computes, this one overlaps the two (the measurements: csrc/linear_f32.c and
+Why: a decode step reads every weight once for a few rows; oneDNN's kernels on SmolLM2's shapes wait for the
+weight stream and then compute, this one overlaps the two (the measurements: csrc/linear.c and
 docs/BENCHMARKS.md, "Session 18"). It needs AVX-512 (built for this CPU); elsewhere `load()` returns None and
 the model keeps oneDNN. With OpenMP in the build it splits the panels over torch's threads; without, it is used
-only where torch runs one thread (`usable()`).
+only where torch runs one thread (`serves()`).
 """
 
 from __future__ import annotations
@@ -18,53 +19,63 @@ from backends import ckernels
 
 log = logging.getLogger(__name__)
 
-SOURCE = ckernels.CSRC / "linear_f32.c"
+SOURCE = ckernels.CSRC / "linear.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 SERIAL_FLAGS = ("-O3", "-march=native", "-fPIC")  # a compiler without OpenMP
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGS = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I]
 
 
 class LinearKernel:
-    """y = x @ W.T + b for fp32 CPU tensors, W packed once by `pack`."""
+    """y = x @ W.T + b for CPU tensors of one of `dtypes`, W packed once by `pack`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.odma_linear_f32
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I]
-        self.panel = int(lib.odma_linear_f32_panel())
-        self.parallel = bool(lib.odma_linear_f32_openmp())
-        # a build without AVX-512 answers -1: refuse it here, not on the first step (tensors held: the call writes)
-        probe, packed, out = torch.ones(1, 1), self.pack(torch.full((1, 1), 2.0)), torch.zeros(1, 1)
-        if self._fn(probe.data_ptr(), 1, 1, packed.data_ptr(), 1, 1, None, out.data_ptr(), 1, 1) != 0 or out.item() != 2.0:
-            raise RuntimeError("linear_f32 was built without AVX-512 for this CPU")
+        self._fns = {torch.float32: lib.odma_linear_f32, torch.bfloat16: lib.odma_linear_bf16}
+        for fn in self._fns.values():
+            fn.restype, fn.argtypes = ctypes.c_int, _ARGS
+        self.panel = int(lib.odma_linear_panel())
+        self.parallel = bool(lib.odma_linear_openmp())
+        # a build without AVX-512 (AVX512_BF16) answers -1: refuse it here, not on the first step
+        self.dtypes = tuple(d for d in self._fns if self._answers(d))
+        if torch.float32 not in self.dtypes:
+            raise RuntimeError("the linear kernel was built without AVX-512 for this CPU")
 
-    def usable(self) -> bool:
-        """Whether it serves torch's current thread count (a serial build would leave threads idle)."""
-        return self.parallel or torch.get_num_threads() == 1
+    def _answers(self, dtype: torch.dtype) -> bool:
+        x, w = torch.ones(1, 2, dtype=dtype), torch.full((1, 2), 2.0, dtype=dtype)
+        return self.serves(w) and torch.equal(self(x, self.pack(w), None, 1), torch.full((1, 1), 4.0, dtype=dtype))
+
+    def serves(self, weight: torch.Tensor) -> bool:
+        """Whether this build multiplies by `weight` (its dtype; bf16 needs an even K) at torch's thread count (a
+        serial build would leave threads idle)."""
+        dtype_ok = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
+        return dtype_ok and (self.parallel or torch.get_num_threads() == 1)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """W [N, K] → [ceil(N / panel), K, panel] fp32: panel p holds columns p*panel.. of y, k-major, zero-padded."""
+        """W [N, K] → panels of `panel` columns of y, zero-padded: fp32 [P, K, panel] (k-major); bf16
+        [P, K/2, panel, 2] (k in pairs, as vdpbf16ps reads them)."""
         n, k = weight.shape
         panels = -(-n // self.panel)
-        padded = torch.zeros(panels * self.panel, k, dtype=torch.float32)
+        padded = torch.zeros(panels * self.panel, k, dtype=weight.dtype)
         padded[:n] = weight.detach()
+        if weight.dtype == torch.bfloat16:
+            return padded.view(panels, self.panel, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         return padded.view(panels, self.panel, k).transpose(1, 2).contiguous()
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        """x [..., K] fp32 on the CPU; returns [..., out_features]. Lean: it runs ~150 times per model step."""
-        k = packed.shape[1]
+        """x [..., K] on the CPU, in packed's dtype; returns [..., out_features]. Lean: it runs ~150 times per step."""
+        k = x.shape[-1]
         flat = x.dim() != 2
         rows = x.reshape(-1, k) if flat else x
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         m = rows.shape[0]
-        y = torch.empty((m, out_features), dtype=torch.float32)
+        y = torch.empty((m, out_features), dtype=packed.dtype)
         if m:
-            code = self._fn(rows.data_ptr(), m, rows.stride(0), packed.data_ptr(), k, out_features,
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
-                            torch.get_num_threads())
+            code = self._fns[packed.dtype](rows.data_ptr(), m, rows.stride(0), packed.data_ptr(), k, out_features,
+                                           None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+                                           torch.get_num_threads())
             if code:
-                raise RuntimeError(f"linear_f32 kernel failed (code {code}) on x {tuple(x.shape)}")
+                raise RuntimeError(f"linear kernel failed (code {code}) on x {tuple(x.shape)} {x.dtype}")
         return y.view(*x.shape[:-1], out_features) if flat else y
 
 

@@ -109,6 +109,26 @@ def test_kernel_matches_a_float64_reference_at_every_tail(rows, k, n, bias):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+@pytest.mark.skipif(KERNEL is None or torch.bfloat16 not in KERNEL.dtypes, reason="no AVX512_BF16 build here")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows,k,n", [(1, 6, 3), (9, 96, 49), (16, 576, 97), (600, 40, 100)])
+def test_bf16_kernel_matches_a_float64_reference_up_to_bf16_rounding(rows, k, n, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w, b, x = (torch.randn(*shape, generator=g).bfloat16() for shape in ((n, k), (n,), (rows, k)))
+    out = KERNEL(x, KERNEL.pack(w), b if bias else None, n)
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    # products exact in fp32, sums in fp32, one rounding to bf16 at the end (2^-8 relative)
+    torch.testing.assert_close(out.double(), ref, rtol=2 ** -8, atol=1e-4 * k)
+
+
+@needs_kernel
+def test_an_odd_depth_in_bf16_stays_with_another_gemm():
+    assert not KERNEL.serves(torch.zeros(4, 7, dtype=torch.bfloat16))  # k pairs: K must be even
+    assert not KERNEL.serves(torch.zeros(4, 8, dtype=torch.float16))
+    assert KERNEL.serves(torch.zeros(4, 7))
+
+
 @needs_kernel
 def test_kernel_reads_strided_rows_and_leading_dimensions():
     g = torch.Generator().manual_seed(3)
@@ -158,12 +178,13 @@ def test_the_default_mode_gives_fp32_layers_to_the_kernel_and_keeps_outputs(tmp_
 
 @needs_kernel
 @onednn
-def test_the_kernel_serves_fp32_only_and_only_where_it_can(tmp_path, monkeypatch):
+def test_the_kernel_serves_only_where_it_can(tmp_path, monkeypatch):
     monkeypatch.delenv("ODMA_CPU_LINEAR", raising=False)
     folder = make_tiny_model(tmp_path / "m", "llama")
     bf16 = load_model(folder).to(torch.bfloat16)
     pack_linears(bf16, KERNEL)
-    assert not any(isinstance(m, KernelLinear) for m in bf16.modules())  # bf16 stays with oneDNN
+    kernel_bf16 = torch.bfloat16 in KERNEL.dtypes  # bf16 layers go to the kernel only where AVX512_BF16 is
+    assert all(isinstance(m, KernelLinear) == kernel_bf16 for m in bf16.modules() if hasattr(m, "packed"))
     for mode in ("onednn", "mixed"):  # an explicit oneDNN mode is obeyed
         monkeypatch.setenv("ODMA_CPU_LINEAR", mode)
         model = load_model(folder)
@@ -190,3 +211,19 @@ def test_an_unbuildable_kernel_leaves_the_layers_to_onednn(monkeypatch, tmp_path
     monkeypatch.setenv("CC", "false")
     assert cpu_linear.load() is None
     assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
+
+
+@pytest.mark.skipif(KERNEL is None or torch.bfloat16 not in KERNEL.dtypes, reason="no AVX512_BF16 build here")
+def test_a_bf16_model_through_the_kernel_keeps_its_outputs(tmp_path, monkeypatch):
+    monkeypatch.delenv("ODMA_CPU_LINEAR", raising=False)
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    plain, packed = load_model(folder).to(torch.bfloat16), load_model(folder).to(torch.bfloat16)
+    assert pack_linears(packed, KERNEL) == sum(type(m) is nn.Linear for m in plain.modules())
+    c = plain.config
+    ids, pos = torch.tensor([3, 4, 5, 6, 7]), torch.tensor([0, 1, 2, 0, 1])
+    outs = []
+    for model in (plain, packed):
+        arenas = [torch.zeros(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, dtype=torch.bfloat16) for _ in range(2)]
+        outs.append(model(ids, pos, [SeqSlot(arenas[0], 0, 3), SeqSlot(arenas[1], 0, 2)]).float())
+    # both round every layer's output to bf16, in other orders: a few bf16 ulps apart
+    torch.testing.assert_close(outs[1], outs[0], rtol=3e-2, atol=3e-2)

@@ -1,9 +1,10 @@
-"""Linear layers with their weights packed once: for odma's own fp32 kernel, or for oneDNN (CPU).
+"""Linear layers with their weights packed once: for odma's own kernel, or for oneDNN (CPU).
 
-The default (`ODMA_CPU_LINEAR=odma`): fp32 layers run the CPU backend's kernel (backends/cpu_linear.py) where it
-builds here (AVX-512, a C compiler) and serves torch's thread count; it overlaps the weight stream with the FMAs,
-which oneDNN does not: one thread, SmolLM2's layers, 0.72x oneDNN's time at 16 rows, 0.58x at 8, 0.9x at 64 and
-600 (docs/BENCHMARKS.md, "Session 18"). Every other layer (bf16, or no kernel) is packed for oneDNN as below.
+The default (`ODMA_CPU_LINEAR=odma`): fp32 layers, and bf16 ones on CPUs with AVX512_BF16, run the CPU backend's
+kernel (backends/cpu_linear.py) where it builds here (AVX-512, a C compiler) and serves torch's thread count; it
+overlaps the weight stream with the FMAs, which oneDNN does not: one thread, SmolLM2's layers, fp32 0.72-0.81x
+oneDNN's time at 16 rows, bf16 0.67x, both level from 64-256 rows on (docs/BENCHMARKS.md, "Session 18"). Every
+other layer is packed for oneDNN as below.
 
 Why: `F.linear` on CPU re-packs the weight matrix into the GEMM's blocked layout on every call; with the few
 rows of a decode step (one per request) that packing is a large share of the GEMM, and the GEMMs are most
@@ -89,7 +90,7 @@ class PackedLinear(nn.Module):
 
 
 class KernelLinear(nn.Module):
-    """y = x @ W.T + b through the CPU backend's fp32 kernel on a copy of W packed for it."""
+    """y = x @ W.T + b through the CPU backend's kernel on a copy of W packed for it (fp32 or bf16)."""
 
     def __init__(self, linear: nn.Linear, kernel: LinearKernel) -> None:
         super().__init__()
@@ -99,7 +100,7 @@ class KernelLinear(nn.Module):
         self.packed = kernel.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype != self.packed.dtype:
             return F.linear(x, self.weight, self.bias)
         return self.kernel(x, self.packed, self.bias, self.out_features)
 
@@ -108,14 +109,14 @@ class KernelLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str | None = None) -> int:
-    """Replace every CPU nn.Linear of `model` by a KernelLinear (fp32, where `kernel` is given and serves torch's
-    thread count, in the default mode) or a PackedLinear (dtypes oneDNN packs here, `packable_dtypes`); in
+    """Replace every CPU nn.Linear of `model` by a KernelLinear (in the default mode, where `kernel` is given and
+    serves the layer: `LinearKernel.serves`) or a PackedLinear (dtypes oneDNN packs here, `packable_dtypes`); in
     place, idempotent. Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch. mode: one of MODES instead
     of ODMA_CPU_LINEAR's (benchmarks compare them)."""
     mode = mode or linear_mode()
     if mode == "torch":
         return 0
-    use_kernel = mode == "odma" and kernel is not None and kernel.usable()
+    use_kernel = mode == "odma" and kernel is not None
     onednn = onednn_linear_available()
     if not onednn and not use_kernel:
         log.info("oneDNN linear unavailable in this torch build; linear layers use F.linear")
@@ -126,7 +127,7 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str
         for name, child in list(module.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
-            if use_kernel and child.weight.dtype == torch.float32:
+            if use_kernel and kernel.serves(child.weight):
                 setattr(module, name, KernelLinear(child, kernel))
             elif child.weight.dtype in dtypes:
                 setattr(module, name, PackedLinear(child, dense_above=DENSE_ABOVE if mode == "mixed" else None))
