@@ -1,13 +1,14 @@
 """A decode step's GEMMs at a given row count, by library: how far the fp32 linear layers of SmolLM2-135M are from
 the weight stream and from the FMA peak (docs/BENCHMARKS.md, "Session 17" and "Session 18").
 
-    .venv/bin/python scripts/gemm_decode_rows.py [--rows 16] [--threads 1]
+    .venv/bin/python scripts/gemm_decode_rows.py [--rows 16] [--threads 1] [--dtype bfloat16]
 
 Every shape gets 30 distinct weight matrices (one per layer; the LM head one), so the weights stream from DRAM as
 in a real step. Per shape and library: the median of 30 passes over the 30 layers, in ms. Libraries: oneDNN on
 weights packed for 16 and for 64 rows (`odma/models/cpu_linear.py` packs for 64), MKL on weights packed for the
 row count (`torch.ops.mkl._mkl_linear`), `F.linear` (MKL, packing the weight on every call), and odma's own kernel
-(backends/cpu_linear.py, where it builds here), the engine's default for fp32 since session 18.
+(backends/cpu_linear.py, where it builds here), the engine's default since session 18. With --dtype bfloat16: oneDNN
+and odma's kernel only (MKL has no bf16 GEMM here).
 """
 
 from __future__ import annotations
@@ -39,30 +40,34 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     m = args.rows
     kernel = cpu_linear.load()
     out, totals = {}, {}
     for name, (k, n) in SHAPES.items():
-        weights = [torch.randn(n, k) for _ in range(1 if name == "lm_head" else 30)]
-        x = torch.randn(m, k)
-        row = {"gflop": round(2 * m * k * n * len(weights) / 1e9, 3), "weight_mb": round(4 * k * n * len(weights) / 1e6, 1)}
+        weights = [torch.randn(n, k).to(dtype) for _ in range(1 if name == "lm_head" else 30)]
+        x = torch.randn(m, k).to(dtype)
+        row = {"gflop": round(2 * m * k * n * len(weights) / 1e9, 3),
+               "weight_mb": round(x.element_size() * k * n * len(weights) / 1e6, 1)}
         for hint in (16, 64):
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in weights]
             row[f"onednn_packed{hint}"] = median_ms(
                 lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed])
-        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
-        row["mkl_packed"] = median_ms(lambda: [torch.ops.mkl._mkl_linear(x, pw, w, None, m) for pw, w in zip(mkl, weights)])
-        row["f_linear"] = median_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights])
-        if kernel is not None:
+        if dtype == torch.float32:
+            mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
+            row["mkl_packed"] = median_ms(lambda: [torch.ops.mkl._mkl_linear(x, pw, w, None, m) for pw, w in zip(mkl, weights)])
+            row["f_linear"] = median_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+        if kernel is not None and kernel.serves(weights[0]):
             ours = [kernel.pack(w) for w in weights]
             row["odma"] = median_ms(lambda: [kernel(x, p, None, n) for p in ours])
         out[name] = row
         for key, value in row.items():
             totals[key] = round(totals.get(key, 0.0) + value, 2)
     out["step"] = totals
-    print(json.dumps({"rows": m, "threads": args.threads, "shapes": out}, indent=1))
+    print(json.dumps({"rows": m, "threads": args.threads, "dtype": args.dtype, "shapes": out}, indent=1))
 
 
 if __name__ == "__main__":
