@@ -16,7 +16,7 @@ max_tokens, top_logprobs needs logprobs) is checked by the handlers and stated i
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from odma.engine.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SEED_RANGE
@@ -118,6 +118,13 @@ class ChatMessage(BaseModel):
                        _one_message("must be a string, a list of text parts or null")] = None
     name: Text | None = None
     tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> "ChatMessage":
+        # OpenAI lets only an assistant turn go without content (it then carries tool calls, which odma refuses)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a {self.role} message")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
