@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
 
 CSRC = Path(__file__).parent / "csrc"
 # compile with -ffast-math, link without: linking with it adds crtfastmath.o, whose constructor turns on
@@ -38,6 +42,32 @@ def load_library(source: Path, flag_sets: tuple[tuple[str, ...], ...], link: tup
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             errors.append(str(e))
     raise RuntimeError("; ".join(errors))
+
+
+class Loader(Generic[T]):
+    """Builds and wraps a kernel library on the first call, once per process; every later call answers the same
+    (None where it could not be built: the reason logged once, with what runs instead)."""
+
+    def __init__(self, source: Path, flag_sets: tuple[tuple[str, ...], ...], wrap: Callable[[ctypes.CDLL], T],
+                 what: str, fallback: str, link: tuple[str, ...] = (), level: int = logging.WARNING) -> None:
+        self.source, self.flag_sets, self.wrap, self.link = source, flag_sets, wrap, link
+        self.what, self.fallback, self.level = what, fallback, level
+        self._loaded: T | None = None
+        self._tried = False
+
+    def __call__(self) -> T | None:
+        if self._tried:
+            return self._loaded
+        self._tried = True
+        log = logging.getLogger(__name__)
+        if disabled():
+            log.info("%s disabled by ODMA_CPU_KERNELS=0; %s", self.what, self.fallback)
+            return None
+        try:
+            self._loaded = self.wrap(load_library(self.source, self.flag_sets, self.link))
+        except RuntimeError as e:
+            log.log(self.level, "%s unavailable (%s); %s", self.what, e, self.fallback)
+        return self._loaded
 
 
 def kernel_dir() -> Path:

@@ -14,14 +14,12 @@ or ODMA_CPU_KERNELS=0: `load()` returns None (logged once) and the model falls b
 from __future__ import annotations
 
 import ctypes
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
 import torch
 
 from backends import ckernels
-
-log = logging.getLogger(__name__)
 
 SOURCE = ckernels.CSRC / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
@@ -132,21 +130,7 @@ def _readable(kv: torch.Tensor) -> bool:
     return kv.stride(4) == 1 and kv.stride(3) == dim and kv.stride(2) == heads * dim
 
 
-_loaded: DecodeAttention | None = None
-_tried = False
-
-
-def load() -> DecodeAttention | None:
-    """The kernel, built if needed; None where it cannot be (reason logged once)."""
-    global _loaded, _tried
-    if _tried:
-        return _loaded
-    _tried = True
-    if ckernels.disabled():
-        log.info("CPU decode-attention kernel disabled by ODMA_CPU_KERNELS=0; using SDPA")
-        return None
-    try:
-        _loaded = DecodeAttention(ckernels.load_library(SOURCE, (FLAGS, PORTABLE_FLAGS), link=("-lm",)))
-    except RuntimeError as e:
-        log.warning("CPU decode-attention kernel unavailable (%s); decode attention falls back to SDPA", e)
-    return _loaded
+# the kernel, built on first use; None where it cannot be
+load: ckernels.Loader[DecodeAttention] = ckernels.Loader(
+    SOURCE, (FLAGS, PORTABLE_FLAGS), DecodeAttention, "CPU decode-attention kernel",
+    "decode attention falls back to SDPA", link=("-lm",))

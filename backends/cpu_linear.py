@@ -17,8 +17,6 @@ import torch
 
 from backends import ckernels
 
-log = logging.getLogger(__name__)
-
 SOURCE = ckernels.CSRC / "linear.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 SERIAL_FLAGS = ("-O3", "-march=native", "-fPIC")  # a compiler without OpenMP
@@ -79,21 +77,6 @@ class LinearKernel:
         return y.view(*x.shape[:-1], out_features) if flat else y
 
 
-_loaded: LinearKernel | None = None
-_tried = False
-
-
-def load() -> LinearKernel | None:
-    """The kernel, built if needed; None where it cannot be (reason logged once)."""
-    global _loaded, _tried
-    if _tried:
-        return _loaded
-    _tried = True
-    if ckernels.disabled():
-        log.info("CPU linear kernel disabled by ODMA_CPU_KERNELS=0; linear layers use oneDNN")
-        return None
-    try:
-        _loaded = LinearKernel(ckernels.load_library(SOURCE, (FLAGS, SERIAL_FLAGS)))
-    except RuntimeError as e:
-        log.info("CPU linear kernel unavailable (%s); linear layers use oneDNN", e)
-    return _loaded
+# the kernel, built on first use; None where it cannot be (logged at INFO: oneDNN is as good a default elsewhere)
+load: ckernels.Loader[LinearKernel] = ckernels.Loader(
+    SOURCE, (FLAGS, SERIAL_FLAGS), LinearKernel, "CPU linear kernel", "linear layers use oneDNN", level=logging.INFO)
