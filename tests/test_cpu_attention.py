@@ -1,5 +1,5 @@
 """The CPU backend's decode-attention kernel computes what SDPA computes, writes only the new row of each
-block, never writes past a block, and its absence (no compiler, disabled) falls back to SDPA."""
+block and never writes past a block (its absence, no compiler or disabled: tests/test_ckernels.py)."""
 
 from __future__ import annotations
 
