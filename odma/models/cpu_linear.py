@@ -3,8 +3,8 @@
 The default (`ODMA_CPU_LINEAR=odma`): fp32 layers, and bf16 ones on CPUs with AVX512_BF16, run the CPU backend's
 kernel (backends/cpu_linear.py) where it builds here (AVX-512, a C compiler) and serves torch's thread count; it
 overlaps the weight stream with the FMAs, which oneDNN does not: one thread, SmolLM2's layers, fp32 0.72-0.81x
-oneDNN's time at 16 rows, bf16 0.67x, both level from 64-256 rows on (docs/BENCHMARKS.md, "Session 18"). Every
-other layer is packed for oneDNN as below.
+oneDNN's time at 16 rows, bf16 0.70x, both level from 64-256 rows on; two threads 0.71-0.80x at 16 rows but 1.1x
+at 600 (docs/BENCHMARKS.md, "Session 18"). Every other layer is packed for oneDNN as below.
 
 Why: `F.linear` on CPU re-packs the weight matrix into the GEMM's blocked layout on every call; with the few
 rows of a decode step (one per request) that packing is a large share of the GEMM, and the GEMMs are most
