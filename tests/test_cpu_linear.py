@@ -12,14 +12,21 @@ from torch import nn
 from backends import cpu_linear
 from odma.errors import ConfigError
 from odma.models import load_model
-from odma.models.cpu_linear import (DENSE_ABOVE, KernelLinear, PackedLinear, linear_mode, onednn_linear_available,
-                                    pack_linears, packable_dtypes)
+from odma.models.cpu_linear import (DENSE_ABOVE, LARGE_ROWS, KernelLinear, PackedLinear, linear_mode,
+                                    onednn_linear_available, pack_linears, packable_dtypes)
 from odma.models.llama import SeqSlot
 from odma.models.tiny import make_tiny_model
 
 onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without mkldnn")
 KERNEL = cpu_linear.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="odma's linear kernel needs AVX-512 and a C compiler")
+
+
+def packed_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's packed layers, without the oneDNN copy a KernelLinear keeps for large steps."""
+    layers = [m for m in model.modules() if isinstance(m, (KernelLinear, PackedLinear))]
+    inner = {id(m.large) for m in layers if isinstance(m, KernelLinear)}
+    return [m for m in layers if id(m) not in inner]
 
 
 def two_requests(model: nn.Module) -> torch.Tensor:
@@ -163,7 +170,7 @@ def test_the_default_mode_gives_fp32_layers_to_the_kernel_and_keeps_outputs(tmp_
     plain, packed = load_model(folder), load_model(folder)
     n = pack_linears(packed, KERNEL)
     assert n == sum(type(m) is nn.Linear for m in plain.modules()) and n > 0
-    assert all(not isinstance(m, PackedLinear) for m in packed.modules())
+    assert all(isinstance(m, KernelLinear) for m in packed_layers(packed))
     assert pack_linears(packed, KERNEL) == 0  # idempotent
     if plain.config.tie_word_embeddings:
         assert packed.lm_head.weight is packed.model.embed_tokens.weight
@@ -178,7 +185,7 @@ def test_the_kernel_serves_only_where_it_can(tmp_path, monkeypatch):
     bf16 = load_model(folder).to(torch.bfloat16)
     pack_linears(bf16, KERNEL)
     kernel_bf16 = torch.bfloat16 in KERNEL.dtypes  # bf16 layers go to the kernel only where AVX512_BF16 is
-    assert all(isinstance(m, KernelLinear) == kernel_bf16 for m in bf16.modules() if hasattr(m, "packed"))
+    assert all(isinstance(m, KernelLinear) == kernel_bf16 for m in packed_layers(bf16))
     for mode in ("onednn", "mixed"):  # an explicit oneDNN mode is obeyed
         monkeypatch.setenv("ODMA_CPU_LINEAR", mode)
         model = load_model(folder)
@@ -202,3 +209,28 @@ def test_a_bf16_model_through_the_kernel_keeps_its_outputs(tmp_path, monkeypatch
     assert pack_linears(packed, KERNEL) == sum(type(m) is nn.Linear for m in plain.modules())
     # both round every layer's output to bf16, in other orders: a few bf16 ulps apart
     torch.testing.assert_close(two_requests(packed).float(), two_requests(plain).float(), rtol=3e-2, atol=3e-2)
+
+
+@needs_kernel
+@onednn
+def test_on_several_threads_large_steps_go_to_onednn(monkeypatch):
+    monkeypatch.delenv("ODMA_CPU_LINEAR", raising=False)
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            model = nn.Sequential(nn.Linear(64, 100))
+            pack_linears(model, KERNEL)
+            layer = model[0]
+            assert isinstance(layer, KernelLinear) and (layer.large is not None) == (threads > 1)
+            for rows in (LARGE_ROWS, LARGE_ROWS + 1):
+                x = torch.randn(rows, 64)
+                torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+            if layer.large is not None:  # the split is by rows: the large path really is oneDNN's
+                calls = []
+                monkeypatch.setattr(layer.large, "forward", lambda x: calls.append(len(x)) or F.linear(x, layer.weight))
+                layer(torch.randn(LARGE_ROWS + 1, 64)), layer(torch.randn(LARGE_ROWS, 64))
+                assert calls == [LARGE_ROWS + 1]
+    finally:
+        torch.set_num_threads(before)

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 BATCH_HINT = 64  # rows oneDNN lays the packed weight out for: a decode batch (any row count still works)
 DENSE_ABOVE = 512  # with ODMA_CPU_LINEAR=mixed: rows above which F.linear (MKL) is used instead
+# on several threads, rows above which oneDNN beats odma's kernel (two threads: level at 128 rows, 1.1x at 256-600)
+LARGE_ROWS = 128
 MODES = ("odma", "onednn", "mixed", "torch")
 
 
@@ -90,18 +92,22 @@ class PackedLinear(nn.Module):
 
 
 class KernelLinear(nn.Module):
-    """y = x @ W.T + b through the CPU backend's kernel on a copy of W packed for it (fp32 or bf16)."""
+    """y = x @ W.T + b through the CPU backend's kernel on a copy of W packed for it (fp32 or bf16); steps of more
+    than LARGE_ROWS rows through `large` where one is given (oneDNN, on several threads: see pack_linears)."""
 
-    def __init__(self, linear: nn.Linear, kernel: LinearKernel) -> None:
+    def __init__(self, linear: nn.Linear, kernel: LinearKernel, large: PackedLinear | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (a tied LM head stays tied)
         self.kernel = kernel
         self.packed = kernel.pack(self.weight)
+        self.large = large
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.packed.dtype:
             return F.linear(x, self.weight, self.bias)
+        if self.large is not None and x.numel() > LARGE_ROWS * self.in_features:
+            return self.large(x)
         return self.kernel(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
@@ -111,7 +117,8 @@ class KernelLinear(nn.Module):
 def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str | None = None) -> int:
     """Replace every CPU nn.Linear of `model` by a KernelLinear (in the default mode, where `kernel` is given and
     serves the layer: `LinearKernel.serves`) or a PackedLinear (dtypes oneDNN packs here, `packable_dtypes`); in
-    place, idempotent. Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch. mode: one of MODES instead
+    place, idempotent. On more than one torch thread a KernelLinear also keeps oneDNN's packed copy for large
+    steps (the weights' size once more in memory; on one thread the kernel is level with oneDNN there). Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch. mode: one of MODES instead
     of ODMA_CPU_LINEAR's (benchmarks compare them)."""
     mode = mode or linear_mode()
     if mode == "torch":
@@ -128,7 +135,8 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
             if use_kernel and kernel.serves(child.weight):
-                setattr(module, name, KernelLinear(child, kernel))
+                several = torch.get_num_threads() > 1 and child.weight.dtype in dtypes
+                setattr(module, name, KernelLinear(child, kernel, PackedLinear(child) if several else None))
             elif child.weight.dtype in dtypes:
                 setattr(module, name, PackedLinear(child, dense_above=DENSE_ABOVE if mode == "mixed" else None))
             else:
