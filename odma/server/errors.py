@@ -57,9 +57,16 @@ def error_response(err: HTTPError) -> JSONResponse:
 # -- request validation messages ----------------------------------------------------------------------
 
 def _path(loc: tuple) -> str:
-    """'messages.0.content' from pydantic's location, without the union branch names it inserts."""
-    parts = [str(p) for p in loc[1:] if isinstance(p, int) or ("[" not in str(p) and str(p) not in _TYPE_TAGS)]
+    """'messages.0.content' from pydantic's location, without the union branch names it inserts (type names, and
+    a message's role, which tags its model, after the message's index)."""
+    loc = loc[1:]
+    parts = [str(p) for i, p in enumerate(loc)
+             if isinstance(p, int) or ("[" not in str(p) and str(p) not in _TYPE_TAGS
+                                       and not (i and isinstance(loc[i - 1], int) and p in _ROLE_TAGS))]
     return ".".join(parts)
+
+
+_ROLE_TAGS = {"system", "user", "assistant", "developer", "tool"}
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-wrap"}

@@ -16,7 +16,7 @@ max_tokens, top_logprobs needs logprobs) is checked by the handlers and stated i
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from odma.engine.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SEED_RANGE
@@ -110,26 +110,35 @@ class ResponseFormat(BaseModel):
     type: Literal["text"] = Field(description="only plain text: JSON modes are not supported")
 
 
-class ChatMessage(BaseModel):
+class _Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Annotated[Text | list[TextPart] | None,
-                       _one_message("must be a string, a list of text parts or null")] = None
     name: Text | None = None
     tool_call_id: Text | None = None
 
-    @model_validator(mode="after")
-    def _content_where_required(self) -> "ChatMessage":
-        # OpenAI lets only an assistant turn go without content (it then carries tool calls, which odma refuses)
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content is required for a {self.role} message")
-        return self
-
     def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text for part in self.content)
+        content = self.content  # each kind of message declares its own
+        if content is None or isinstance(content, str):
+            return content or ""
+        return "".join(part.text for part in content)
+
+
+class ChatMessage(_Message):
+    """A system, developer, user or tool turn: its content is required, as in OpenAI's API."""
+
+    role: Literal["system", "user", "developer", "tool"]
+    content: Annotated[Text | list[TextPart], _one_message("must be a string or a list of text parts")]
+
+
+class AssistantMessage(_Message):
+    """An assistant turn: OpenAI lets it go without content (beside tool calls, which odma refuses)."""
+
+    role: Literal["assistant"]
+    content: Annotated[Text | list[TextPart] | None,
+                       _one_message("must be a string, a list of text parts or null")] = None
+
+
+Message = Annotated[ChatMessage | AssistantMessage, Field(discriminator="role")]
 
 
 def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]:
@@ -197,7 +206,7 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
     class ChatCompletionRequest(Common):
         model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)
 
-        messages: Annotated[list[ChatMessage], Field(min_length=1)]
+        messages: Annotated[list[Message], Field(min_length=1)]
         max_tokens: _opt(int, Field(ge=1, le=cap, description="deprecated name of max_completion_tokens")) = None
         max_completion_tokens: _opt(int, Field(ge=1, le=cap, description=(
             "default: the server's, at most what the context leaves after the prompt"))) = None
