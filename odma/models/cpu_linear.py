@@ -24,7 +24,7 @@ bfloat16 weights (`--dtype bfloat16`) are packed too where oneDNN has a bf16 pat
 SmolLM2's shapes, the packed call took 0.78 × F.linear's time for the layers and 0.57 × for the LM head, with
 bit-identical results; from 256 rows on the two are within 7 % (docs/BENCHMARKS.md, "Session 14").
 
-`ODMA_CPU_LINEAR` = `odma` (default: the kernel for fp32, oneDNN for the rest) | `onednn` (packed for every step) |
+`ODMA_CPU_LINEAR` = `odma` (default: the kernel where it serves, oneDNN for the rest) | `onednn` (packed for every step) |
 `mixed` (F.linear above DENSE_ABOVE rows) | `torch` (F.linear always: A/B measurements, or a torch build without
 mkldnn).
 """
@@ -118,8 +118,9 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str
     """Replace every CPU nn.Linear of `model` by a KernelLinear (in the default mode, where `kernel` is given and
     serves the layer: `LinearKernel.serves`) or a PackedLinear (dtypes oneDNN packs here, `packable_dtypes`); in
     place, idempotent. On more than one torch thread a KernelLinear also keeps oneDNN's packed copy for large
-    steps (the weights' size once more in memory; on one thread the kernel is level with oneDNN there). Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch. mode: one of MODES instead
-    of ODMA_CPU_LINEAR's (benchmarks compare them)."""
+    steps (the weights' size once more in memory; on one thread the kernel is level with oneDNN there).
+    Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch. mode: one of MODES instead of
+    ODMA_CPU_LINEAR's (benchmarks compare them)."""
     mode = mode or linear_mode()
     if mode == "torch":
         return 0

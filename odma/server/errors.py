@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from odma.errors import ConfigError, InvalidRequestError, OdmaError, RequestTooLargeError
+from odma.server.protocol import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,8 @@ def _path(loc: tuple) -> str:
     loc = loc[1:]
     parts = [str(p) for i, p in enumerate(loc)
              if isinstance(p, int) or ("[" not in str(p) and str(p) not in _TYPE_TAGS
-                                       and not (i and isinstance(loc[i - 1], int) and p in _ROLE_TAGS))]
+                                       and not (i and isinstance(loc[i - 1], int) and p in ROLES))]
     return ".".join(parts)
-
-
-_ROLE_TAGS = {"system", "user", "assistant", "developer", "tool"}
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-wrap"}

@@ -14,7 +14,7 @@ max_tokens, top_logprobs needs logprobs) is checked by the handlers and stated i
 # its local limits, which pydantic must see evaluated
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
@@ -139,6 +139,7 @@ class AssistantMessage(_Message):
 
 
 Message = Annotated[ChatMessage | AssistantMessage, Field(discriminator="role")]
+ROLES = frozenset(role for kind in (ChatMessage, AssistantMessage) for role in get_args(kind.model_fields["role"].annotation))
 
 
 def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]:
