@@ -59,7 +59,8 @@ class LinearKernel:
             return padded.view(panels, self.panel, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         return padded.view(panels, self.panel, k).transpose(1, 2).contiguous()
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:
         """x [..., K] on the CPU, in packed's dtype; returns [..., out_features]. Lean: it runs ~150 times per step."""
         k = x.shape[-1]
         flat = x.dim() != 2

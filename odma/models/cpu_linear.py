@@ -24,8 +24,8 @@ bfloat16 weights (`--dtype bfloat16`) are packed too where oneDNN has a bf16 pat
 SmolLM2's shapes, the packed call took 0.78 × F.linear's time for the layers and 0.57 × for the LM head, with
 bit-identical results; from 256 rows on the two are within 7 % (docs/BENCHMARKS.md, "Session 14").
 
-`ODMA_CPU_LINEAR` = `odma` (default: the kernel where it serves, oneDNN for the rest) | `onednn` (packed for every step) |
-`mixed` (F.linear above DENSE_ABOVE rows) | `torch` (F.linear always: A/B measurements, or a torch build without
+`ODMA_CPU_LINEAR` = `odma` (default: the kernel where it serves, oneDNN for the rest) | `onednn` (packed for every
+step) | `mixed` (F.linear above DENSE_ABOVE rows) | `torch` (F.linear always: A/B measurements, or a torch build without
 mkldnn).
 """
 

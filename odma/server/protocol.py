@@ -139,7 +139,8 @@ class AssistantMessage(_Message):
 
 
 Message = Annotated[ChatMessage | AssistantMessage, Field(discriminator="role")]
-ROLES = frozenset(role for kind in (ChatMessage, AssistantMessage) for role in get_args(kind.model_fields["role"].annotation))
+ROLES = frozenset(role for kind in (ChatMessage, AssistantMessage)
+                  for role in get_args(kind.model_fields["role"].annotation))
 
 
 def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]:
