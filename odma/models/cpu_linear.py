@@ -25,8 +25,8 @@ SmolLM2's shapes, the packed call took 0.78 × F.linear's time for the layers an
 bit-identical results; from 256 rows on the two are within 7 % (docs/BENCHMARKS.md, "Session 14").
 
 `ODMA_CPU_LINEAR` = `odma` (default: the kernel where it serves, oneDNN for the rest) | `onednn` (packed for every
-step) | `mixed` (F.linear above DENSE_ABOVE rows) | `torch` (F.linear always: A/B measurements, or a torch build without
-mkldnn).
+step) | `mixed` (F.linear above DENSE_ABOVE rows) | `torch` (F.linear always: A/B measurements, or a torch build
+without mkldnn).
 """
 
 from __future__ import annotations
