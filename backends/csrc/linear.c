@@ -25,7 +25,7 @@
 
 #define PANEL 48 /* output columns per panel: 3 zmm registers */
 #define ROWS 8   /* rows of x per pass: 8 x 3 accumulators */
-#define STEP_BYTES 192 /* one k (fp32) or k pair (bf16) of a panel: 3 zmm */
+#define STEP_BYTES (PANEL * 4) /* one k (fp32) or k pair (bf16) of a panel: 192 bytes, 3 zmm */
 #define PREFETCH_AHEAD 8192 /* bytes (~43 steps of a panel) ahead; 4-32 KB measured within 3 % */
 
 int odma_linear_panel(void) { return PANEL; }
