@@ -116,6 +116,10 @@ class PoolConfig:
     growth: str = "next"  # what a request that outgrows its block migrates to: next | large | double
     # reserve for reserve_scale·L̂ and grow by migration: 0.5 won the replays (docs/analyze.md)
     reserve_scale: float = 0.5
+    # pred: a request's first growth goes straight to the bucket that holds its L̂ (before reserve_scale) instead of
+    # the next bucket. Fewer migrations (-11 to -16 %), but where memory binds the larger block is refused more
+    # often: on the real engine +32 to +57 % preemptions and 0.96-0.98x throughput (docs/BENCHMARKS.md), so off
+    growth_hint: str = "none"
     # a request whose prompt exceeds this share of the pool's largest range reserves its worst case up front:
     # growing its block by migration would need a second range at least that large
     worst_case_prompt_share: float = 0.5
@@ -131,6 +135,9 @@ class PoolConfig:
             raise ConfigError(f"reserve_scale must be a positive number, got {self.reserve_scale}")
         if self.growth not in GROWTH_POLICIES:
             raise ConfigError(f"growth must be one of {GROWTH_POLICIES}, got {self.growth!r}")
+        if self.growth_hint not in GROWTH_HINTS:
+            raise ConfigError(f"growth_hint must be one of {GROWTH_HINTS}, got {self.growth_hint!r}")
 
 
 GROWTH_POLICIES = ("next", "large", "double")
+GROWTH_HINTS = ("pred", "none")

@@ -55,3 +55,45 @@ def test_migration_copies_the_live_kv(folder):
     engine.abort(seq.request_id)
     engine.step()
     assert engine.pool.stats().live_blocks == 0
+
+
+@pytest.mark.parametrize("hint", ["pred", "none"])
+def test_the_first_growth_goes_straight_to_the_block_that_holds_the_prediction(folder, hint):
+    """odma reserves for half of L̂; with the growth hint its first growth holds all of L̂ (one migration where
+    bucket-by-bucket growth takes several), and the tokens are the same either way."""
+    from odma.config import PoolConfig
+
+    predicted, prompt = 100, [5, 6, 7]
+    engine = tiny_engine(folder, predicted=predicted, pool=PoolConfig(align=4, growth_hint=hint))
+    seq = engine.add_request(prompt, GREEDY)
+    engine.step()  # tags and prefills
+    assert seq.growth_hint == (predicted if hint == "pred" else None)
+    first = seq.block
+    assert first.capacity < len(prompt) + predicted  # reserve_scale 0.5
+    while seq.block == first:
+        engine.step()
+    holds_prediction = seq.block.capacity >= len(prompt) + predicted
+    assert holds_prediction == (hint == "pred")
+    while not seq.finished:
+        engine.step()
+    reference = tiny_engine(folder, policy="static").generate([prompt], GREEDY)[0]
+    assert seq.output_ids == reference.output_ids
+    assert engine.pool.stats().live_blocks == 0
+
+
+def test_samples_of_one_prompt_share_its_growth_hint(folder):
+    from odma.config import PoolConfig
+
+    engine = tiny_engine(folder, predicted=100, pool=PoolConfig(align=4, growth_hint="pred"))
+    seqs = engine.add_samples([5, 6, 7], SamplingParams(max_tokens=20, temperature=0.8, seed=1), 3)
+    while not all(s.finished for s in seqs):
+        engine.step()
+    assert [s.growth_hint for s in seqs] == [100, 100, 100]
+
+
+def test_an_unknown_growth_hint_is_refused():
+    from odma.config import PoolConfig
+    from odma.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="growth_hint must be one of"):
+        PoolConfig(growth_hint="cal")

@@ -48,6 +48,7 @@ FLAGS = {
 POOL_FLAGS = {
     "growth": (["--growth", "double"], "double"),
     "reserve_scale": (["--reserve-scale", "0.7"], 0.7),
+    "growth_hint": (["--growth-hint", "pred"], "pred"),
     "large_share": (["--large-share", "0.2"], 0.2),
     "worst_case_prompt_share": (["--worst-case-prompt-share", "0.3"], 0.3),
 }

@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="fcfs", choices=["fcfs", "sjf"], help="the started server's order of service")
     p.add_argument("--sjf-aging-rounds", type=int, default=None, help="the started server's sjf aging bound")
     p.add_argument("--probe", default=None, help="the started server's length probe (e.g. 'probe')")
+    p.add_argument("--growth-hint", default=None, choices=["pred", "none"], help="the started server's growth hint")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights dtype of the started server and of the HF baseline")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -265,6 +266,7 @@ def _server_process(args):
            "--default-max-tokens", str(max(args.max_tokens, 16)), "--max-queue", str(args.num + 1),
            "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),
            *(["--probe", args.probe] if args.probe else []),
+           *(["--growth-hint", args.growth_hint] if args.growth_hint else []),
            *(["--admission-demand", str(args.admission_demand)] if args.admission_demand else [])]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
@@ -303,7 +305,8 @@ def run(args: argparse.Namespace) -> dict:
             result = asyncio.run(_replay(url, records, args))
         result.update(policy=args.policy, kv_budget=args.kv_budget, preempt=args.preempt, dtype=args.dtype,
                       max_num_seqs=args.max_num_seqs, admission_demand=args.admission_demand,
-                      kv_dtype=args.kv_dtype or "server default", **common)
+                      kv_dtype=args.kv_dtype or "server default", growth_hint=args.growth_hint or "server default",
+                      **common)
     elif args.url:
         result = {**asyncio.run(_replay(args.url.rstrip("/"), records, args)), **common}
     else:

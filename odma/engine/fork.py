@@ -54,6 +54,7 @@ class Forks:
                 for seq in forks:  # same prompt, same parameters: the same prediction
                     seq.predicted_length = seq.predicted_tokens = first.predicted_length
                     seq.uncertainty, seq.bucket = first.uncertainty, first.bucket
+                    seq.growth_hint = first.growth_hint
                 out.append((first, forks))
         return out
 

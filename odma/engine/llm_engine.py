@@ -139,7 +139,8 @@ class LLMEngine:
 
         self.generator = model_name(config.model)  # the predictor's `generator` field: whose lengths these are
         loaded = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
-        self.tagger = LengthTagger(loaded, self.policy, self.generator, self.metrics)
+        self.tagger = LengthTagger(loaded, self.policy, self.generator, self.metrics,
+                                   growth_hint=config.pool.growth_hint == "pred")
         self.probe, self.probe_fallback = load_length_probe(config, model, self.generator)
         if self.probe is not None:
             for w in self.workers:

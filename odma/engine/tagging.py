@@ -17,9 +17,12 @@ log = logging.getLogger(__name__)
 
 
 class LengthTagger:
-    def __init__(self, predictor: LoadedPredictor, policy: ReservationPolicy, generator: str, metrics: Any) -> None:
+    def __init__(self, predictor: LoadedPredictor, policy: ReservationPolicy, generator: str, metrics: Any,
+                 growth_hint: bool = True) -> None:
         self.predictor = predictor
         self.policy = policy
+        # the first growth goes straight to the block that holds L̂ (a probe, when on, later refines this hint)
+        self.growth_hint = growth_hint
         self.generator = generator  # the predictor's `generator` field: whose lengths these are
         self.metrics = metrics
         self.rejected = 0  # predictions not finite or out of range: those requests reserved the worst case
@@ -50,6 +53,8 @@ class LengthTagger:
                     continue
             seq.predicted_length = seq.predicted_tokens = checked[0]
             seq.uncertainty = checked[1]
+            if self.growth_hint:
+                seq.growth_hint = checked[0]
 
     def _predict(self, seqs: list[Sequence]) -> list:
         requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]

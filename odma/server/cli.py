@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from odma.config import BucketConfig, PoolConfig, default_cache_dir
+from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_dir
 from odma.engine.config import POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
     p.add_argument("--reserve-scale", type=float, default=d.pool.reserve_scale,
                    help="odma reserves for reserve_scale·L̂ and grows by migration past it (replay-chosen default)")
+    p.add_argument("--growth-hint", default=d.pool.growth_hint, choices=GROWTH_HINTS,
+                   help="pred: a request's first growth goes straight to the bucket holding its L̂; none: bucket by bucket")
     p.add_argument("--large-share", type=float, default=d.pool.large_share, help="share of the pool held for the large bucket")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode batch cap")
     p.add_argument("--schedule", default=d.schedule, choices=ORDERS,
@@ -131,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         balloon_chunked_prefill=args.balloon_chunked_prefill, clear_window=args.clear_window,
         prefix_share_min_tokens=args.prefix_share_min_tokens,
         pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale,
-                     worst_case_prompt_share=args.worst_case_prompt_share),
+                     growth_hint=args.growth_hint, worst_case_prompt_share=args.worst_case_prompt_share),
         buckets=replace(BucketConfig(), large_bound=args.max_tokens_cap),
     )
 
