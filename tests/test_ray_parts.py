@@ -362,8 +362,9 @@ def test_the_ray_bench_gives_its_single_server_every_option_odma_bench_serve_doe
     args = ray_bench._server_args(p.parse_args([]), "64MiB")
     read = set(re.findall(r"args\.(\w+)", inspect.getsource(serve_bench._server_process)))
     assert read and read <= set(vars(args)), sorted(read - set(vars(args)))
-    config = ray_bench._engine_config(p.parse_args(["--schedule", "sjf"]), "64MiB")
-    assert config.schedule == "sjf" and config.kv_budget == "64MiB"  # the replicas get the same options
+    config = ray_bench._engine_config(p.parse_args(["--schedule", "sjf", "--growth-hint", "pred"]), "64MiB")
+    # the replicas get the same options
+    assert config.schedule == "sjf" and config.kv_budget == "64MiB" and config.pool.growth_hint == "pred"
 
 
 def test_odma_serve_ray_flags_reach_the_settings():
