@@ -11,8 +11,8 @@ ceiling). The MAE of that prediction, with the prompt alone and with the first j
 prompt-time estimate and a decode-time refinement can reach on these requests; their ratio bounds the refinement's
 gain. The recorded answer's own remaining length is scored too, against the K draws of each group.
 
-    .venv/bin/python scripts/refine_noise_ceiling.py --prompts 120 --samples 5 --after 32 \
-        --json docs/results/refine_noise_ceiling_s19.json      # ~10 min on 2 cores
+    .venv/bin/python scripts/refine_noise_ceiling.py --prompts 150 --samples 5 --after 32 \
+        --json docs/results/refine_noise_ceiling_s19.json      # 9 min on 2 cores
 """
 
 from __future__ import annotations

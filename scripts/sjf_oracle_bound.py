@@ -2,7 +2,7 @@
 fcfs, through the serving engine's own scheduler on the CPU profile of the served model (`cpu-smollm2`), at the
 real engine's settings (at most 64 running, 2,048 prompt tokens per step, 512 output tokens at most).
 
-    .venv/bin/python scripts/sjf_oracle_bound.py [--traces nq,smollm2-answers,alpaca] [--bursts 144,300,600]
+    .venv/bin/python scripts/sjf_oracle_bound.py [--traces "nq;smollm2-answers,alpaca"] [--bursts 144,300,600]
         [--loads 0.9,1.1,1.3] [--poisson-requests 600] [--json runs/sjf_bound.json]
 
 For each trace: bursts of N requests at t = 0, and Poisson arrivals at a share of the offline capacity (requests/s
@@ -48,15 +48,15 @@ def ratio_rows(scenario: str, runs: dict) -> list[str]:
         f = runs["fcfs"][policy]
         for order in ("sjf", "sjf-no-aging"):
             s = runs[order][policy]
+            ratios = [s[k] / f[k] for k in ("latency_mean_s", "ttft_p50_s", "latency_p99_s", "throughput_tps")]
             lines.append(f"| {scenario} | {policy} | {order} | {f['latency_mean_s']:.1f} | "
-                         f"{s['latency_mean_s'] / f['latency_mean_s']:.2f} | {s['ttft_p50_s'] / f['ttft_p50_s']:.2f} | "
-                         f"{s['latency_p99_s'] / f['latency_p99_s']:.2f} | {s['throughput_tps'] / f['throughput_tps']:.2f} |")
+                         + " | ".join(f"{r:.2f}" for r in ratios) + " |")
     return lines
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--traces", default="nq,smollm2-answers,alpaca", help="trace names, separated by ';'")
+    p.add_argument("--traces", default="nq;smollm2-answers,alpaca", help="trace specs, separated by ';'")
     p.add_argument("--predictor", default="default")
     p.add_argument("--profile", default="cpu-smollm2")
     p.add_argument("--bursts", default="144,300,600")

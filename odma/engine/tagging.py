@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 class LengthTagger:
     def __init__(self, predictor: LoadedPredictor, policy: ReservationPolicy, generator: str, metrics: Any,
-                 growth_hint: bool = True) -> None:
+                 growth_hint: bool = False) -> None:
         self.predictor = predictor
         self.policy = policy
         # the first growth goes straight to the block that holds L̂ (a probe, when on, later refines this hint)

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-scale", type=float, default=d.pool.reserve_scale,
                    help="odma reserves for reserve_scale·L̂ and grows by migration past it (replay-chosen default)")
     p.add_argument("--growth-hint", default=d.pool.growth_hint, choices=GROWTH_HINTS,
-                   help="pred: a request's first growth goes straight to the bucket holding its L̂; none: bucket by bucket")
+                   help="pred: a request's first growth goes straight to the bucket holding its L̂; "
+                        "none: bucket by bucket")
     p.add_argument("--large-share", type=float, default=d.pool.large_share, help="share of the pool held for the large bucket")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode batch cap")
     p.add_argument("--schedule", default=d.schedule, choices=ORDERS,
