@@ -117,7 +117,7 @@ class PoolConfig:
     # reserve for reserve_scale·L̂ and grow by migration: 0.5 won the replays (docs/analyze.md)
     reserve_scale: float = 0.5
     # pred: a request's first growth goes straight to the bucket that holds its L̂ (before reserve_scale) instead of
-    # the next bucket. Fewer migrations (-11 to -16 %), but where memory binds the larger block is refused more
+    # the next bucket. Fewer migrations (-9 to -16 % replayed, -11 % real), but where memory binds the larger block is refused more
     # often: on the real engine +32 to +57 % preemptions and 0.96-0.98x throughput (docs/BENCHMARKS.md), so off
     growth_hint: str = "none"
     # a request whose prompt exceeds this share of the pool's largest range reserves its worst case up front:
