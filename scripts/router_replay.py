@@ -17,8 +17,8 @@ from pathlib import Path
 
 from odma.analyze.cluster_replay import ROUTERS, replay_cluster
 from odma.analyze.engine_replay import jobs_for
-from odma.analyze.experiment import _predictions
 from odma.analyze.policies import BuildContext, build_manager, parse_policies
+from odma.analyze.predictions import oracle_predictions, predict
 from odma.analyze.profiles import CostModel, load_profile
 from odma.analyze.workload import WorkloadSpec, build_workload
 from odma.engine.scheduler import Scheduler
@@ -34,8 +34,9 @@ def run_one(trace, args, n: int, seed: int) -> dict:
                                                   max_model_len=args.max_model_len or args.budget_tokens // 2,
                                                   seed=seed))
     policy = parse_policies(args.policy)[0]
-    spec = argparse.Namespace(predictor=args.predictor)
-    predictions = _predictions(workload, spec, [policy])
+    predictions = None
+    if policy.predict == "predictor":
+        predictions = oracle_predictions(workload) if args.predictor == "oracle" else predict(workload, args.predictor)
     ctx = BuildContext(total_tokens=args.budget_tokens, max_new_tokens=workload.max_new_tokens,
                        bootstrap=workload.bootstrap_lengths[:2000],
                        predictor_alpha=predictions.alpha if predictions else None,
