@@ -1,6 +1,6 @@
 """Memory-aware routing vs power-of-two choices at N replicas, replayed (docs/ray.md, issue 23).
 
-`odma.analyze.cluster_replay`: N engine schedulers, each with its own share of KV and the cost model's step times,
+`odma.bench.router_replay`: N engine schedulers, each with its own share of KV and the cost model's step times,
 behind Ray Serve's default router (`pow2`) and odma's (`odma`), the same Poisson arrivals for both. The load is
 given per replica (requests/s each), so every N sees the same pressure per replica.
 
@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from odma.analyze.cluster_replay import ROUTERS, replay_cluster
+from odma.bench.router_replay import ROUTERS, replay_cluster
 from odma.analyze.engine_replay import jobs_for
 from odma.analyze.policies import BuildContext, build_manager, parse_policies
 from odma.analyze.predictions import oracle_predictions, predict

@@ -1,11 +1,11 @@
-"""The cluster replay (odma.analyze.cluster_replay): every request completes once, on one replica, and memory is
+"""The router replay (odma.bench.router_replay): every request completes once, on one replica, and memory is
 left clean; the memory-aware router sends a request where its block fits."""
 
 from __future__ import annotations
 
 import pytest
 
-from odma.analyze.cluster_replay import replay_cluster, replica_load
+from odma.bench.router_replay import replay_cluster, replica_load
 from odma.analyze.policies import BuildContext, build_manager, parse_policy
 from odma.analyze.simulate import SimJob, TableStepModel, parse_step_table, sim_sequence
 from odma.engine.scheduler import Scheduler
