@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from odma.analyze.simulate import SimJob, StepModel, advance, sim_sequence, step_work
-from odma.serve_ray.scoring import Candidate, ReplicaLoad, rank_replicas
+from odma.serve_ray.scoring import Candidate, ReplicaLoad, load_of, rank_replicas
 
 ROUTERS = ("pow2", "jsq", "odma")
 
@@ -35,13 +35,9 @@ class _Replica:
 
 
 def replica_load(scheduler, max_num_seqs: int, now: float) -> ReplicaLoad:
-    """What a replica reports (`odma.serve_ray.replica.replica_load`), read from a scheduler and its memory."""
-    kv = scheduler.kv
-    stats = kv.stats()
-    queue = list(scheduler.waiting)
-    return ReplicaLoad(stats.total_tokens, stats.reserved_tokens, stats.live_tokens, stats.largest_reservable_tokens,
-                       sum(kv.initial_tokens(s) for s in queue), sum(s.prompt_tokens for s in queue),
-                       len(scheduler.running), len(queue), max_num_seqs, kv.max_request_tokens, now)
+    """What a replica of one device reports (`odma.serve_ray.replica.replica_load`)."""
+    return load_of([scheduler], waiting=len(scheduler.waiting), max_num_seqs=max_num_seqs,
+                   max_request_tokens=scheduler.kv.max_request_tokens, at=now)
 
 
 def replay_cluster(jobs: Sequence[SimJob], schedulers: list, step_model: StepModel, router: str, *,

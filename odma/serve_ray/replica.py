@@ -18,7 +18,7 @@ from odma.server.runtime import AsyncEngine, Handle
 from odma.server.streams import TextStream
 from odma.serve_ray.cluster import replica_log
 from odma.serve_ray.messages import EventEncoder, RemoteJob
-from odma.serve_ray.scoring import ReplicaLoad
+from odma.serve_ray.scoring import ReplicaLoad, load_of
 from odma.serve_ray.settings import RaySettings
 
 log = logging.getLogger(__name__)
@@ -52,22 +52,12 @@ class ReplicaMetrics(Metrics):
 
 def replica_load(engine: LLMEngine) -> ReplicaLoad:
     """The engine's pools and queues now (read from another thread: copies of the queues, thread-safe stats)."""
-    cap = reserved = live = queued = prompts = largest = running = 0
-    for w in engine.workers:
-        stats = w.pool.stats()
-        queue = list(w.scheduler.waiting)
-        cap += stats.total_tokens
-        reserved += stats.reserved_tokens
-        live += stats.live_tokens
-        largest = max(largest, stats.largest_reservable_tokens)
-        queued += sum(w.kv.initial_tokens(s) for s in queue)
-        prompts += sum(s.prompt_tokens for s in queue)
-        running += len(w.scheduler.running)
     buckets = getattr(engine.policy, "buckets", None)
     # waiting: the queues, and requests not tagged yet (inbox) or samples of n > 1 held for their prompt
-    return ReplicaLoad(cap, reserved, live, largest, queued, prompts, running, engine.num_waiting,
-                       engine.config.max_num_seqs * len(engine.workers), engine.max_request_tokens, time.time(),
-                       buckets.version if buckets is not None else 0)
+    return load_of([w.scheduler for w in engine.workers], waiting=engine.num_waiting,
+                   max_num_seqs=engine.config.max_num_seqs * len(engine.workers),
+                   max_request_tokens=engine.max_request_tokens, at=time.time(),
+                   bounds_version=buckets.version if buckets is not None else 0)
 
 
 class EngineReplica:

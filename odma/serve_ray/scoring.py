@@ -53,6 +53,25 @@ class ReplicaLoad:
             return None
 
 
+def load_of(schedulers: Iterable, *, waiting: int, max_num_seqs: int, max_request_tokens: int, at: float,
+            bounds_version: int = 0) -> ReplicaLoad:
+    """A replica's load from its schedulers (one per device) and their KV managers; `waiting` counts every request
+    not running yet (the engine's inbox too), `max_num_seqs` the batch cap of all devices together."""
+    cap = reserved = live = queued = prompts = largest = running = 0
+    for s in schedulers:
+        stats = s.kv.stats()
+        queue = list(s.waiting)  # a copy: the engine's thread may change it
+        cap += stats.total_tokens
+        reserved += stats.reserved_tokens
+        live += stats.live_tokens
+        largest = max(largest, stats.largest_reservable_tokens)
+        queued += sum(s.kv.initial_tokens(q) for q in queue)
+        prompts += sum(q.prompt_tokens for q in queue)
+        running += len(s.running)
+    return ReplicaLoad(cap, reserved, live, largest, queued, prompts, running, waiting, max_num_seqs,
+                       max_request_tokens, at, bounds_version)
+
+
 @dataclass(frozen=True, slots=True)
 class Sent:
     """A request the router sent to a replica and has not seen complete."""
