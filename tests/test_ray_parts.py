@@ -27,7 +27,8 @@ from odma.serve_ray.cluster import ClusterState, log_files, replica_log
 from odma.serve_ray.front import ClusterView, FrontEngine
 from odma.serve_ray.merge_metrics import merge_texts
 from odma.serve_ray.messages import EventEncoder, SampleView
-from odma.serve_ray.scoring import Candidate, HoldBook, ReplicaLoad, Sent, pending_after, rank_replicas, route
+from odma.serve_ray.scoring import (Candidate, HoldBook, ReplicaLoad, Sent, load_of, pending_after, rank_replicas,
+                                    route)
 from odma.serve_ray.settings import RaySettings
 
 torch.set_num_threads(1)
@@ -116,6 +117,28 @@ def test_replica_load_survives_the_routing_stats_round_trip():
     assert ReplicaLoad.from_dict({}) is None and ReplicaLoad.from_dict({"at": 1.0}) is None
 
 
+def test_a_replicas_typical_need_is_the_mean_first_reservation_of_what_it_holds(folder):
+    engine = tiny_engine(folder, kv_budget="4MiB", max_tokens_cap=256)
+    sched = engine.workers[0].scheduler
+    idle = load_of([sched], waiting=0, max_num_seqs=8, max_request_tokens=1024, at=1.0)
+    assert idle.typical_need_tokens == 0
+    for i, n in enumerate((8, 40, 72)):
+        engine.add_request([1] * n, SamplingParams(max_tokens=64), request_id=f"r{i}")
+    engine.step()
+    seqs = list(sched.running) + list(sched.waiting)
+    busy = load_of([sched], waiting=len(sched.waiting), max_num_seqs=8, max_request_tokens=1024, at=2.0)
+    firsts = [sched.kv.initial_tokens(q) for q in seqs]
+    assert len(seqs) == 3 and len(set(firsts)) > 1  # the prompts differ, so do their first reservations
+    assert busy.typical_need_tokens == round(sum(firsts) / 3)
+
+
+def test_a_request_the_router_cannot_read_takes_the_largest_typical_need():
+    from odma.serve_ray.scoring import typical_need
+
+    assert typical_need([load(typical_need_tokens=300), None, load(typical_need_tokens=700)]) == 700
+    assert typical_need([load(), None]) == 0 and typical_need([]) == 0  # idle or unreported: nothing assumed
+
+
 def test_settings_refuse_unknown_choices():
     with pytest.raises(ConfigError):
         RaySettings(router="random")
@@ -123,6 +146,8 @@ def test_settings_refuse_unknown_choices():
         RaySettings(predict_at="both")
     with pytest.raises(ConfigError):
         RaySettings(max_hold_s=-1)
+    with pytest.raises(ConfigError):
+        RaySettings(ingress="proxy")
     assert RaySettings(max_hold_s=0).max_hold_s == 0  # 0: the router never holds
 
 
@@ -159,6 +184,13 @@ def test_a_silent_replica_drops_out_of_the_snapshot():
     time.sleep(0.15)
     snap = state.snapshot(with_metrics=True)
     assert snap["replicas"] == {} and snap["metrics"] == {}
+
+
+def test_a_replica_that_serves_http_gets_the_others_metrics_with_its_bounds():
+    state = ClusterState(shared_config())
+    assert "metrics" not in state.report("r0", [], load().as_dict(), "r0 text")  # only when asked
+    got = state.report("r1", [], load().as_dict(), "r1 text", others_metrics=True)
+    assert got["metrics"] == {"r0": "r0 text"} and got["bounds"] == list(state.buckets.bounds)
 
 
 def test_static_policies_share_no_bounds():
@@ -374,9 +406,10 @@ def test_odma_serve_ray_flags_reach_the_settings():
     assert default.max_hold_s == 0 and default.router == "odma" and default.predict_at == "front"
     set_ = ray_settings_from_args(build_parser().parse_args(
         ["--ray", "--replicas", "3", "--router", "pow2", "--predict-at", "replica", "--router-max-hold-s", "5",
-         "--threads", "2", "--max-queue", "9"]))
-    assert (set_.replicas, set_.router, set_.predict_at, set_.max_hold_s, set_.replica_cpus, set_.max_queue) == \
-        (3, "pow2", "replica", 5.0, 2.0, 9)
+         "--threads", "2", "--max-queue", "9", "--ray-ingress", "engines"]))
+    assert (set_.replicas, set_.router, set_.predict_at, set_.max_hold_s, set_.replica_cpus, set_.max_queue,
+            set_.ingress) == (3, "pow2", "replica", 5.0, 2.0, 9, "engines")
+    assert default.ingress == "front"
 
 
 def test_the_ray_bench_can_drive_guidellm_and_compares_its_points():

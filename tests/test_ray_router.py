@@ -101,6 +101,39 @@ def test_a_request_counts_only_where_it_was_routed():
     assert choose(r, [a, b], request(1, need=600)) == [["a"]]  # b holds it, not a
 
 
+def http_request(i: int) -> PendingRequest:
+    """What Ray's HTTP proxy hands the router when the engines are the ingress: the ASGI scope, no RemoteJob."""
+    return PendingRequest(args=[object()], kwargs={}, created_at=time.time() + i * 1e-3,
+                          metadata=RequestMetadata(request_id=f"h{i}", internal_request_id=f"h{i}"))
+
+
+def test_a_request_it_cannot_read_is_sized_by_the_replicas_typical_need():
+    r = router()
+    busy = dict(stats(largest=1000, reserved=3000), running=6, typical_need_tokens=500)
+    a, b = Replica("a", busy), Replica("b", stats(largest=400))
+    # 500 (a's typical first reservation) fits only a's range, although b holds less: sized, not just counted
+    assert choose(r, [a, b], http_request(0)) == [["a"]]
+    assert scoring.ROUTING.decisions > 0
+
+
+def test_a_burst_of_unread_requests_spreads_over_idle_replicas():
+    r = router()
+    a, b = Replica("a", stats(largest=2000)), Replica("b", stats(largest=2000))  # idle: typical need 0
+    firsts = [choose(r, [a, b], http_request(i))[0][0] for i in range(4)]
+    assert sorted(firsts) == ["a", "a", "b", "b"]  # equal scores: fewer requests there first
+
+
+def test_a_burst_of_unread_requests_spreads_and_counts_where_it_went():
+    r = router()
+    typical = dict(stats(largest=2000), typical_need_tokens=600)
+    a, b = Replica("a", typical), Replica("b", dict(typical))
+    burst = [http_request(i) for i in range(4)]
+    firsts = [choose(r, [a, b], pr)[0][0] for pr in burst]
+    assert sorted(firsts) == ["a", "a", "b", "b"]  # each one's assumed 600 counted before any report
+    r.on_request_routed(burst[0], "b" if firsts[0] == "a" else "a", None)  # Ray took the other rank
+    assert sorted(len(sent) for sent in r._sent.values()) == [1, 3]  # the assumed need moved with it
+
+
 def test_a_request_without_room_goes_where_nothing_waits_before_it():
     r = router()
     a, b = Replica("a", stats(largest=900, waiting=1)), Replica("b", stats(largest=100))

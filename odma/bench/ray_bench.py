@@ -5,7 +5,8 @@ Modes (`--modes`, run in the order given, `--rounds` times): `single` (one odma-
 `--kv-budget`), `odma` / `pow2` (`--replicas` engine replicas on a local Ray, each with budget / replicas, behind
 the memory-aware router or Ray's default; the predictor runs at the ingress), `odma-replica` (the memory-aware
 router with the predictor at the replicas), `odma-hold` (the router holds a request no replica has room for,
-up to 10 s; the default never holds), `odma-nohold` (explicitly never holds: the default). Each measurement starts from a fresh deployment after a short warm-up.
+up to 10 s; the default never holds), `odma-nohold` (explicitly never holds: the default), `odma-engines` /
+`pow2-engines` (the engine replicas are the ingress: Ray's proxy routes to them, no ingress replica between). Each measurement starts from a fresh deployment after a short warm-up.
 `--hop` adds the Ray hop's overhead at low load: sequential requests (one at a time), TTFT of `single` vs Ray.
 `--guidellm 4:16,16:64` adds a guidellm concurrency sweep (fixed `--shape`) against every mode's endpoint, after
 its replay (guidellm from the `odma-bench peer` environment, scripts/peer_setup.sh).
@@ -26,7 +27,9 @@ from odma.bench import serve_bench
 
 # Ray modes: the RaySettings each one changes
 RAY_MODES = {"odma": {}, "pow2": {"router": "pow2"}, "odma-replica": {"predict_at": "replica"},
-             "odma-hold": {"max_hold_s": 10.0}, "odma-nohold": {"max_hold_s": 0.0}}
+             "odma-hold": {"max_hold_s": 10.0}, "odma-nohold": {"max_hold_s": 0.0},
+             # the engine replicas are the ingress (Ray's proxy routes to them; no ingress replica in between)
+             "odma-engines": {"ingress": "engines"}, "pow2-engines": {"ingress": "engines", "router": "pow2"}}
 MODES = ("single", *RAY_MODES)
 
 
@@ -193,7 +196,9 @@ def _ratios(rounds: list[dict]) -> dict:
     out: dict = {}
     for r in rounds:
         for a, b in (("odma", "pow2"), ("odma-hold", "pow2"), ("odma-nohold", "pow2"), ("odma", "single"),
-                     ("odma-hold", "single"), ("pow2", "single"), ("odma-replica", "odma")):
+                     ("odma-hold", "single"), ("pow2", "single"), ("odma-replica", "odma"),
+                     ("odma-engines", "single"), ("pow2-engines", "single"), ("odma-engines", "pow2-engines"),
+                     ("odma-engines", "odma")):
             if a in r and b in r:
                 key = f"{a}/{b}"
                 entry = out.setdefault(key, {"throughput": [], "ttft_p99": [], "ttft_p50": []})

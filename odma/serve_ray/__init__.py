@@ -4,7 +4,8 @@ placed by a memory-aware request router, reserving from one set of bucket bounds
 Files, in the order a request meets them: `app.py` (the Serve application, `odma-serve --ray`, `serve run
 odma.serve_ray:build_app`), `front.py` (the ingress), `router.py` + `scoring.py` (the request router and its
 score), `messages.py` (what travels), `replica.py` (one engine), `cluster.py` (the shared window and bounds),
-`merge_metrics.py` (one /metrics). Ray is imported only by `router.py` and inside functions of `app.py` and
+`merge_metrics.py` (one /metrics); `engine_ingress.py` (`--ray-ingress engines`: each engine replica serves the
+app itself, Ray's proxy routes to it). Ray is imported only by `router.py` and inside functions of `app.py` and
 `replica.py`; nothing here is needed by single-process odma-serve, and `pip install 'odma[ray]'` adds Ray."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 from odma.engine import EngineConfig
 from odma.engine.length_log import read_realized_lengths
 from odma.serve_ray.cluster import ClusterState, log_files
+from odma.serve_ray.engine_ingress import EngineIngress
 from odma.serve_ray.front import Front
 from odma.serve_ray.replica import EngineReplica
 from odma.serve_ray.settings import RaySettings
@@ -58,19 +59,24 @@ def build_application(config: EngineConfig, settings: RaySettings, *, served_nam
                                max_ongoing_requests=10_000, logging_config=quiet)(ClusterState)
     engines = serve.deployment(
         name="OdmaEngine", num_replicas=settings.replicas, ray_actor_options={"num_cpus": settings.replica_cpus},
-        # admission is the ingress's (429 at max_queue for the cluster); a replica never refuses what it is sent
+        # admission is the ingress's (429 at max_queue for the cluster, or at each engine's share of it when the
+        # engines are the ingress): Ray's own limit is never the one that refuses
         max_ongoing_requests=settings.max_queue + config.max_num_seqs * len(config.device_list),
         health_check_period_s=settings.health_check_period_s, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5, request_router_config=routing, logging_config=quiet,
-    )(EngineReplica)
+    )
+    shared = replace(config.buckets, large_bound=config.max_tokens_cap) if config.policy == "odma" else None
+    cluster_app = cluster.bind(shared, report_period_s=settings.report_period_s, bootstrap=bootstrap_lengths(config))
+    name = served_name or model_name(config.model)
+    if settings.ingress == "engines":  # Ray's proxy routes to the engine replicas, each serving odma-serve's app
+        return engines(serve.ingress()(EngineIngress)).bind(
+            config, settings, cluster_app, name, (config.model, "default"), generation_config,
+            override_generation_config, max_n)
     front = serve.deployment(name="OdmaFront", num_replicas=1, ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=100_000, graceful_shutdown_timeout_s=5,
                              logging_config=quiet)(serve.ingress()(Front))
-    shared = replace(config.buckets, large_bound=config.max_tokens_cap) if config.policy == "odma" else None
-    cluster_app = cluster.bind(shared, report_period_s=settings.report_period_s, bootstrap=bootstrap_lengths(config))
-    return front.bind(engines.bind(config, settings, cluster_app), cluster_app, config, settings,
-                      served_name or model_name(config.model), (config.model, "default"), generation_config,
-                      override_generation_config, max_n)
+    return front.bind(engines(EngineReplica).bind(config, settings, cluster_app), cluster_app, config, settings,
+                      name, (config.model, "default"), generation_config, override_generation_config, max_n)
 
 
 def serve_forever(config: EngineConfig, settings: RaySettings, *, host: str, port: int, served_name: str | None,
@@ -88,8 +94,8 @@ def serve_forever(config: EngineConfig, settings: RaySettings, *, host: str, por
         serve.run(build_application(config, settings, served_name=served_name, generation_config=generation_config,
                                     override_generation_config=override_generation_config, max_n=max_n),
                   name=settings.app_name, route_prefix="/")
-        log.info("odma on Ray Serve: %d replicas, router %s, ready at http://%s:%d", settings.replicas,
-                 settings.router, host, port)
+        log.info("odma on Ray Serve: %d replicas, router %s, ingress %s, ready at http://%s:%d", settings.replicas,
+                 settings.router, settings.ingress, host, port)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -60,8 +60,11 @@ class ClusterState:
             self._loads.pop(name, None)
             return self._bounds()
 
-    def report(self, name: str, lengths: list[int], load: dict | None = None, metrics_text: str | None = None) -> dict:
-        """A replica's realized lengths since its last report, its load and metrics; returns the current bounds."""
+    def report(self, name: str, lengths: list[int], load: dict | None = None, metrics_text: str | None = None,
+               others_metrics: bool = False) -> dict:
+        """A replica's realized lengths since its last report, its load and metrics; returns the current bounds,
+        and the other live replicas' metrics texts when asked (a replica that is also the ingress serves /metrics
+        for the whole cluster)."""
         with self._lock:
             self.reports += 1
             now = time.time()
@@ -77,7 +80,11 @@ class ClusterState:
                     self.buckets.observe(x)
                 if self.buckets.refresh_due():
                     self.buckets.refresh()
-            return self._bounds()
+            out = self._bounds()
+            if others_metrics:
+                self._drop_stale()
+                out["metrics"] = {n: self._texts[n] for n in self._loads if n != name and n in self._texts}
+            return out
 
     def leave(self, name: str) -> None:
         with self._lock:

@@ -80,13 +80,16 @@ class EngineReplica:
             self.buckets.follow()
         else:
             self.buckets = None  # static / s3: fixed bounds, nothing to share
-        self.runtime = AsyncEngine(self.engine, max_queue=UNLIMITED_QUEUE)
+        self.runtime = AsyncEngine(self.engine, max_queue=self.admission_queue(settings))
         self.metrics.attach(self.runtime)
         self._install(await self.cluster.join.remote(self.name))
         self.runtime.start()
         self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
         log.info("replica %s (rank %s) serving; bucket bounds %s", self.name, rank,
                  self.buckets.bounds if self.buckets is not None else "fixed")
+
+    def admission_queue(self, settings: RaySettings) -> int:
+        return UNLIMITED_QUEUE
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -142,12 +145,16 @@ class EngineReplica:
                 from prometheus_client import generate_latest
 
                 text = generate_latest(self.metrics.registry).decode()
-                self._install(await self.cluster.report.remote(self.name, lengths, replica_load(self.engine).as_dict(), text))
+                load = replica_load(self.engine).as_dict()
+                self._install(await self.cluster.report.remote(self.name, lengths, load, text, self.wants_others_metrics()))
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the cluster state restarts; keep the lengths and try again
                 self.metrics.give_back(lengths)
                 log.warning("replica %s: report to the cluster state failed; retrying", self.name, exc_info=True)
+
+    def wants_others_metrics(self) -> bool:
+        return False
 
     def _install(self, state: dict) -> None:
         if self.buckets is not None and state.get("bounds"):

@@ -38,6 +38,9 @@ class ReplicaLoad:
     max_request_tokens: int  # the largest request its pools can ever hold
     at: float
     bounds_version: int = 0  # the shared bucket bounds it reserves from
+    # the mean first reservation of its running and waiting requests (0 when idle): what the router assumes of a
+    # request it cannot see (odma.serve_ray.router, engines as ingress: Ray's proxy does not read the body)
+    typical_need_tokens: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -58,18 +61,22 @@ def load_of(schedulers: Iterable, *, waiting: int, max_num_seqs: int, max_reques
     """A replica's load from its schedulers (one per device) and their KV managers; `waiting` counts every request
     not running yet (the engine's inbox too), `max_num_seqs` the batch cap of all devices together."""
     cap = reserved = live = queued = prompts = largest = running = 0
+    firsts: list[int] = []
     for s in schedulers:
         stats = s.kv.stats()
-        queue = list(s.waiting)  # a copy: the engine's thread may change it
+        queue, batch = list(s.waiting), list(s.running)  # copies: the engine's thread may change them
         cap += stats.total_tokens
         reserved += stats.reserved_tokens
         live += stats.live_tokens
         largest = max(largest, stats.largest_reservable_tokens)
-        queued += sum(s.kv.initial_tokens(q) for q in queue)
+        waiting_firsts = [s.kv.initial_tokens(q) for q in queue]
+        queued += sum(waiting_firsts)
         prompts += sum(q.prompt_tokens for q in queue)
-        running += len(s.running)
+        running += len(batch)
+        firsts += waiting_firsts + [s.kv.initial_tokens(q) for q in batch]
+    typical = round(sum(firsts) / len(firsts)) if firsts else 0
     return ReplicaLoad(cap, reserved, live, largest, queued, prompts, running, waiting, max_num_seqs,
-                       max_request_tokens, at, bounds_version)
+                       max_request_tokens, at, bounds_version, typical)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +111,12 @@ def unreported(loads: Iterable[ReplicaLoad | None]) -> ReplicaLoad:
     req = max((l.max_request_tokens for l in known), default=cap)
     seqs = max((l.max_num_seqs for l in known), default=1 << 16)
     return ReplicaLoad(cap, 0, 0, cap, 0, 0, 0, 0, seqs, req, 0.0)
+
+
+def typical_need(loads: Iterable[ReplicaLoad | None]) -> int:
+    """The need assumed of a request the router cannot read (engines as the ingress: Ray's proxy does not parse the
+    body): the largest typical first reservation the replicas report (0 when all are idle)."""
+    return max((l.typical_need_tokens for l in loads if l is not None), default=0)
 
 
 def room(c: Candidate, load: ReplicaLoad) -> int:
@@ -149,7 +162,9 @@ def _rank(candidates: list[Candidate], need: int, w_memory: float, w_compute: fl
     default = unreported(c.load for c in candidates)
     loads = [c.load or default for c in candidates]
     busiest = max(1, max(l.live_tokens + l.queued_prompts + c.pending_prompts for c, l in zip(candidates, loads)))
-    ranked = sorted(zip(candidates, loads), key=lambda cl: score(cl[1], cl[0], need, busiest, w_memory, w_compute))
+    # equal scores (idle replicas, requests of unknown need): the one holding fewer requests first
+    ranked = sorted(zip(candidates, loads), key=lambda cl: (score(cl[1], cl[0], need, busiest, w_memory, w_compute),
+                                                          cl[1].running + cl[1].waiting + len(cl[0].pending)))
     fitting = [(c, l) for c, l in ranked if fits(c, l, need)]
     taken = {c.key for c, _ in fitting}
     # where it does not fit yet: the replica closest to having the range first (then the score; sorted is stable)

@@ -9,6 +9,9 @@ from odma.errors import ConfigError
 
 ROUTERS = ("odma", "pow2")  # odma: memory-aware (odma.serve_ray.router); pow2: Ray Serve's default
 PREDICT_AT = ("front", "replica")
+# front: an ingress replica (tokenizer, predictor, odma's router in its handle) in front of the engine replicas;
+# engines: Ray's HTTP proxy routes straight to the engine replicas, each serving odma-serve's whole app
+INGRESS = ("front", "engines")
 DEFAULT_MAX_SKIPS = 8  # the scheduler's starvation guard: a request bypassed this often is bypassed no more
 
 
@@ -20,6 +23,10 @@ class RaySettings:
     # replica keeps that prediction. "replica": the engine predicts as in odma-serve, and the router estimates
     # the need from the shared window's median length.
     predict_at: str = "front"
+    # "engines": one actor hop fewer on every request and token (the ingress's), no single process that every token
+    # passes through; but the router, in Ray's HTTP proxy, sees no request body: it places by the replicas' typical
+    # need instead of this request's predicted need, and each engine predicts for itself (predict_at is moot)
+    ingress: str = "front"
     replica_cpus: float = 1.0  # Ray CPUs each replica reserves (its torch threads are EngineConfig.threads)
     stats_period_s: float = 0.2  # Ray Serve polls each replica's load for the router this often
     report_period_s: float = 0.5  # each replica reports realized lengths, load and metrics to the cluster state
@@ -40,6 +47,8 @@ class RaySettings:
             raise ConfigError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if self.predict_at not in PREDICT_AT:
             raise ConfigError(f"predict_at must be one of {PREDICT_AT}, got {self.predict_at!r}")
+        if self.ingress not in INGRESS:
+            raise ConfigError(f"ingress must be one of {INGRESS}, got {self.ingress!r}")
         if self.replicas < 1 or self.max_queue < 1 or self.max_skips < 0:
             raise ConfigError("replicas and max_queue must be >= 1, max_skips >= 0")
         if self.max_hold_s < 0:

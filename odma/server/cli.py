@@ -12,7 +12,7 @@ from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_di
 from odma.engine.config import POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
-from odma.serve_ray.settings import PREDICT_AT, ROUTERS, RaySettings
+from odma.serve_ray.settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
 
 log = logging.getLogger("odma.serve")
 
@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "pow2: Ray Serve's default power-of-two-choices")
     ray.add_argument("--predict-at", default=r.predict_at, choices=PREDICT_AT,
                      help="where the length predictor runs: front (once, at the ingress, so the router sees it) or replica")
+    ray.add_argument("--ray-ingress", default=r.ingress, choices=INGRESS,
+                     help="front: an ingress replica predicts and routes each request by its predicted KV need; "
+                          "engines: Ray's proxy routes straight to the engine replicas (one hop fewer; the router "
+                          "then places by typical need and each engine predicts)")
     ray.add_argument("--ray-address", default=None, help="join a running Ray cluster (auto, ray://host:10001); default: start one")
     ray.add_argument("--replica-cpus", type=float, default=None, help="Ray CPUs per replica (default: --threads)")
     ray.add_argument("--router-max-hold-s", type=float, default=r.max_hold_s,
@@ -140,7 +144,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def ray_settings_from_args(args: argparse.Namespace) -> RaySettings:
-    return RaySettings(replicas=args.replicas, router=args.router, predict_at=args.predict_at, address=args.ray_address,
+    return RaySettings(replicas=args.replicas, router=args.router, predict_at=args.predict_at, ingress=args.ray_ingress,
+                       address=args.ray_address,
                        replica_cpus=args.replica_cpus or float(args.threads), max_queue=args.max_queue,
                        max_hold_s=args.router_max_hold_s)
 
