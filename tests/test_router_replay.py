@@ -24,7 +24,7 @@ def jobs(n: int, every_s: float = 0.05, prefix: str = "r") -> list[SimJob]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("router", ["pow2", "jsq", "odma"])
+@pytest.mark.parametrize("router", ["pow2", "jsq", "odma", "odma-typical"])
 def test_every_request_completes_once_and_memory_is_left_clean(router):
     replicas = schedulers(3)
     work = jobs(60)

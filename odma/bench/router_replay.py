@@ -7,7 +7,9 @@ the cost model's time, then its tokens advance as in `odma.analyze.simulate`. A 
 - `pow2`: Ray Serve's default, two replicas drawn at random, the one with fewer requests (running + waiting);
 - `jsq`: the replica with the fewest requests of all (the control: all of `odma`'s information, none of its memory);
 - `odma`: `odma.serve_ray.scoring`, the memory-aware router, on every replica's load at that instant (reports that
-  are never stale: the best case for it), with its rule for no room anywhere (the replica closest to room).
+  are never stale: the best case for it), with its rule for no room anywhere (the replica closest to room);
+- `odma-typical`: the same router sizing every request by the replicas' typical need instead of its own (what it
+  can do when the engines are the ingress and Ray's proxy does not read the request).
 Modelled apart from the deployment: bucket bounds are per replica (the deployment shares them), nothing is held at
 the router (its default), no Ray hop.
 """
@@ -20,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from odma.analyze.simulate import SimJob, StepModel, advance, sim_sequence, step_work
-from odma.serve_ray.scoring import Candidate, ReplicaLoad, load_of, rank_replicas
+from odma.serve_ray.scoring import Candidate, ReplicaLoad, load_of, rank_replicas, typical_need
 
-ROUTERS = ("pow2", "jsq", "odma")
+ROUTERS = ("pow2", "jsq", "odma", "odma-typical")
 
 
 @dataclass(slots=True)
@@ -76,8 +78,11 @@ def replay_cluster(jobs: Sequence[SimJob], schedulers: list, step_model: StepMod
         if router == "pow2" or len(replicas) == 1:
             a, b = rng.sample(replicas, 2) if len(replicas) > 1 else (replicas[0], replicas[0])
             return a if queue(a) <= queue(b) else b
-        need = schedulers[0].kv.initial_tokens(seq)
         candidates = [Candidate(k, replica_load(r.scheduler, max_num_seqs, now)) for k, r in enumerate(replicas)]
+        if router == "odma-typical":
+            need = typical_need(c.load for c in candidates)
+        else:
+            need = schedulers[0].kv.initial_tokens(seq)
         fitting, short = rank_replicas(candidates, need, w_memory=w_memory, w_compute=w_compute)
         return replicas[(fitting or short)[0]]
 
