@@ -17,8 +17,8 @@ from pathlib import Path
 
 from odma.bench.router_replay import ROUTERS, replay_cluster
 from odma.analyze.engine_replay import jobs_for
-from odma.analyze.policies import BuildContext, build_manager, parse_policies
-from odma.analyze.predictions import oracle_predictions, predict
+from odma.analyze.experiment import build_context, predictions_for
+from odma.analyze.policies import build_manager, parse_policies
 from odma.analyze.profiles import CostModel, load_profile
 from odma.analyze.workload import WorkloadSpec, build_workload
 from odma.engine.scheduler import Scheduler
@@ -34,15 +34,8 @@ def run_one(trace, args, n: int, seed: int) -> dict:
                                                   max_model_len=args.max_model_len or args.budget_tokens // 2,
                                                   seed=seed))
     policy = parse_policies(args.policy)[0]
-    predictions = None
-    if policy.predict == "predictor":
-        predictions = oracle_predictions(workload) if args.predictor == "oracle" else predict(workload, args.predictor)
-    ctx = BuildContext(total_tokens=args.budget_tokens, max_new_tokens=workload.max_new_tokens,
-                       bootstrap=workload.bootstrap_lengths[:2000],
-                       predictor_alpha=predictions.alpha if predictions else None,
-                       predictor_tau=predictions.tau if predictions else None,
-                       predictor_ceiling=predictions.ceiling if predictions else None,
-                       predictor_table=predictions.table if predictions else None)
+    predictions = predictions_for(workload, args.predictor, [policy])
+    ctx = build_context(workload, predictions, args.budget_tokens)
     cost = CostModel(load_profile(args.profile))
     jobs = jobs_for(workload, policy, predictions)
     out = {}

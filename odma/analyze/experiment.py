@@ -41,20 +41,10 @@ def run_experiment(spec: ExperimentSpec, trace: Trace | None = None, progress: b
     trace = trace if trace is not None else load_trace(spec.trace)
     workload = build_workload(trace, spec.workload)
     policies = parse_policies(spec.policies)
-    predictions = _predictions(workload, spec, policies)
+    predictions = predictions_for(workload, spec.predictor, policies)
     total_tokens = spec.budget_tokens or profile.kv_budget_tokens
-    ctx = BuildContext(
-        total_tokens=total_tokens,
-        max_new_tokens=workload.max_new_tokens,
-        buckets=spec.buckets,
-        window=spec.window,
-        refresh_every_n=spec.refresh_every_n,
-        bootstrap=() if spec.cold_start else workload.bootstrap_lengths[: spec.window],
-        predictor_alpha=predictions.alpha if predictions else None,
-        predictor_tau=predictions.tau if predictions else None,
-        predictor_ceiling=predictions.ceiling if predictions else None,
-        predictor_table=predictions.table if predictions else None,
-    )
+    ctx = build_context(workload, predictions, total_tokens, buckets=spec.buckets, window=spec.window,
+                        refresh_every_n=spec.refresh_every_n, cold_start=spec.cold_start)
     results = {}
     for policy in policies:
         started = time.perf_counter()
@@ -77,14 +67,33 @@ def run_experiment(spec: ExperimentSpec, trace: Trace | None = None, progress: b
     }
 
 
-def _predictions(workload: Workload, spec: ExperimentSpec, policies) -> Predictions | None:
+def predictions_for(workload: Workload, predictor: str | None, policies) -> Predictions | None:
+    """The predictor's predictions for the workload, when one of the policies reserves by them."""
     if not any(p.predict == "predictor" for p in policies):
         return None
-    if spec.predictor is None:
+    if predictor is None:
         return None  # Replay raises a clear error for the policy that needs one
-    if spec.predictor == "oracle":
+    if predictor == "oracle":
         return oracle_predictions(workload)
-    return predict(workload, spec.predictor)
+    return predict(workload, predictor)
+
+
+def build_context(workload: Workload, predictions: Predictions | None, total_tokens: int, *, buckets: int = 8,
+                  window: int = 2000, refresh_every_n: int = 256, cold_start: bool = False) -> BuildContext:
+    """What every policy's manager is built from: the budget, the buckets' window (bootstrapped from the trace's
+    history unless cold) and the predictor's calibration."""
+    return BuildContext(
+        total_tokens=total_tokens,
+        max_new_tokens=workload.max_new_tokens,
+        buckets=buckets,
+        window=window,
+        refresh_every_n=refresh_every_n,
+        bootstrap=() if cold_start else workload.bootstrap_lengths[:window],
+        predictor_alpha=predictions.alpha if predictions else None,
+        predictor_tau=predictions.tau if predictions else None,
+        predictor_ceiling=predictions.ceiling if predictions else None,
+        predictor_table=predictions.table if predictions else None,
+    )
 
 
 def _add_relative(results: dict) -> None:

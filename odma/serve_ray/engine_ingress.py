@@ -45,26 +45,21 @@ class ClusterMetrics:
 class EngineIngress(EngineReplica):
     """A Ray Serve ingress deployment class (`odma.serve_ray.app` wraps it with `serve.ingress`)."""
 
+    wants_others_metrics = True  # its /metrics answers for the whole cluster
+
     async def __init__(self, config: EngineConfig, settings: RaySettings, cluster, served_name: str,
                        aliases: tuple[str, ...] = (), generation_config: str = "auto",
                        override_generation_config: str | None = None, max_n: int = 16) -> None:
-        from pathlib import Path
-
-        from odma.server.generation_config import load_sampling_defaults
+        from odma.server.generation_config import engine_sampling_defaults
 
         self.others_metrics: dict[str, str] = {}
         await super().__init__(config, settings, cluster)
-        folder = self.engine.model_folder or (Path(config.model) if Path(config.model).is_dir() else None)
-        self.defaults = load_sampling_defaults(generation_config, folder, override_generation_config,
-                                               config.max_tokens_cap)
+        self.defaults = engine_sampling_defaults(self.engine, generation_config, override_generation_config)
         self.served_name, self.aliases, self.max_n = served_name, aliases, max_n
 
     def admission_queue(self, settings: RaySettings) -> int:
         """Its share of the cluster's queue (`max_queue` waiting in all), at least 1."""
         return max(1, -(-settings.max_queue // settings.replicas))
-
-    def wants_others_metrics(self) -> bool:
-        return True
 
     def _install(self, state: dict) -> None:
         super()._install(state)

@@ -64,6 +64,8 @@ class EngineReplica:
     """A Ray Serve deployment class (`odma.serve_ray.app` wraps it). `cluster`: a handle to the ClusterState
     deployment."""
 
+    wants_others_metrics = False  # the other replicas' metrics come back with each report (an ingress wants them)
+
     async def __init__(self, config: EngineConfig, settings: RaySettings, cluster) -> None:
         from ray import serve
 
@@ -146,15 +148,12 @@ class EngineReplica:
 
                 text = generate_latest(self.metrics.registry).decode()
                 load = replica_load(self.engine).as_dict()
-                self._install(await self.cluster.report.remote(self.name, lengths, load, text, self.wants_others_metrics()))
+                self._install(await self.cluster.report.remote(self.name, lengths, load, text, self.wants_others_metrics))
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the cluster state restarts; keep the lengths and try again
                 self.metrics.give_back(lengths)
                 log.warning("replica %s: report to the cluster state failed; retrying", self.name, exc_info=True)
-
-    def wants_others_metrics(self) -> bool:
-        return False
 
     def _install(self, state: dict) -> None:
         if self.buckets is not None and state.get("bounds"):

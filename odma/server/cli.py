@@ -156,7 +156,7 @@ def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | 
     from odma.engine import LLMEngine
     from odma.models.weights import model_name
     from odma.server.app import create_app
-    from odma.server.generation_config import load_sampling_defaults
+    from odma.server.generation_config import engine_sampling_defaults
     from odma.server.metrics import Metrics
     from odma.server.runtime import AsyncEngine
 
@@ -164,8 +164,7 @@ def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | 
         raise ConfigError(f"--max-n must be >= 1, got {max_n}")
     metrics = Metrics()
     engine = LLMEngine(config, metrics=metrics)
-    folder = engine.model_folder or (Path(config.model) if Path(config.model).is_dir() else None)
-    defaults = load_sampling_defaults(generation_config, folder, override_generation_config, config.max_tokens_cap)
+    defaults = engine_sampling_defaults(engine, generation_config, override_generation_config)
     log.info("sampling defaults for requests that leave them out: %s", defaults.describe(config.default_max_tokens))
     runtime = AsyncEngine(engine, max_queue=max_queue)
     metrics.attach(runtime)

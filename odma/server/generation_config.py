@@ -72,6 +72,13 @@ def _read(folder: Path) -> dict[str, Any]:
     return data
 
 
+def engine_sampling_defaults(engine, mode: str, override: str | dict | None = None) -> "SamplingDefaults":
+    """The defaults of the model an `LLMEngine` serves: its converted folder, or the folder it was given."""
+    config = engine.config
+    folder = engine.model_folder or (Path(config.model) if Path(config.model).is_dir() else None)
+    return load_sampling_defaults(mode, folder, override, config.max_tokens_cap)
+
+
 def load_sampling_defaults(mode: str, model_folder: Path | None, override: str | dict | None = None,
                            max_tokens_cap: int | None = None) -> SamplingDefaults:
     """`mode`: "auto" (the model folder's generation_config.json), "vllm" (none), or a folder holding one.
