@@ -4,6 +4,7 @@ wire, the ingress's validation and sizing, and the engine keeping a prediction m
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -378,6 +379,25 @@ def test_odma_serve_ray_without_ray_says_what_to_install():
                       "sys.exit(main(['--ray', '--model', 'no-such-model', '--log-level', 'error']))\n")
     assert done.returncode == 2, done.stderr
     assert "--ray needs Ray Serve: pip install 'odma[ray]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_odma_serve_ray_stops_on_a_burst_of_signals_and_gives_ctrl_c_back():
+    """A wrapper (timeout, a shell) forwards Ctrl-C while the user's own arrives too: the wait must end, not
+    deadlock in its own handler (it did, with a threading.Event), and a second Ctrl-C must reach the teardown."""
+    code = ("import signal, sys\n"
+            "from odma.serve_ray.app import wait_for_stop_signal\n"
+            "print('waiting', flush=True)\n"
+            "got = wait_for_stop_signal(poll_s=0.5)\n"
+            "print('stopped', got, signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        for _ in range(300):  # back to back: the old handler deadlocked in about one run of six like this
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert f"stopped {int(signal.SIGINT)} True" in out, err
 
 
 def test_the_ray_bench_gives_its_single_server_every_option_odma_bench_serve_does():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import shlex
 import signal
-import threading
+import time
 from dataclasses import replace
 
 from odma.engine import EngineConfig
@@ -79,6 +79,24 @@ def build_application(config: EngineConfig, settings: RaySettings, *, served_nam
                       name, (config.model, "default"), generation_config, override_generation_config, max_n)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def wait_for_stop_signal(poll_s: float = 0.2) -> int:
+    """Until SIGINT or SIGTERM; returns the signal, with the default handlers back (a second Ctrl-C during the
+    teardown interrupts it). The handler takes no lock: with a threading.Event, two signals in quick succession
+    (Ctrl-C that a wrapper such as `timeout` also forwards) re-entered Event.set in the main thread and deadlocked."""
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        while not received:
+            time.sleep(poll_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return received[0]
+
+
 def serve_forever(config: EngineConfig, settings: RaySettings, *, host: str, port: int, served_name: str | None,
                   generation_config: str, override_generation_config: str | None, max_n: int) -> int:
     """`odma-serve --ray`: start (or join) Ray, deploy, serve until SIGINT/SIGTERM, then tear everything down."""
@@ -96,10 +114,7 @@ def serve_forever(config: EngineConfig, settings: RaySettings, *, host: str, por
                   name=settings.app_name, route_prefix="/")
         log.info("odma on Ray Serve: %d replicas, router %s, ingress %s, ready at http://%s:%d", settings.replicas,
                  settings.router, settings.ingress, host, port)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        wait_for_stop_signal()
     finally:
         serve.shutdown()
         ray.shutdown()
