@@ -147,6 +147,7 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
     """(CompletionRequest, ChatCompletionRequest) for a server with these limits."""
     cap = limits.max_tokens_cap
     TokenId = Annotated[int, Field(ge=0, le=limits.vocab_size - 1)]
+    TokenIds = Annotated[list[TokenId], Field(min_length=1)]
     Stops = Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None,
                       _one_message(f"must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings"),
                       Field(description="stop strings; the text ends before the first one")]
@@ -188,10 +189,11 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
 
     class CompletionRequest(Common):
         prompt: Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
-                          | Annotated[list[TokenId], Field(min_length=1)],
-                          _one_message("must be a non-empty string, a list of one non-empty string, or a non-empty "
-                                       f"list of token ids in [0, {limits.vocab_size})"),
-                          Field(description="one prompt (a list of several is not supported: send one request each)")]
+                          | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=1)],
+                          _one_message("must be a non-empty string, a non-empty list of token ids in "
+                                       f"[0, {limits.vocab_size}), or a list of one of those"),
+                          Field(description="one prompt: text or token ids, alone or as a batch of one (a batch of "
+                                            "several is not supported: send one request each)")]
         max_tokens: _opt(int, Field(ge=0, le=cap, description=(
             "0: no generation (with echo and logprobs: the prompt's log-likelihood); prompt + max_tokens must "
             "fit the model's context"))) = min(16, cap)  # OpenAI's default
@@ -203,7 +205,7 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
 
         def prompt_input(self) -> str | list[int]:
             p = self.prompt
-            return p[0] if isinstance(p, list) and isinstance(p[0], str) else p
+            return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
 
     class ChatCompletionRequest(Common):
         model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)

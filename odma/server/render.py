@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from odma.engine.logprobs import TokenLogprob
 
@@ -48,13 +48,18 @@ def _lp(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
+def _shown(token: int, texts: TokenText, silent: Collection[int]) -> str:
+    """A token's text as the answer shows it: EOS adds none to a generated text, so its entry's text is empty."""
+    return "" if token in silent else texts.text(token)
+
+
 def completion_logprobs(entries: Iterable[TokenLogprob | None], tokens: list[int], texts: TokenText,
-                        offset: int = 0) -> tuple[dict[str, Any], int]:
+                        offset: int = 0, silent: Collection[int] = ()) -> tuple[dict[str, Any], int]:
     """The legacy `logprobs` object for `tokens` (an entry of None: the first prompt token, which has no
-    log-probability), and the text offset after them."""
+    log-probability), and the text offset after them. `silent`: tokens shown with empty text (EOS in an answer)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(tokens, entries):
-        text = texts.text(token)
+        text = _shown(token, texts, silent)
         out["tokens"].append(text)
         out["text_offset"].append(offset)
         offset += len(text)
@@ -63,17 +68,20 @@ def completion_logprobs(entries: Iterable[TokenLogprob | None], tokens: list[int
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(_lp(entry.logprob))
-        top = {texts.text(t): _lp(lp) for t, lp in entry.top}
+        top = {_shown(t, texts, silent): _lp(lp) for t, lp in entry.top}
         top.setdefault(text, _lp(entry.logprob))  # the chosen token is always listed (up to k + 1 entries)
         out["top_logprobs"].append(top)
     return out, offset
 
 
-def chat_logprobs(entries: Iterable[TokenLogprob], texts: TokenText) -> list[dict[str, Any]]:
-    """The chat form's `logprobs.content` items."""
-    return [{"token": texts.text(e.token), "logprob": _lp(e.logprob), "bytes": texts.bytes(e.token),
-             "top_logprobs": [{"token": texts.text(t), "logprob": _lp(lp), "bytes": texts.bytes(t)} for t, lp in e.top]}
-            for e in entries]
+def chat_logprobs(entries: Iterable[TokenLogprob], texts: TokenText, silent: Collection[int] = ()) -> list[dict[str, Any]]:
+    """The chat form's `logprobs.content` items (`silent` tokens, EOS, with empty text and no bytes)."""
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = _shown(token, texts, silent)
+        return {"token": text, "logprob": _lp(logprob), "bytes": texts.bytes(token) if text else []}
+
+    return [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

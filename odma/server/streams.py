@@ -97,11 +97,11 @@ class Sample:
         return self.seq.num_generated if self.job.generate else 0
 
     def _generated_entries(self) -> tuple[list, list[int]]:
-        """Entries and tokens of the text so far not reported yet (EOS, which has no text, is left out)."""
+        """Entries and tokens of the text so far not reported yet: one per generated token, EOS included (an
+        evaluation harness reads the last entry as the generated token's; EOS shows as empty text)."""
         if self.job.logprobs is None or not self.job.generate or not self.seq.output_logprobs:
             return [], []
-        eos = self.engine.runner.eos_ids
-        entries = [e for e in self.seq.output_logprobs[self._sent_entries:len(self.text.ids)] if e.token not in eos]
+        entries = self.seq.output_logprobs[self._sent_entries:len(self.text.ids)]
         self._sent_entries = max(self._sent_entries, min(len(self.text.ids), len(self.seq.output_logprobs)))
         return entries, [e.token for e in entries]
 
@@ -117,9 +117,10 @@ class Sample:
         if self.job.logprobs is None:
             return None
         entries, tokens = self._generated_entries()
+        eos = self.engine.runner.eos_ids
         if self.job.chat:
-            return {"content": render.chat_logprobs(entries, self.texts)}
-        out, self._offset = render.completion_logprobs(entries, tokens, self.texts, self._offset)
+            return {"content": render.chat_logprobs(entries, self.texts, eos)}
+        out, self._offset = render.completion_logprobs(entries, tokens, self.texts, self._offset, eos)
         return out
 
 
