@@ -16,6 +16,9 @@ from odma.errors import ConfigError
 from odma.engine.ordering import ORDERS
 from odma.kv import POLICY_KINDS as POLICIES
 
+# what the realized-length log keeps of each prompt: the text, its SHA-256, or nothing
+LOG_PROMPT_MODES = ("text", "hash", "none")
+
 
 def default_threads() -> int:
     """All usable cores but one: the HTTP side and the predictor need a core, and torch's OpenMP threads
@@ -79,6 +82,10 @@ class EngineConfig:
     probe_online: bool = True  # the probe's head learns from finished requests (state kept under the cache dir)
     s3_buckets: int = 8  # equal-width buckets of the s3 baseline
     length_log: Path | None = field(default_factory=lambda: default_cache_dir() / "logs" / "lengths.jsonl")
+    # what the log keeps of each prompt: "text" (retraining the text predictor reads it), "hash" (its SHA-256), "none"
+    length_log_prompts: str = "text"
+    length_log_max_size: str = "64MiB"  # the log rotates at this size ("0": never)
+    length_log_backups: int = 3  # rotated files kept (lengths.jsonl.1 ...)
     bootstrap_from_log: bool = True  # seed the bucket bounds with the log's last realized lengths
     threads: int = field(default_factory=default_threads)  # torch CPU threads
     # KV ↔ activation ballooning (eLLM): the room kept for the activation peak of a max_prefill_tokens step
@@ -143,6 +150,11 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.length_log_prompts not in LOG_PROMPT_MODES:
+            raise ConfigError(f"length_log_prompts must be one of {LOG_PROMPT_MODES}, got {self.length_log_prompts!r}")
+        if self.length_log_backups < 0:
+            raise ConfigError(f"length_log_backups must be >= 0, got {self.length_log_backups}")
+        parse_bytes(self.length_log_max_size, "length log size", allow_zero=True)
         if self.preempt not in ("wait", "recompute", "swap"):
             raise ConfigError(f"preempt must be 'wait', 'recompute' or 'swap', got {self.preempt!r}")
 
@@ -157,18 +169,27 @@ def parse_kv_budget(spec: str | int, device_bytes: int) -> int:
     try:
         if s.endswith("%"):
             return _share(float(s[:-1]) / 100, device_bytes, spec)
-        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = s[len(num):]
-        value = float(num)
-        if unit == "" and 0 < value < 1:
-            return _share(value, device_bytes, spec)
+        if 0 < float(s) < 1:
+            return _share(float(s), device_bytes, spec)
+    except ValueError:
+        pass  # not a bare number: a size with its unit
+    return parse_bytes(spec, "kv budget", shares=True)
+
+
+def parse_bytes(spec: str | int, what: str, *, allow_zero: bool = False, shares: bool = False) -> int:
+    """Bytes from "268435456", "256MiB", "2GB" (0 only where `allow_zero`); `shares`: the error mentions them."""
+    s = str(spec).strip().lower().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
         if unit not in _UNITS:
             raise ValueError(unit)
-        out = int(value * _UNITS[unit])
-    except ValueError:
-        raise ConfigError(f"kv budget {spec!r}: use bytes (e.g. 268435456, 256MiB, 2GB) or a share (0.3, 30%)") from None
-    if out <= 0:
-        raise ConfigError(f"kv budget must be positive, got {spec!r}")
+        out = int(float(num) * _UNITS[unit])
+    except (ValueError, OverflowError):
+        hint = " or a share (0.3, 30%)" if shares else ""
+        raise ConfigError(f"{what} {spec!r}: use bytes (e.g. 268435456, 256MiB, 2GB){hint}") from None
+    if out < 0 or (out == 0 and not allow_zero):
+        raise ConfigError(f"{what} must be {'>= 0' if allow_zero else 'positive'}, got {spec!r}")
     return out
 
 

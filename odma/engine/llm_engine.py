@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from odma.engine.config import EngineConfig, parse_kv_budget
+from odma.engine.config import EngineConfig, parse_bytes, parse_kv_budget
 from odma.engine.fork import Forks
 from odma.engine.length_log import LengthLog, read_realized_lengths
 from odma.engine.length_predictor import LoadedPredictor, load_engine_predictor, load_length_probe
@@ -113,7 +113,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         bootstrap = []
         if config.length_log and config.bootstrap_from_log:
-            bootstrap = read_realized_lengths(config.length_log, model=config.model)
+            bootstrap = read_realized_lengths(config.length_log, model=config.model, max_length=self.max_model_len)
         # one policy object for every device: one set of bucket bounds, one window of realized lengths
         self.policy = build_policy(config.policy, max_tokens=config.max_tokens_cap, buckets=config.buckets,
                                    pool=config.pool, s3_buckets=config.s3_buckets, bootstrap=bootstrap)
@@ -145,7 +145,9 @@ class LLMEngine:
         if self.probe is not None:
             for w in self.workers:
                 w.runner.capture_layers = self.probe.capture_layers
-        self.length_log = (LengthLog(config.length_log, config.policy, config.model, self.generator)
+        self.length_log = (LengthLog(config.length_log, config.policy, config.model, self.generator,
+                                     prompts=config.length_log_prompts, backups=config.length_log_backups,
+                                     max_bytes=parse_bytes(config.length_log_max_size, "length log size", allow_zero=True))
                            if config.length_log else None)
         self._inbox: deque[tuple[str, Any]] = deque()
         self._inbox_lock = threading.Lock()

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_dir
-from odma.engine.config import POLICIES, EngineConfig
+from odma.engine.config import LOG_PROMPT_MODES, POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
 from odma.serve_ray.settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-online", action=argparse.BooleanOptionalAction, default=d.probe_online,
                    help="the probe learns online from finished requests")
     p.add_argument("--length-log", default=str(d.length_log), help="JSONL of realized lengths ('' to disable)")
+    p.add_argument("--length-log-prompts", default=d.length_log_prompts, choices=LOG_PROMPT_MODES,
+                   help="what the length log keeps of each prompt: text (retraining the text predictor needs it), "
+                        "hash (its SHA-256) or none; docs/serving.md says what each mode still serves")
+    p.add_argument("--length-log-max-size", default=d.length_log_max_size,
+                   help="rotate the length log at this size (bytes: 64MiB, 1GB; 0: never)")
+    p.add_argument("--length-log-backups", type=int, default=d.length_log_backups,
+                   help="rotated length logs kept (lengths.jsonl.1, .2, ...; the oldest is dropped)")
     p.add_argument("--bootstrap-from-log", action=argparse.BooleanOptionalAction, default=d.bootstrap_from_log,
                    help="seed the bucket bounds with the length log's last realized lengths")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests (samples) before 429")
@@ -134,6 +141,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         probe=None if args.probe in (None, "", "none") else args.probe, probe_online=args.probe_online,
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,
+        length_log_prompts=args.length_log_prompts, length_log_max_size=args.length_log_max_size,
+        length_log_backups=args.length_log_backups,
         balloon=args.balloon, balloon_segment_tokens=args.balloon_segment_tokens,
         balloon_chunked_prefill=args.balloon_chunked_prefill, clear_window=args.clear_window,
         prefix_share_min_tokens=args.prefix_share_min_tokens,
