@@ -87,23 +87,21 @@ class OnnxPredictor(Predictor):
                  time.perf_counter() - start, dest)
 
     def _open(self, threads: int | None):
-        """The onnxruntime session. A graph built into the cache that no longer loads, or no longer matches the
-        checksum written when it was built (a truncated or damaged file), is rebuilt, not served around forever."""
+        """The onnxruntime session. A graph built into the cache that no longer loads, does not match the checksum
+        written when it was built (a truncated or damaged file), or cannot be checked against it (the checksum
+        file is missing or unreadable) is rebuilt, not served around forever nor adopted unverified."""
         from predictor.onnx_export import session
 
         derived = self.onnx_path != self.folder / ONNX_FILE
         damage = _damage(self.onnx_path) if derived else None
         if damage is None:
             try:
-                sess = session(self.onnx_path, threads)
-                if derived and not _checksum_file(self.onnx_path).exists():  # cached before checksums: adopt it
-                    _checksum_file(self.onnx_path).write_text(_sha256(self.onnx_path))
-                return sess
+                return session(self.onnx_path, threads)
             except PredictorError as exc:
                 if not derived:
                     raise
                 damage = str(exc)
-        log.warning("cached predictor graph %s is damaged (%s); rebuilding it", self.onnx_path, damage)
+        log.warning("cached predictor graph %s cannot be trusted (%s); rebuilding it", self.onnx_path, damage)
         self.onnx_path.unlink(missing_ok=True)
         self._build(self.onnx_path)
         return session(self.onnx_path, threads)
@@ -140,12 +138,15 @@ def _sha256(path: Path) -> str:
 
 
 def _damage(path: Path) -> str | None:
-    """Why a cached graph cannot be trusted (None: its checksum matches, or it has none yet)."""
+    """Why a cached graph cannot be trusted (None: its checksum matches)."""
     check = _checksum_file(path)
     if not check.exists():
-        return None
+        return "no checksum file: the graph is unverified (a build that stopped before writing it)"
     try:
-        return None if check.read_text().strip() == _sha256(path) else "checksum mismatch"
+        expected = check.read_bytes().decode("ascii").strip()
+        return None if expected == _sha256(path) else "checksum mismatch: the graph is damaged"
+    except UnicodeDecodeError:
+        return "the checksum file is damaged (not a hex digest)"
     except OSError as exc:
         return str(exc)
 
