@@ -232,7 +232,7 @@ def test_parameters_at_their_defaults_are_accepted(srv):
                     echo=False, logprobs=None, stream=False, seed=None, stop=None, top_k=-1)
     assert post(srv, "/v1/completions", ok).status_code == 200
     ok = chat(response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False, logprobs=False,
-              top_logprobs=0, stream_options={"include_usage": True})
+              top_logprobs=0, stream_options=None)
     assert post(srv, "/v1/chat/completions", ok).status_code == 200
 
 

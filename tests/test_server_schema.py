@@ -85,7 +85,8 @@ def test_the_schema_carries_the_enforced_limits(spec):
     token_ids = next(b for b in props["prompt"]["anyOf"] if b.get("items", {}).get("type") == "integer")
     assert token_ids["items"]["maximum"] == 49151
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
-    assert chat["properties"]["max_completion_tokens"]["maximum"] == CAP and chat["anyOf"]  # top_logprobs rule
+    assert chat["properties"]["max_completion_tokens"]["maximum"] == CAP
+    assert len(chat["allOf"]) == 2 and completion["anyOf"]  # the cross-field rules: stream_options, top_logprobs
 
 
 def test_schemathesis_finds_nothing(srv, tmp_path):

@@ -16,9 +16,9 @@ from odma.server.errors import HTTPError, install_error_handlers
 from odma.server.generation_config import SamplingDefaults
 from odma.server.jobs import Job, JobBuilder
 from odma.server.metrics import Metrics
-from odma.server.openapi import INFO_RESPONSES, METRICS_RESPONSES, generate_responses, install_schema
+from odma.server.openapi import INFO_RESPONSES, METRICS_RESPONSES, MODEL_RESPONSES, generate_responses, install_schema
 from odma.server.protocol import ApiLimits, request_models
-from odma.server.responses import ChatCompletionResponse, CompletionResponse, Health, ModelList
+from odma.server.responses import ChatCompletionResponse, CompletionResponse, Health, ModelCard, ModelList
 from odma.server.render import TokenText
 from odma.server.runtime import AsyncEngine
 from odma.server.streams import Sample, collect, sse
@@ -41,7 +41,7 @@ def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases:
                        default_max_tokens=engine.config.default_max_tokens)
     app = FastAPI(title="odma-serve", version="0.1.0", lifespan=_lifespan(runtime), max_body_size=MAX_BODY_BYTES)
     install_error_handlers(app, metrics.refused)
-    _info_routes(app, runtime, metrics, model_name)
+    _info_routes(app, runtime, metrics, model_name, names)
     _generation_routes(app, runtime, metrics, limits, JobBuilder(engine, limits, defaults or SamplingDefaults()),
                        model_name)
     install_schema(app, DESCRIPTION)
@@ -58,7 +58,8 @@ def _lifespan(runtime: AsyncEngine):
     return lifespan
 
 
-def _info_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, model_name: str) -> None:
+def _info_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, model_name: str,
+                 served_names: tuple[str, ...]) -> None:
     engine = runtime.engine
     created = int(time.time())
 
@@ -71,11 +72,21 @@ def _info_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, model_nam
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "odma",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models", response_model=ModelList, responses=INFO_RESPONSES)
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "odma",
-                "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(model_name)]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=MODEL_RESPONSES)
+    async def model(model_id: str):
+        """One served model (its aliases too: the names requests may use); 404 for another name."""
+        if model_id not in served_names:
+            raise HTTPError(404, f"model {model_id!r} is not served here; available: {list(served_names)}",
+                            "model_not_found", param="model")
+        return card(model_id)
 
 
 def _generation_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, limits: ApiLimits, jobs: JobBuilder,

@@ -70,11 +70,13 @@ def _path(loc: tuple) -> str:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-wrap"}
 
 
-def validation_error(exc: RequestValidationError) -> HTTPError:
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> HTTPError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return HTTPError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
+    if tuple(first.get("loc", ())) == ("body",):  # the body as a whole is not a JSON object
+        return HTTPError(400, _body_message(first, content_type))
     seen, parts = set(), []
     for e in errors:
         path = _path(tuple(e.get("loc", ())))
@@ -84,6 +86,20 @@ def validation_error(exc: RequestValidationError) -> HTTPError:
         parts.append(f"{path or 'body'}: {_message(e, path)}")
     param = _path(tuple(first.get("loc", ()))) or None
     return HTTPError(400, "; ".join(parts) or "invalid request", param=param)
+
+
+def _body_message(error: dict, content_type: str | None) -> str:
+    """What is wrong with a body that is not a JSON object: its content type, its emptiness, or its JSON type."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        return (f"the request body must be JSON sent with 'content-type: application/json' "
+                f"(this request's content-type: {media or 'none'})")
+    if error.get("type") == "missing":
+        return "the request body is empty: send a JSON object"
+    value = error.get("input")
+    kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+    return f"the request body must be a JSON object, not {kind}"
 
 
 _TYPE_MESSAGES = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be true or false",
@@ -113,7 +129,7 @@ def install_error_handlers(app: FastAPI, refused) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         refused("invalid")
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc, request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette(request: Request, exc: StarletteHTTPException):

@@ -16,7 +16,8 @@ max_tokens, top_logprobs needs logprobs) is checked by the handlers and stated i
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator)
 from pydantic_core import PydanticCustomError
 
 from odma.engine.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SEED_RANGE
@@ -27,6 +28,12 @@ MAX_TOP_K = 2**31 - 1
 TOP_LOGPROBS_NEED_LOGPROBS = {"anyOf": [
     {"properties": {"top_logprobs": {"anyOf": [{"type": "integer", "maximum": 0}, {"type": "null"}]}}},
     {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+]}
+# "stream_options needs stream: true" (OpenAI and vLLM refuse it otherwise; null is leaving it out)
+STREAM_OPTIONS_NEED_STREAM = {"anyOf": [
+    {"not": {"required": ["stream_options"]}},
+    {"properties": {"stream_options": {"nullable": True, "enum": [None]}}},
+    {"properties": {"stream": {"const": True}}, "required": ["stream"]},
 ]}
 
 
@@ -124,10 +131,18 @@ class _Message(BaseModel):
 
 
 class ChatMessage(_Message):
-    """A system, developer, user or tool turn: its content is required, as in OpenAI's API."""
+    """A system, developer or user turn: its content is required, as in OpenAI's API."""
 
-    role: Literal["system", "user", "developer", "tool"]
+    role: Literal["system", "user", "developer"]
     content: Annotated[Text | list[TextPart], _one_message("must be a string or a list of text parts")]
+
+
+class ToolMessage(_Message):
+    """A tool's answer: its content and the id of the call it answers are required, as in OpenAI's API."""
+
+    role: Literal["tool"]
+    content: Annotated[Text | list[TextPart], _one_message("must be a string or a list of text parts")]
+    tool_call_id: Text
 
 
 class AssistantMessage(_Message):
@@ -138,8 +153,8 @@ class AssistantMessage(_Message):
                        _one_message("must be a string, a list of text parts or null")] = None
 
 
-Message = Annotated[ChatMessage | AssistantMessage, Field(discriminator="role")]
-ROLES = frozenset(role for kind in (ChatMessage, AssistantMessage)
+Message = Annotated[ChatMessage | ToolMessage | AssistantMessage, Field(discriminator="role")]
+ROLES = frozenset(role for kind in (ChatMessage, ToolMessage, AssistantMessage)
                   for role in get_args(kind.model_fields["role"].annotation))
 
 
@@ -153,7 +168,7 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
                       Field(description="stop strings; the text ends before the first one")]
 
     class Common(BaseModel):
-        model_config = ConfigDict(strict=True, extra="forbid")
+        model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=STREAM_OPTIONS_NEED_STREAM)
 
         model: Annotated[Text, Field(json_schema_extra={"enum": list(limits.served_names)},
                                      description="a served model (GET /v1/models); another name gets a 404")]
@@ -177,6 +192,13 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
                                                               "tokens (at most max_tokens)")) = None
         top_k: _opt(int, Field(ge=-1, le=MAX_TOP_K, description="0 or -1: off; above the vocabulary: off")) = None
         stop_token_ids: list[TokenId] | None = None
+
+        @field_validator("stream_options")
+        @classmethod
+        def _needs_stream(cls, value: Any, info: ValidationInfo) -> Any:
+            if value is not None and not info.data.get("stream"):
+                raise PydanticCustomError("stream_options", "only allowed with stream: true")
+            return value
 
         def stop_strings(self) -> tuple[str, ...]:
             return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -208,7 +230,8 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
             return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
 
     class ChatCompletionRequest(Common):
-        model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)
+        model_config = ConfigDict(strict=True, extra="forbid",
+                                  json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS]})
 
         messages: Annotated[list[Message], Field(min_length=1)]
         max_tokens: _opt(int, Field(ge=1, le=cap, description="deprecated name of max_completion_tokens")) = None

@@ -47,9 +47,11 @@ class TextStream:
         return delta
 
     def flush(self) -> str:
+        """The rest of the text at the end. A reply cut inside a multi-byte character ends before it: its partial
+        bytes are held back, as vLLM's detokenizer does, rather than sent as U+FFFD."""
         if self.stopped:
             return ""
-        text = self.engine.decode(self.ids)
+        text = self.engine.decode(self.ids).removesuffix("\ufffd")
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += delta
         return delta
