@@ -193,6 +193,31 @@ def test_generation_config_auto_vllm_and_override(tmp_path, caplog):
     assert load_sampling_defaults("auto", tmp_path / "missing").temperature == 1.0
 
 
+def test_the_embedded_model_samples_as_its_model_card_recommends(tmp_path):
+    """SmolLM2-135M-Instruct's file sets no sampling: at OpenAI's temperature 1 README's example rambled. The
+    embedded model gets its card's recommendation; the file's own values, `vllm` and the override still rule."""
+    from types import SimpleNamespace
+
+    from odma.engine import EngineConfig
+    from odma.models.weights import SMOLLM2_SAMPLING
+    from odma.server.generation_config import engine_sampling_defaults
+
+    config_file = tmp_path / "generation_config.json"
+    config_file.write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))  # what SmolLM2's sets
+    embedded = SimpleNamespace(config=EngineConfig(model="smollm2", length_log=None), model_folder=tmp_path)
+    auto = engine_sampling_defaults(embedded, "auto")
+    assert (auto.temperature, auto.top_p) == (SMOLLM2_SAMPLING["temperature"], SMOLLM2_SAMPLING["top_p"]) == (0.2, 0.9)
+    assert "SmolLM2-135M-Instruct's model card (temperature=0.2 top_p=0.9)" in auto.describe(256)
+    assert engine_sampling_defaults(embedded, "vllm").temperature == 1.0
+    over = engine_sampling_defaults(embedded, "auto", '{"temperature": 0.7}')
+    assert (over.temperature, over.top_p) == (0.7, 0.9)
+    config_file.write_text(json.dumps({"temperature": 0.5}))  # a value the file sets comes first
+    mixed = engine_sampling_defaults(embedded, "auto")
+    assert (mixed.temperature, mixed.top_p) == (0.5, 0.9) and "generation_config.json" in mixed.source
+    other = SimpleNamespace(config=EngineConfig(model=str(tmp_path), length_log=None), model_folder=tmp_path)
+    assert (engine_sampling_defaults(other, "auto").temperature, engine_sampling_defaults(other, "auto").top_p) == (0.5, 1.0)
+
+
 def test_start_up_says_which_defaults_are_in_force(folder, caplog):
     from odma.engine import EngineConfig
     from odma.server.cli import build_server

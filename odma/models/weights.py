@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+# The sampling its authors recommend (the model card's "How to use":
+# https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, `generate(..., temperature=0.2, top_p=0.9,
+# do_sample=True)`); its generation_config.json sets none, and at temperature 1 the 135M model rambles.
+SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names → torch
@@ -40,6 +44,15 @@ def _gguf_source(spec: str) -> tuple[Path, str] | None:
     if path.suffix == ".gguf" and path.is_file():
         return path.parent, path.name
     return None
+
+
+def recommended_sampling(spec: str | None) -> dict[str, float]:
+    """The sampling defaults the model card of an embedded model recommends ({} for any other model: its own
+    generation_config.json speaks for it)."""
+    spec = spec or DEFAULT_MODEL
+    if _gguf_source(spec) is not None and not spec.endswith(".gguf"):
+        return dict(SMOLLM2_SAMPLING)
+    return {}
 
 
 def model_name(spec: str | None) -> str:

@@ -2,6 +2,8 @@
 `generation_config.json` (`--generation-config auto`, the default), from another folder's
 (`--generation-config PATH`), or none (`--generation-config vllm`: OpenAI's defaults), then
 `--override-generation-config '{"temperature": 0.6}'` on top. The server says at start-up which are in force.
+Under `auto`, the embedded default model (SmolLM2-135M-Instruct, whose file sets none) gets what its model card
+recommends (`odma.models.weights.SMOLLM2_SAMPLING`); a value its file sets would come first.
 
 odma's sampler knows temperature, top_p and top_k; `max_new_tokens` becomes the default max_tokens of chat
 requests. Other sampling keys in a model's file (repetition_penalty, min_p...) cannot be honoured: they are
@@ -72,34 +74,49 @@ def _read(folder: Path) -> dict[str, Any]:
     return data
 
 
+def _auto(folder: Path | None) -> tuple[dict[str, Any], str]:
+    """The sampling values a model folder's generation_config.json sets, and where they come from."""
+    if folder is None or not folder.is_dir():
+        return {}, "OpenAI's defaults (no model folder)"
+    values = _read(folder)
+    ignored = sorted(k for k in UNSUPPORTED if k in values)
+    if ignored:
+        log.warning("%s/generation_config.json sets %s, which odma's sampler does not implement: ignored",
+                    folder, ", ".join(f"{k}={values[k]!r}" for k in ignored))
+    values = _checked(values, f"{folder}/generation_config.json")
+    return values, (f"{folder.name}/generation_config.json" if values
+                    else f"OpenAI's defaults ({folder.name}/generation_config.json sets none)")
+
+
 def engine_sampling_defaults(engine, mode: str, override: str | dict | None = None) -> "SamplingDefaults":
     """The defaults of the model an `LLMEngine` serves: its converted folder, or the folder it was given."""
+    from odma.models.weights import model_name, recommended_sampling
+
     config = engine.config
     folder = engine.model_folder or (Path(config.model) if Path(config.model).is_dir() else None)
-    return load_sampling_defaults(mode, folder, override, config.max_tokens_cap)
+    recommended = recommended_sampling(config.model)
+    card = f"{model_name(config.model)}'s model card" if recommended else None
+    return load_sampling_defaults(mode, folder, override, config.max_tokens_cap, recommended=recommended, card=card)
 
 
 def load_sampling_defaults(mode: str, model_folder: Path | None, override: str | dict | None = None,
-                           max_tokens_cap: int | None = None) -> SamplingDefaults:
-    """`mode`: "auto" (the model folder's generation_config.json), "vllm" (none), or a folder holding one.
-    `override`: a JSON object (or its text) applied on top; an unsupported key in it is a ConfigError."""
+                           max_tokens_cap: int | None = None, *, recommended: dict | None = None,
+                           card: str | None = None) -> SamplingDefaults:
+    """`mode`: "auto" (the model folder's generation_config.json, over `recommended`: what the model's `card`
+    recommends where its file is silent), "vllm" (none), or a folder holding one. `override`: a JSON object (or its
+    text) applied on top; an unsupported key in it is a ConfigError."""
     if mode == "vllm":
         values, source = {}, "OpenAI's defaults (--generation-config vllm)"
     else:
         folder = model_folder if mode == "auto" else Path(mode).expanduser()
-        if folder is None or not folder.is_dir():
-            if mode != "auto":
-                raise ConfigError(f"--generation-config {mode!r}: not a folder")
-            values, source = {}, "OpenAI's defaults (no model folder)"
-        else:
-            values = _read(folder)
-            ignored = sorted(k for k in UNSUPPORTED if k in values)
-            if ignored:
-                log.warning("%s/generation_config.json sets %s, which odma's sampler does not implement: ignored",
-                            folder, ", ".join(f"{k}={values[k]!r}" for k in ignored))
-            values = _checked(values, f"{folder}/generation_config.json")
-            source = (f"{folder.name}/generation_config.json" if values
-                      else f"OpenAI's defaults ({folder.name}/generation_config.json sets none)")
+        if mode != "auto" and (folder is None or not folder.is_dir()):
+            raise ConfigError(f"--generation-config {mode!r}: not a folder")
+        values, source = _auto(folder)
+        unset = {k: v for k, v in (recommended or {}).items() if k not in values} if mode == "auto" else {}
+        if unset:  # what the model's file leaves out, its card recommends
+            told = f"{card or 'the model card'} ({' '.join(f'{k}={v:g}' for k, v in unset.items())})"
+            source = told if not values else f"{source} + {told}"
+            values = {**unset, **values}
     if override:
         try:
             extra = json.loads(override) if isinstance(override, str) else dict(override)
