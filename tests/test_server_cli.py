@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
+
+import pytest
 
 from odma.engine.config import EngineConfig
 from odma.server.cli import build_parser, config_from_args
@@ -85,3 +88,18 @@ def test_config_only_fields_are_the_documented_ones():
     doc = odma.engine.config.__doc__
     assert "pool.align" in doc and "buckets.*" in doc
     assert CONFIG_ONLY >= {"pool.align", "buckets.window", "buckets.method"}
+
+
+def test_every_option_says_what_it_does_and_its_default(capsys):
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings[0]} has no help"
+        assert re.search(r"\(default\b|\bdefault:", formatter._expand_help(action)), action.option_strings[0]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 2048)", "(default: info)", "(default: off)"):
+        assert shown in text

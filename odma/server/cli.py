@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,15 +18,29 @@ from odma.serve_ray.settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
 log = logging.getLogger("odma.serve")
 
 
+_SAYS_DEFAULT = re.compile(r"\(default\b|\bdefault:")
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, argparse.SUPPRESS) or _SAYS_DEFAULT.search(text):
+            return text
+        value = {True: "on", False: "off"}[action.default] if isinstance(action.default, bool) else action.default
+        return f"{text} (default: {str(value).replace('%', '%%')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="odma-serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="odma-serve", description=__doc__, formatter_class=_HelpWithDefaults)
     d = EngineConfig()
     p.add_argument("--model", default=d.model, help="smollm2 (default), a HF folder, a .gguf file or a hub name")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models reports (default: from --model)")
     p.add_argument("--device", default=d.device, help="cpu | cuda[:N] | mlu[:N]")
     p.add_argument("--devices", default=None,
                    help="several devices, one KV pool each, e.g. mlu:0,mlu:1 or cuda:0,cuda:1 (cpu:0,cpu:1 tests placement); "
-                        "--kv-budget is per device")
+                        "--kv-budget is per device (default: --device alone)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: float32 on cpu, bfloat16 elsewhere; bfloat16 is much faster on CPUs "
                         "with AVX512-BF16 or AMX, see docs/serving.md)")
@@ -35,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget", default=d.kv_budget, help="KV pool: bytes (268435456, 256MiB, 2GB) or a share of device memory (0.3, 30%%)")
     p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
     p.add_argument("--reserve-scale", type=float, default=d.pool.reserve_scale,
-                   help="odma reserves for reserve_scale·L̂ and grows by migration past it (replay-chosen default)")
+                   help="odma reserves for reserve_scale·L̂ and grows by migration past it (the replays chose this value)")
     p.add_argument("--growth-hint", default=d.pool.growth_hint, choices=GROWTH_HINTS,
                    help="pred: a request's first growth goes straight to the bucket holding its L̂; "
                         "none: bucket by bucket")
@@ -45,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="order of service: fcfs, or sjf (shortest predicted remaining output first, with aging)")
     p.add_argument("--sjf-aging-rounds", type=int, default=d.sjf_aging_rounds,
                    help="sjf: a request waiting this many admission rounds goes before every younger one")
-    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                   help="prompt tokens prefilled per engine step (one longer prompt always passes); a smaller cap "
+                        "staggers streams that arrive together")
     p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted (the large bucket's bound)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
@@ -61,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admit new requests only while the predicted final KV of the running ones (prompt + L̂) plus "
                         "theirs stays within this share of the pool (e.g. 1.0; default: off)")
     p.add_argument("--swap-space", default=d.swap_space, help="host KV buffer for --preempt swap (bytes: 1GiB, ...)")
-    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s): violations grow the swap buffer (eLLM Alg. 2)")
-    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO (s): violations shrink the swap buffer (eLLM Alg. 2)")
+    p.add_argument("--slo-ttft", type=float, default=None,
+                   help="TTFT SLO (s): violations grow the swap buffer (eLLM Alg. 2; default: none, a fixed buffer)")
+    p.add_argument("--slo-tpot", type=float, default=None,
+                   help="TPOT SLO (s): violations shrink the swap buffer (eLLM Alg. 2; default: none, a fixed buffer)")
     p.add_argument("--balloon", action="store_true",
                    help="lend the activation reserve (a max-prefill-tokens prefill's peak) to the KV pool while requests wait")
     p.add_argument("--balloon-segment-tokens", type=int, default=d.balloon_segment_tokens, help="KV tokens per lent segment")
@@ -77,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "cached instead of computing it (0: off)")
     p.add_argument("--worst-case-prompt-share", type=float, default=d.pool.worst_case_prompt_share,
                    help="a request whose prompt exceeds this share of the pool reserves prompt + max_tokens up front")
-    p.add_argument("--predictor", default=d.predictor, help="length predictor: default, sklearn, oracle, a folder, or median")
+    p.add_argument("--predictor", default=d.predictor, help="length predictor: the trained text encoder (default), sklearn, oracle, a folder, or median")
     p.add_argument("--probe", default=d.probe,
-                   help="the served model's own length probe: probe (the shipped SmolLM2 one), a probe folder, or none")
+                   help="the served model's own length probe: probe (the shipped SmolLM2 one), a probe folder, or none "
+                        "(default: none)")
     p.add_argument("--probe-online", action=argparse.BooleanOptionalAction, default=d.probe_online,
                    help="the probe learns online from finished requests")
     p.add_argument("--length-log", default=str(d.length_log), help="JSONL of realized lengths ('' to disable)")
@@ -95,11 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests (samples) before 429")
     p.add_argument("--max-n", type=int, default=16, help="the largest n (samples per request) accepted")
     p.add_argument("--generation-config", default="auto",
-                   help="sampling defaults for requests that leave them out: auto (the model's generation_config.json), "
-                        "vllm (OpenAI's defaults), or a folder holding a generation_config.json")
+                   help="sampling defaults for requests that leave them out: auto (the model's generation_config.json; "
+                        "for the embedded SmolLM2, its model card's temperature 0.2, top_p 0.9), vllm (OpenAI's "
+                        "defaults: temperature 1, top_p 1), or a folder holding a generation_config.json")
     p.add_argument("--override-generation-config", default=None,
                    help='JSON applied over those defaults, e.g. \'{"temperature": 0.6, "top_p": 0.9}\' '
-                        "(temperature, top_p, top_k, max_new_tokens)")
+                        "(temperature, top_p, top_k, max_new_tokens; default: none)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads (default: all cores but one, which the HTTP side and the predictor need)")
     ray = p.add_argument_group("Ray Serve (several replicas behind one endpoint; needs the ray extra: pip install 'odma[ray]')")
@@ -120,9 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--router-max-hold-s", type=float, default=r.max_hold_s,
                      help="hold a request no replica has room for at the router up to this long (0: never; it "
                           "waits at the replica closest to room)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface, for clients on other machines)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="odma's and uvicorn's log level (other libraries log warnings only, unless debug)")
     return p
 
 
