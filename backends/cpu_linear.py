@@ -33,19 +33,24 @@ class LinearKernel:
             fn.restype, fn.argtypes = ctypes.c_int, _ARGS
         self.panel = int(lib.odma_linear_panel())
         self.parallel = bool(lib.odma_linear_openmp())
-        # a build without AVX-512 (AVX512_BF16) answers -1: refuse it here, not on the first step
+        # a build without AVX-512 (AVX512_BF16) answers -1: refuse it here, not on the first step, in words (it is
+        # built with -march=native, so it lacks them exactly where this CPU does)
         self.dtypes = tuple(d for d in self._fns if self._answers(d))
         if torch.float32 not in self.dtypes:
-            raise RuntimeError("the linear kernel was built without AVX-512 for this CPU")
+            raise RuntimeError("this CPU has no AVX-512")
 
     def _answers(self, dtype: torch.dtype) -> bool:
+        """Whether this build multiplies in `dtype` on this CPU (whatever torch's thread count: `serves` says that)."""
         x, w = torch.ones(1, 2, dtype=dtype), torch.full((1, 2), 2.0, dtype=dtype)
-        return self.serves(w) and torch.equal(self(x, self.pack(w), None, 1), torch.full((1, 1), 4.0, dtype=dtype))
+        try:
+            return torch.equal(self(x, self.pack(w), None, 1), torch.full((1, 1), 4.0, dtype=dtype))
+        except RuntimeError:  # code -1: no AVX-512 (for bf16: no AVX512_BF16)
+            return False
 
     def serves(self, weight: torch.Tensor) -> bool:
-        """Whether this build multiplies by `weight` (its dtype; bf16 needs an even K) at torch's thread count (a
-        serial build would leave threads idle)."""
-        dtype_ok = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
+        """Whether this build multiplies by `weight` (its dtype on this CPU; bf16 needs an even K) at torch's thread
+        count (a serial build would leave threads idle)."""
+        dtype_ok = weight.dtype in self.dtypes and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0)
         return dtype_ok and (self.parallel or torch.get_num_threads() == 1)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:

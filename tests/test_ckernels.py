@@ -3,7 +3,9 @@ torch's own ops, says so once, and leaves no half-built library behind."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import struct
 
 import pytest
 
@@ -26,3 +28,56 @@ def test_a_disabled_or_unbuildable_kernel_falls_back(loader, fallback, monkeypat
         assert loader() is None  # asked again: the same answer, no second build
     assert caplog.text.count(fallback) == 1
     assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
+
+
+class _Answers:
+    """A kernel function of a library built without the instructions it needs (it answers -1), or with them (it
+    writes the one product the loader's check asks for, 2 * 1 + 2 * 1, and answers 0)."""
+
+    restype = argtypes = None
+
+    def __init__(self, works: bool) -> None:
+        self.works = works
+
+    def __call__(self, *args) -> int:
+        if not self.works:
+            return -1
+        ctypes.memmove(args[7], struct.pack("f", 4.0), 4)
+        return 0
+
+
+class _LinearLibraryWithoutAvx512:
+    odma_linear_f32 = _Answers(False)
+    odma_linear_bf16 = _Answers(False)
+
+    def odma_linear_panel(self) -> int:
+        return 16
+
+    def odma_linear_openmp(self) -> int:
+        return 1
+
+
+def test_a_cpu_without_avx512_is_named_in_words(monkeypatch, caplog):
+    """The start log said `CPU linear kernel unavailable (linear kernel failed (code -1) on x (1, 2) torch.float32)`."""
+    from backends import ckernels
+
+    loader = ckernels.Loader(cpu_linear.SOURCE, cpu_linear.FLAGS, cpu_linear.LinearKernel, "CPU linear kernel",
+                             "linear layers use oneDNN")
+    monkeypatch.setattr(ckernels, "load_library", lambda *a, **k: _LinearLibraryWithoutAvx512())
+    monkeypatch.setenv("ODMA_CPU_KERNELS", "1")
+    with caplog.at_level(logging.INFO):
+        assert loader() is None
+    assert "CPU linear kernel unavailable (this CPU has no AVX-512); linear layers use oneDNN" in caplog.text
+    assert "code -1" not in caplog.text
+
+
+class _LinearLibraryWithoutAvx512Bf16(_LinearLibraryWithoutAvx512):
+    odma_linear_f32 = _Answers(True)
+
+
+def test_a_cpu_without_avx512_bf16_keeps_bf16_layers_off_the_kernel():
+    import torch
+
+    kernel = cpu_linear.LinearKernel(_LinearLibraryWithoutAvx512Bf16())
+    assert kernel.dtypes == (torch.float32,)
+    assert kernel.serves(torch.zeros(4, 8)) and not kernel.serves(torch.zeros(4, 8, dtype=torch.bfloat16))
