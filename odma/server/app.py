@@ -12,18 +12,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from odma.server.body_limit import BodyLimit
 from odma.server.errors import HTTPError, install_error_handlers
 from odma.server.generation_config import SamplingDefaults
-from odma.server.jobs import Job, JobBuilder
+from odma.server.jobs import Job, JobBuilder, max_prompt_chars
 from odma.server.metrics import Metrics
 from odma.server.openapi import INFO_RESPONSES, METRICS_RESPONSES, MODEL_RESPONSES, generate_responses, install_schema
 from odma.server.protocol import ApiLimits, request_models
 from odma.server.responses import ChatCompletionResponse, CompletionResponse, Health, ModelCard, ModelList
 from odma.server.render import TokenText
-from odma.server.runtime import AsyncEngine
+from odma.server.runtime import AsyncEngine, Offload
 from odma.server.streams import Sample, collect, sse
 
-MAX_BODY_BYTES = 64 << 20  # a prompt longer than any context is far smaller
+MAX_BODY_BYTES = 64 << 20  # without a tokenizer (token ids only), as with one: far above any prompt that fits
+BODY_BYTES_PER_CHAR = 12  # JSON spells a character outside the BMP as two \uXXXX escapes
+BODY_SLACK_BYTES = 1 << 20  # the other fields
 DEFAULT_MAX_N = 16
 
 DESCRIPTION = """OpenAI-compatible completions and chat completions served by odma: every request's KV cache is
@@ -38,22 +41,29 @@ def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases:
     names = tuple(dict.fromkeys((model_name, *aliases)))
     limits = ApiLimits(served_names=names, vocab_size=engine.model.config.vocab_size,
                        max_tokens_cap=engine.config.max_tokens_cap, max_n=max_n,
-                       default_max_tokens=engine.config.default_max_tokens)
-    app = FastAPI(title="odma-serve", version="0.1.0", lifespan=_lifespan(runtime), max_body_size=MAX_BODY_BYTES)
+                       default_max_tokens=engine.config.default_max_tokens,
+                       max_prompt_chars=max_prompt_chars(engine.tokenizer, engine.max_model_len))
+    offload = Offload()
+    # a body that cannot hold a prompt that fits is refused (413) before it is read, let alone parsed on the loop
+    body_bytes = (MAX_BODY_BYTES if limits.max_prompt_chars is None
+                  else BODY_BYTES_PER_CHAR * limits.max_prompt_chars + BODY_SLACK_BYTES)
+    app = FastAPI(title="odma-serve", version="0.1.0", lifespan=_lifespan(runtime, offload))
+    app.add_middleware(BodyLimit, max_bytes=body_bytes, why="more than any prompt that fits this server's context needs")
     install_error_handlers(app, metrics.refused)
     _info_routes(app, runtime, metrics, model_name, names)
     _generation_routes(app, runtime, metrics, limits, JobBuilder(engine, limits, defaults or SamplingDefaults()),
-                       model_name)
+                       model_name, offload)
     install_schema(app, DESCRIPTION)
     return app
 
 
-def _lifespan(runtime: AsyncEngine):
+def _lifespan(runtime: AsyncEngine, offload: Offload):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         runtime.start()
         yield
         runtime.stop()
+        offload.close()
 
     return lifespan
 
@@ -90,7 +100,7 @@ def _info_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, model_nam
 
 
 def _generation_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, limits: ApiLimits, jobs: JobBuilder,
-                       model_name: str) -> None:
+                       model_name: str, offload: Offload) -> None:
     Completion, Chat = request_models(limits)
     texts = TokenText(runtime.engine.tokenizer)
 
@@ -109,15 +119,16 @@ def _generation_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, lim
         samples = [Sample(i, job, runtime.engine, texts) for i in range(job.n)]
         rid = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if job.stream:
-            return StreamingResponse(sse(runtime, handle, job, samples, rid, model_name), media_type="text/event-stream")
-        return await collect(request, runtime, handle, job, samples, rid, model_name)
+            return StreamingResponse(sse(runtime, handle, job, samples, rid, model_name, offload),
+                                     media_type="text/event-stream")
+        return await collect(request, runtime, handle, job, samples, rid, model_name, offload)
 
     @app.post("/v1/completions", response_model=None, responses=generate_responses(CompletionResponse))
     async def completions(body: Completion, request: Request):
         admit(body, body.n or 1)
-        return await answer(request, jobs.completion(body))
+        return await answer(request, await offload(jobs.completion, body))
 
     @app.post("/v1/chat/completions", response_model=None, responses=generate_responses(ChatCompletionResponse))
     async def chat(body: Chat, request: Request):
         admit(body, body.n or 1)
-        return await answer(request, jobs.chat(body))
+        return await answer(request, await offload(jobs.chat, body))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from odma.engine.sampling import SamplingParams
 from odma.engine.sequence import RequestTags
-from odma.errors import InvalidRequestError
+from odma.errors import InvalidRequestError, RequestTooLargeError
 from odma.server.generation_config import SamplingDefaults
 from odma.server.protocol import ApiLimits
 
@@ -32,6 +32,15 @@ class Job:
     usage_every_chunk: bool = False  # stream_options.continuous_usage_stats (vLLM): usage so far in every chunk
 
 
+def max_prompt_chars(tokenizer, context_tokens: int) -> int | None:
+    """The most characters a prompt that fits `context_tokens` can have: one token spans at most as many characters
+    as the longest vocabulary entry has (a byte-level BPE entry spells each of its bytes with one character, and a
+    character is at least a byte). None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return context_tokens * max(len(entry) for entry in tokenizer.get_vocab())
+
+
 class JobBuilder:
     def __init__(self, engine, limits: ApiLimits, defaults: SamplingDefaults) -> None:
         self.engine, self.limits, self.defaults = engine, limits, defaults
@@ -39,6 +48,7 @@ class JobBuilder:
     def completion(self, body) -> Job:
         prompt = body.prompt_input()
         if isinstance(prompt, str):
+            self._fits(len(prompt), "the prompt")
             ids, text = self._encode(prompt), prompt
         else:
             ids, text = list(prompt), None
@@ -48,6 +58,7 @@ class JobBuilder:
             echo = text if text is not None else self._decode(ids)
         k = body.logprobs
         params = self._params(body, max_tokens, logprobs=k, prompt_logprobs=k if echo is not None else None)
+        self.engine.validate(ids, params)  # here, off the event loop: a long prompt's checks take a while too
         return Job(False, ids, text, None, params, body.n or 1, bool(body.stream), body.include_usage(), echo,
                    max_tokens > 0, k, usage_every_chunk=body.continuous_usage())
 
@@ -57,10 +68,12 @@ class JobBuilder:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
         if body.top_logprobs and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
+        self._fits(sum(len(m.text()) for m in body.messages), "the messages")
         try:
             text = tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - templates raise on bad role orders etc.
             raise InvalidRequestError(f"cannot apply the chat template: {exc}") from None
+        self._fits(len(text), "the templated chat")
         ids = self._encode(text)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # the server's default, but no more than the context leaves (as vLLM)
@@ -68,6 +81,7 @@ class JobBuilder:
             max_tokens = max(1, min(default, self._room() - len(ids)))
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, logprobs=k)
+        self.engine.validate(ids, params)
         return Job(True, ids, body.user_text(), self._tags(body), params, body.n or 1, bool(body.stream),
                    body.include_usage(), logprobs=k, usage_every_chunk=body.continuous_usage())
 
@@ -89,10 +103,23 @@ class JobBuilder:
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
 
+    def _fits(self, chars: int, what: str) -> None:
+        """Refuse text that cannot fit the context before tokenizing it (10 MB took the tokenizer most of a
+        minute), by its length in characters."""
+        bound = self.limits.max_prompt_chars
+        if bound is not None and chars > bound:
+            raise RequestTooLargeError(
+                f"{what} has {chars:,} characters: no text longer than {bound:,} characters fits this server's "
+                f"context of {self.engine.max_model_len:,} tokens")
+
     def _encode(self, text: str) -> list[int]:
-        if self.engine.tokenizer is None:
+        tok = self.engine.tokenizer
+        if tok is None:
             raise InvalidRequestError("this engine has no tokenizer: send token ids")
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        fast = getattr(tok, "backend_tokenizer", None)
+        if fast is not None:  # the same ids, 3x faster, and the batch call lets go of the interpreter lock meanwhile
+            return fast.encode_batch([text], add_special_tokens=False)[0].ids
+        return tok.encode(text, add_special_tokens=False)
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer

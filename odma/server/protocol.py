@@ -46,6 +46,8 @@ class ApiLimits:
     max_tokens_cap: int
     max_n: int = 16
     default_max_tokens: int = 256  # chat requests that set no max_tokens (at most what the context leaves)
+    # the longest prompt text that could fit the context (`jobs.max_prompt_chars`): longer is refused untokenized
+    max_prompt_chars: int | None = None
 
 
 # -- field types --------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Runs the engine's step loop in one background thread and hands each request's tokens to its asyncio
-consumer. HTTP handlers only submit, read and cancel; all engine state changes happen in the loop thread."""
+consumer. HTTP handlers only submit, read and cancel; all engine state changes happen in the loop thread. A
+request's own CPU work (chat template, tokenization, long answers' rendering) runs in another thread
+(`Offload`), so the event loop keeps every other request's chunks and /health flowing."""
 
 from __future__ import annotations
 
@@ -7,13 +9,30 @@ import asyncio
 import logging
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from odma.engine import LLMEngine, SamplingParams
 from odma.engine.sequence import RequestTags, Sequence
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Offload:
+    """Runs requests' CPU work in one worker thread, off the event loop (the tokenizer releases the interpreter
+    lock while it works). One thread, so requests are tokenized one at a time: HF's fast tokenizers are not safe
+    to call from several threads at once."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="odma-request-work")
+
+    async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(slots=True)

@@ -151,8 +151,13 @@ def _failure(samples: list[Sample]) -> str | None:
     return None
 
 
-async def collect(request, runtime, handle, job: Job, samples: list[Sample], rid: str, model: str):
-    """The whole answer as one body; a client that leaves first cancels the job (its blocks are freed)."""
+async def _inline(fn, *args):
+    return fn(*args)
+
+
+async def collect(request, runtime, handle, job: Job, samples: list[Sample], rid: str, model: str, offload=_inline):
+    """The whole answer as one body; a client that leaves first cancels the job (its blocks are freed). The body
+    is rendered by `offload` (off the event loop: a long prompt's echoed logprobs take a while)."""
     stream = runtime.events(handle)
     watcher = asyncio.create_task(_watch_disconnect(request))
     try:
@@ -180,10 +185,13 @@ async def collect(request, runtime, handle, job: Job, samples: list[Sample], rid
     failure = _failure(samples)
     if failure:
         raise HTTPError(500, failure)
-    choices = [choice_body(s) for s in samples]
-    body = render.envelope(rid, job.chat, int(time.time()), model, choices)
-    body["usage"] = render.usage(len(job.prompt_ids), sum(s.completion_tokens for s in samples))
-    return body
+
+    def body() -> dict[str, Any]:
+        out = render.envelope(rid, job.chat, int(time.time()), model, [choice_body(s) for s in samples])
+        out["usage"] = render.usage(len(job.prompt_ids), sum(s.completion_tokens for s in samples))
+        return out
+
+    return await offload(body)
 
 
 async def _watch_disconnect(request) -> None:
@@ -191,9 +199,11 @@ async def _watch_disconnect(request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model: str) -> AsyncIterator[str]:
+async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model: str,
+              offload=_inline) -> AsyncIterator[str]:
     """The answer as server-sent events: per choice a first chunk (the role, or the echoed prompt), its text
-    and logprobs as they come, a last chunk with its finish reason; usage at the end when asked; [DONE]."""
+    and logprobs as they come, a last chunk with its finish reason; usage at the end when asked; [DONE]. The
+    echoed prompt's logprobs are rendered by `offload`."""
     created = int(time.time())
 
     def usage_so_far() -> dict[str, int]:
@@ -235,7 +245,7 @@ async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model:
             logprobs = sample.new_logprobs()
             if job.echo is not None and job.logprobs is not None and sample.index not in echoed_logprobs:
                 echoed_logprobs.add(sample.index)
-                logprobs = _merge(sample.prompt_logprobs(), logprobs)
+                logprobs = _merge(await offload(sample.prompt_logprobs), logprobs)
             if delta or _has_entries(logprobs):
                 yield chunk(sample, delta, None, logprobs)
             if ev.finished:
