@@ -287,6 +287,11 @@ class LLMEngine:
                     log.exception("could not finish %s", seq.request_id)
         return outputs
 
+    def cancel_all(self, message: str) -> list[StepOutput]:
+        """End every live request with an error `message`, the queued ones too (the server is stopping): they are
+        placed first, so none is scheduled after it ended. Call it from the thread that steps the engine."""
+        return self._drain_inbox() + self.fail_all(message)
+
     # -- the loop --------------------------------------------------------------------------------
 
     def has_work(self) -> bool:

@@ -194,6 +194,7 @@ class RemoteRuntime:
         self._generate = engines.options(stream=True).generate
         self._poller: asyncio.Task | None = None
         self.failed_streams = 0  # requests whose replica failed under them
+        self.closing = False  # the app asks before admitting; Ray Serve drains the replicas itself when it stops
 
     # -- lifecycle -----------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from odma.server.openapi import INFO_RESPONSES, METRICS_RESPONSES, MODEL_RESPONS
 from odma.server.protocol import ApiLimits, request_models
 from odma.server.responses import ChatCompletionResponse, CompletionResponse, Health, ModelCard, ModelList
 from odma.server.render import TokenText
-from odma.server.runtime import AsyncEngine, Offload
+from odma.server.runtime import SHUTTING_DOWN, AsyncEngine, Offload
 from odma.server.streams import Sample, collect, sse
 
 MAX_BODY_BYTES = 64 << 20  # without a tokenizer (token ids only), as with one: far above any prompt that fits
@@ -105,7 +105,10 @@ def _generation_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, lim
     texts = TokenText(runtime.engine.tokenizer)
 
     def admit(body, samples: int) -> None:
-        """404 for a model not served here, 429 when the queue has no room for the request's samples."""
+        """503 once the server is stopping, 404 for a model not served here, 429 when the queue has no room for the
+        request's samples."""
+        if runtime.closing:
+            raise HTTPError(503, SHUTTING_DOWN)
         if body.model not in limits.served_names:
             raise HTTPError(404, f"model {body.model!r} is not served here; available: {list(limits.served_names)}",
                             "model_not_found", param="model")

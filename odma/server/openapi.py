@@ -37,6 +37,8 @@ def generate_responses(model: type) -> dict[int | str, dict[str, Any]]:
         413: {**ERROR, "description": "the request body is larger than the server accepts"},
         429: {**ERROR, "description": "the queue is full", "headers": RETRY_AFTER},
         500: {**ERROR, "description": "the server failed (the request is not retried)"},
+        503: {**ERROR, "description": "the server is shutting down: the request was not finished (a stream's last "
+                                      "event says so)"},
     }
 
 

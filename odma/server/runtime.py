@@ -18,6 +18,8 @@ from odma.engine.sequence import RequestTags, Sequence
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# what a request cut short by the server stopping is told (503: it may be sent again)
+SHUTTING_DOWN = "the server is shutting down: this request was not finished; send it again once the server is back"
 
 
 class Offload:
@@ -83,6 +85,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self.loop_errors = 0
 
@@ -98,6 +101,16 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
+    def drain(self) -> None:
+        """The server is stopping (thread-safe, from a signal handler too): every live request ends now with
+        SHUTTING_DOWN (a stream's last event says so) and new ones are refused, so the server can exit at once."""
+        self._closing.set()
+        self._wake.set()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing.is_set()
+
     @property
     def alive(self) -> bool:
         """The engine loop thread runs (a health check)."""
@@ -110,6 +123,13 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._closing.is_set():
+                outputs = self.engine.cancel_all(SHUTTING_DOWN) if self.engine.has_work() else []
+                self._dispatch([Event(out.token, out.finished, out.seq) for out in outputs])
+                if not outputs:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                continue
             if not self.engine.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from odma.server import render
 from odma.server.errors import HTTPError, error_body
 from odma.server.jobs import Job
+from odma.server.runtime import SHUTTING_DOWN
 
 DISCONNECT_POLL_S = 0.5
 
@@ -144,10 +145,13 @@ def choice_body(sample: Sample) -> dict[str, Any]:
             "logprobs": logprobs}
 
 
-def _failure(samples: list[Sample]) -> str | None:
+def _failure(samples: list[Sample]) -> HTTPError | None:
+    """The error of a failed sample: 503 when the server stopping cut it short, else 500."""
     for s in samples:
         if s.seq is not None and s.seq.finish_reason == "error":
-            return f"generation failed: {s.seq.error}"
+            if s.seq.error == SHUTTING_DOWN:
+                return HTTPError(503, SHUTTING_DOWN)
+            return HTTPError(500, f"generation failed: {s.seq.error}")
     return None
 
 
@@ -184,7 +188,7 @@ async def collect(request, runtime, handle, job: Job, samples: list[Sample], rid
         await stream.aclose()
     failure = _failure(samples)
     if failure:
-        raise HTTPError(500, failure)
+        raise failure
 
     def body() -> dict[str, Any]:
         out = render.envelope(rid, job.chat, int(time.time()), model, [choice_body(s) for s in samples])
@@ -240,7 +244,7 @@ async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model:
             delta = sample.push(ev.token, ev.finished)
             sample.end_early(runtime)
             if ev.finished and ev.seq.finish_reason == "error":
-                yield f"data: {json.dumps(error_body(HTTPError(500, _failure([sample]))))}\n\n"
+                yield f"data: {json.dumps(error_body(_failure([sample])))}\n\n"
                 break
             logprobs = sample.new_logprobs()
             if job.echo is not None and job.logprobs is not None and sample.index not in echoed_logprobs:
