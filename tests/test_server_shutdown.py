@@ -63,11 +63,11 @@ def test_an_idle_server_stops_at_once(folder):
     seconds, stderr = served.interrupt()
     assert served.proc.returncode == 0, stderr
     assert "Finished server process" in stderr and "Traceback" not in stderr
-    assert seconds < 5  # 0.2-0.3 s measured with SmolLM2; it was 0.9-3.2 s
+    assert seconds < 5  # 0.21-0.31 s measured with SmolLM2; it was 0.92-1.12 s
 
 
 def test_the_command_skips_the_interpreter_teardown_after_a_clean_stop(monkeypatch):
-    """The teardown of torch, transformers and onnxruntime took 2-3 s after "Finished server process" (more on a
+    """The teardown of torch, transformers and onnxruntime took 0.7-0.8 s after "Finished server process" (more on a
     loaded machine): the command exits at once once the server has stopped and the engine is closed."""
     from types import SimpleNamespace
 

@@ -255,7 +255,7 @@ def serve(app, runtime, host: str, port: int, log_level: str) -> None:
 
 def run() -> None:
     """The `odma-serve` command: `main`, then, after a plain server stopped cleanly, an exit that skips the
-    interpreter's teardown of torch, transformers and onnxruntime (2-3 s after "Finished server process" here,
+    interpreter's teardown of torch, transformers and onnxruntime (0.7-0.8 s after "Finished server process" here,
     more on a loaded machine); everything odma writes is closed and flushed by then."""
     code = main(exit_fast=True)
     sys.exit(code)
