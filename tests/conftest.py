@@ -1,4 +1,5 @@
-"""Fixtures shared by the probe tests: a tiny served model with SmolLM2's tokenizer, and answers for it."""
+"""Shared fixtures: a tiny served model with SmolLM2's tokenizer and answers for it (the probe tests), and the
+server tests' tiny model folder."""
 
 from __future__ import annotations
 
@@ -9,6 +10,14 @@ from pathlib import Path
 import pytest
 
 FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "predictor_tiny.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """`odma.server.testing.tiny_model_folder`, once per test module: what `tiny_server` serves."""
+    from odma.server.testing import tiny_model_folder
+
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

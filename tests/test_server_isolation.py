@@ -14,19 +14,14 @@ import pytest
 import torch
 
 from odma.server import jobs, streams
-from odma.server.testing import MODEL, tiny_model_folder, tiny_server
+from odma.server.testing import MODEL, tiny_server
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def srv(folder):
-    with tiny_server(folder, max_tokens_cap=4000) as s:
+def srv(tiny_folder):
+    with tiny_server(tiny_folder, max_tokens_cap=4000) as s:
         yield s
 
 

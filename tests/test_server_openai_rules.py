@@ -8,19 +8,14 @@ import httpx
 import pytest
 import torch
 
-from odma.server.testing import MODEL, tiny_model_folder, tiny_server
+from odma.server.testing import MODEL, tiny_server
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def srv(folder):
-    with tiny_server(folder) as s:
+def srv(tiny_folder):
+    with tiny_server(tiny_folder) as s:
         yield s
 
 
@@ -81,7 +76,7 @@ def test_a_body_that_is_not_a_json_object_says_what_is_wrong(srv, content_type, 
     assert says in message and "dictionary" not in message
 
 
-def test_a_reply_cut_inside_a_character_ends_before_it(folder):
+def test_a_reply_cut_inside_a_character_ends_before_it(tiny_folder):
     """Byte-level BPE splits a CJK character over tokens: a reply whose max_tokens ends inside one holds the
     partial bytes back (vLLM's detokenizer does) instead of ending in U+FFFD."""
     from types import SimpleNamespace
@@ -90,7 +85,7 @@ def test_a_reply_cut_inside_a_character_ends_before_it(folder):
 
     from odma.server.streams import TextStream
 
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = AutoTokenizer.from_pretrained(str(tiny_folder))
     ids = tok.encode("Tokyo 東京", add_special_tokens=False)
     cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
     assert cuts, "the text must have a character spread over tokens"

@@ -15,13 +15,8 @@ import time
 import httpx
 import pytest
 
-from odma.server.testing import MODEL, tiny_model_folder
+from odma.server.testing import MODEL
 from odma.server.threaded import free_port
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny"))
 
 
 class Served:
@@ -58,8 +53,8 @@ class Served:
         return time.monotonic() - start, self.proc.stderr.read()
 
 
-def test_an_idle_server_stops_at_once(folder):
-    served = Served(folder)
+def test_an_idle_server_stops_at_once(tiny_folder):
+    served = Served(tiny_folder)
     seconds, stderr = served.interrupt()
     assert served.proc.returncode == 0, stderr
     assert "Finished server process" in stderr and "Traceback" not in stderr
@@ -83,8 +78,8 @@ def test_the_command_skips_the_interpreter_teardown_after_a_clean_stop(monkeypat
     assert exits == [0] and served == [("served", True), ("served", True)]
 
 
-def test_requests_in_flight_end_with_a_clear_last_event(folder):
-    served = Served(folder)
+def test_requests_in_flight_end_with_a_clear_last_event(tiny_folder):
+    served = Served(tiny_folder)
     events: list[str] = []
     plain: list[httpx.Response] = []
     streaming = threading.Event()
