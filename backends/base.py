@@ -8,6 +8,7 @@ memory figures and capability flags. CPU is the reference; CUDA and MLU share `T
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NamedTuple, Protocol
@@ -16,9 +17,14 @@ import torch
 
 from backends.errors import BackendError
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention
     from backends.cpu_linear import LinearKernel
+    from backends.triton_attention import TritonAttention
+
+ATTENTION_KINDS = ("auto", "triton", "sdpa")
 
 
 class Block(Protocol):
@@ -193,6 +199,27 @@ class Backend(ABC):
         """A kernel for decode attention over contiguous blocks, where this backend has one (None: the model
         uses torch's SDPA per request)."""
         return None
+
+    def attention(self, kind: str = "auto") -> DecodeAttention | TritonAttention | None:
+        """The model's attention kernel. auto: this backend's best (the CPU's C decode kernel; on accelerators the
+        Triton kernels when Triton imports, else None, logged); triton: the Triton kernels for every request
+        (BackendError where they cannot run: on CPU only under TRITON_INTERPRET=1); sdpa: None, torch's SDPA
+        per request (the reference)."""
+        if kind not in ATTENTION_KINDS:
+            raise BackendError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {kind!r}")
+        if kind == "sdpa":
+            return None
+        from backends.triton_attention import TritonAttention, available
+
+        if kind == "triton":
+            return TritonAttention(self.device)
+        if self.device.type == "cpu":
+            return self.decode_attention()
+        why = available(self.device)
+        if why is not None:
+            log.warning("%s: Triton attention unavailable (%s); attention runs as SDPA per request", self.device, why)
+            return None
+        return TritonAttention(self.device)
 
     def linear_kernel(self) -> LinearKernel | None:
         """A GEMM for the model's linear layers on weights packed for it, where this backend has one (None:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_dir
-from odma.engine.config import POLICIES, EngineConfig
+from odma.engine.config import ATTENTION_KINDS, POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
 from odma.serve_ray.settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
@@ -31,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "with AVX512-BF16 or AMX, see docs/serving.md)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="KV cache dtype (default: float32 on cpu, where bf16 attention is slow; --dtype elsewhere)")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES, help="KV reservation policy")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES,
+                   help="KV reservation policy (paged: 16-token pages, the baseline; needs the Triton attention)")
+    p.add_argument("--attention", default=d.attention, choices=ATTENTION_KINDS,
+                   help="attention kernel: auto (CPU: the C decode kernel; GPU/MLU: Triton over the KV arena), "
+                        "triton, or sdpa (torch per request)")
     p.add_argument("--kv-budget", default=d.kv_budget, help="KV pool: bytes (268435456, 256MiB, 2GB) or a share of device memory (0.3, 30%%)")
     p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
     p.add_argument("--reserve-scale", type=float, default=d.pool.reserve_scale,
@@ -124,7 +128,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     device = devices[0] if devices else args.device
     dtype = args.dtype or ("float32" if device.startswith("cpu") else "bfloat16")
     return EngineConfig(
-        model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, kv_budget=args.kv_budget,
+        model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, attention=args.attention,
+        kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, schedule=args.schedule, sjf_aging_rounds=args.sjf_aging_rounds,
         max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
         max_model_len=args.max_model_len, parallel_devices=args.parallel_devices, s3_buckets=args.s3_buckets,
