@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention
     from backends.cpu_linear import LinearKernel
     from backends.triton_attention import TritonAttention
+    from backends.virtual_arena import VirtualArena, VirtualMemory
 
 ATTENTION_KINDS = ("auto", "triton", "sdpa")
 
@@ -74,7 +75,7 @@ class KVLayout:
 class Capabilities:
     """What a backend can do beyond the common interface (callers branch on these, never on names)."""
 
-    supports_vmm: bool = False  # grow a block in place by mapping pages; no backend implements it yet
+    supports_vmm: bool = False  # reserve address space and map memory behind it (`Backend.virtual_memory`)
     supports_streams: bool = False  # streams/events are real (False: no-op objects, work is synchronous)
     pinned_host: bool = False  # host buffers are page-locked, so device↔host copies can be asynchronous
     returns_memory_to_driver: bool = False  # free_arena(..., return_to_driver=True) gives bytes back
@@ -225,6 +226,20 @@ class Backend(ABC):
         """A GEMM for the model's linear layers on weights packed for it, where this backend has one (None:
         torch's own)."""
         return None
+
+    def virtual_memory(self) -> VirtualMemory | None:
+        """Reserve address space and map memory behind it granule by granule (None: this backend cannot)."""
+        return None
+
+    def create_virtual_arena(self, virtual_tokens: int, layout: KVLayout, physical_bytes: int) -> VirtualArena | None:
+        """An arena of `virtual_tokens` token slots of address space backed by `physical_bytes` of memory (whole
+        granules) that the KV manager maps where blocks grow; None where the backend has no virtual memory."""
+        from backends.virtual_arena import VirtualArena
+
+        vm = self.virtual_memory()
+        if vm is None:
+            return None
+        return VirtualArena(vm, virtual_tokens, layout, physical_bytes // vm.granularity)
 
     # -- arenas and segments -------------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ def test_the_gpu_check_dry_run_covers_every_part(tmp_path):
     assert any(r["splits"] > 1 for r in rows)
     assert "skipped" in result["vmm"]  # virtual memory needs CUDA
     engine = result["engine"]
-    assert set(engine["policies"]) == {"static", "odma", "paged"}
+    assert set(engine["policies"]) == {"static", "odma", "paged", "odma-map"}
+    assert engine["policies"]["odma-map"]["growth"] == "map"  # the host's virtual memory on CPU
     for policy, r in engine["policies"].items():
         assert r["errors"] == 0 and r["short"] == 0, policy
         assert r["output_tokens"] == engine["forced_output_tokens"], policy

@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=1024, help="every request's max_tokens (trace lengths are cut)")
     p.add_argument("--max-prompt", type=int, default=4096, help="longer prompts are cut to this")
     p.add_argument("--kv-budget", default=None, help="KV budget of every policy (default 4GiB; tiny: 64KiB)")
-    p.add_argument("--policies", default="static,odma,paged", help="engine policies, on the same KV budget")
+    p.add_argument("--policies", default="static,odma,paged,odma-map",
+                   help="engine policies on the same KV budget; NAME-map: that policy growing by mapping (--kv-growth map)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--out", default=None, help="also write the JSON here, rewritten after each part (a run cut short "
                                                "by a time limit keeps the parts it finished)")
@@ -270,7 +271,7 @@ def _counts(engine) -> dict:
     c = engine.scheduler.counters
     stats = engine.pool.stats()
     return {"preemptions": c.preemptions, "migrations": stats.migrations, "migrated_tokens": stats.migrated_tokens,
-            "swap_outs": c.swap_outs}
+            "grown_in_place": stats.grown_in_place, "swap_outs": c.swap_outs}
 
 
 def bench_engine(args, device, dtype_name: str) -> dict:
@@ -301,9 +302,11 @@ def bench_engine(args, device, dtype_name: str) -> dict:
     out = {"model": "paper-7b" if not args.tiny else "tiny-qwen2", "dtype": dtype_name, "trace": args.trace,
            "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "forced_output_tokens": sum(lengths),
            "max_tokens": max_tokens, "kv_budget": budget, "model_seconds": round(made, 1), "policies": {}}
-    for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
+    for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
+        policy, mapped = (name[:-4], True) if name.endswith("-map") else (name, False)
         config = EngineConfig(
             model=out["model"], device=str(device), dtype=dtype_name, kv_budget=budget, policy=policy,
+            kv_growth="map" if mapped else "copy",
             attention="triton" if device.type == "cpu" else "auto", length_log=None, predictor="median",
             max_tokens_cap=max_tokens, default_max_tokens=max_tokens, max_num_seqs=args.max_num_seqs,
             max_prefill_tokens=max(8192, max_prompt), max_model_len=max_prompt + max_tokens,
@@ -313,7 +316,8 @@ def bench_engine(args, device, dtype_name: str) -> dict:
         result = _burst(engine, prompts, lengths, params)
         result["kv_tokens"] = engine.pool.stats().total_tokens
         result["predictor"] = engine.predictor.name
-        out["policies"][policy] = result
+        result["growth"] = "map" if type(engine.workers[0].kv).__name__ == "MappedKV" else "copy"
+        out["policies"][name] = result
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -322,6 +326,8 @@ def bench_engine(args, device, dtype_name: str) -> dict:
         out["odma_vs_static"] = round(tps["odma"] / tps["static"], 3)
     if "odma" in tps and "paged" in tps:
         out["odma_vs_paged"] = round(tps["odma"] / tps["paged"], 3)
+    if "odma" in tps and "odma-map" in tps:
+        out["map_vs_copy"] = round(tps["odma-map"] / tps["odma"], 3)
     return out
 
 

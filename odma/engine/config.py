@@ -20,6 +20,7 @@ from odma.kv import POLICY_KINDS
 # the contiguous pool's reservation policies, and "paged": vLLM-style 16-token pages in this engine (the baseline the
 # contiguous pool is measured against: same model, kernels and scheduler; Triton attention only)
 POLICIES = (*POLICY_KINDS, "paged")
+KV_GROWTH = ("copy", "map")
 PAGE_TOKENS = 16
 
 
@@ -51,6 +52,10 @@ class EngineConfig:
     # arena when Triton imports), triton (every request through the Triton kernels; on CPU only under
     # TRITON_INTERPRET=1, for tests) or sdpa (torch's SDPA per request, the reference)
     attention: str = "auto"
+    # how a block grows past its reservation: "copy" (migrate to a larger block: allocate, copy, swap, free) or "map"
+    # (each block is address space for its worst case and memory is mapped behind it as it grows: never copied;
+    # needs the backend's virtual memory, CUDA's driver API or a Linux host's mmap; elsewhere copy, with a warning)
+    kv_growth: str = "copy"
     # bytes ("268435456", "256MiB", "2GB") or a share of device memory ("0.3", "30%"). 1 GiB: about what
     # transformers' batch of 48 holds for the same chat workload; on CPU a larger batch now pays (decode
     # attention is a kernel, the GEMMs get more efficient with rows), 256 MiB left the batch at ~18.
@@ -131,6 +136,10 @@ class EngineConfig:
             raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.policy == "paged" and self.attention == "sdpa":
             raise ConfigError("policy 'paged' reads KV through page tables, which only the Triton attention does")
+        if self.kv_growth not in KV_GROWTH:
+            raise ConfigError(f"kv_growth must be one of {KV_GROWTH}, got {self.kv_growth!r}")
+        if self.kv_growth == "map" and (self.balloon or self.policy == "paged"):
+            raise ConfigError("kv_growth 'map' grows contiguous blocks: not with ballooning or policy 'paged'")
         if self.policy == "paged" and self.balloon:
             raise ConfigError("ballooning lends contiguous segments; it is not available with policy 'paged'")
         if len(set(self.devices)) != len(self.devices):

@@ -15,9 +15,10 @@ from odma.models.llama import CausalLM, HiddenCapture, SeqSlot
 
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: Backend, total_tokens: int, kv_dtype: torch.dtype | None = None,
-                 attention: str = "auto", page_tokens: int | None = None) -> None:
+                 attention: str = "auto", page_tokens: int | None = None, arena: Arena | None = None) -> None:
         """attention: auto | triton | sdpa (Backend.attention). page_tokens: the arena holds pages of this many
-        tokens that requests address through page tables (the paged baseline; Triton attention only)."""
+        tokens that requests address through page tables (the paged baseline; Triton attention only). arena: one
+        made by the caller (a virtual arena for growth by mapping); by default one of total_tokens."""
         c = model.config
         if backend.name == "cpu":
             pack_linears(model, backend.linear_kernel())  # weights packed once for the GEMM (cpu_linear.py)
@@ -29,7 +30,7 @@ class ModelRunner:
         if page_tokens is not None and not isinstance(self.attention, TritonAttention):
             raise BackendError("paged KV is read by the Triton attention only (attention 'triton', or 'auto' on a GPU)")
         # the only KV allocation: one arena for the whole pool; a block is a view of one range of it
-        self.arena: Arena = backend.create_arena(total_tokens, self.layout)
+        self.arena: Arena = arena if arena is not None else backend.create_arena(total_tokens, self.layout)
         self.sampler = Sampler()
         self.eos_ids: tuple[int, ...] = tuple(c.eos_token_ids)  # end a request unless ignore_eos
         # hidden states a length probe reads: set capture_layers, and after each run() `captured[layer]` holds

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_dir
-from odma.engine.config import ATTENTION_KINDS, POLICIES, EngineConfig
+from odma.engine.config import ATTENTION_KINDS, KV_GROWTH, POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
 from odma.serve_ray.settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "triton, or sdpa (torch per request)")
     p.add_argument("--kv-budget", default=d.kv_budget, help="KV pool: bytes (268435456, 256MiB, 2GB) or a share of device memory (0.3, 30%%)")
     p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
+    p.add_argument("--kv-growth", default=d.kv_growth, choices=KV_GROWTH,
+                   help="copy: an outgrown block migrates (one sequential copy); map: every block is address space for "
+                        "its worst case and memory is mapped behind it as it grows (virtual memory: CUDA, Linux hosts)")
     p.add_argument("--reserve-scale", type=float, default=d.pool.reserve_scale,
                    help="odma reserves for reserve_scale·L̂ and grows by migration past it (replay-chosen default)")
     p.add_argument("--growth-hint", default=d.pool.growth_hint, choices=GROWTH_HINTS,
@@ -128,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     device = devices[0] if devices else args.device
     dtype = args.dtype or ("float32" if device.startswith("cpu") else "bfloat16")
     return EngineConfig(
-        model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, attention=args.attention,
+        model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, attention=args.attention, kv_growth=args.kv_growth,
         kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, schedule=args.schedule, sjf_aging_rounds=args.sjf_aging_rounds,
         max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
