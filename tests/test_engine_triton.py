@@ -108,3 +108,65 @@ def test_paged_needs_the_triton_attention(folder):
         tiny_engine(folder, policy="paged", attention="sdpa")
     with pytest.raises(ConfigError, match="ballooning"):
         tiny_engine(folder, policy="paged", balloon=True)
+
+
+def _count_step(model, attention, batch: int, context: int = 9) -> tuple[int, int]:
+    """(torch ops, Triton launches) of one decode step of `batch` requests through the Triton path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from backends import KVLayout, get_backend
+    from odma.models.llama import SeqSlot
+
+    class Ops(TorchDispatchMode):
+        n = 0
+        in_launch = False  # what the interpreter does inside a launch is the kernel, not the step's torch ops
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.n += not Ops.in_launch
+            return func(*args, **(kwargs or {}))
+
+    c = model.config
+    arena = get_backend("cpu").create_arena(batch * 16, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim))
+    from odma.kv import Block
+
+    slots = [SeqSlot(arena.view(Block(16 * i, 16, 0)), context, 1) for i in range(batch)]
+    launches = 0
+    kernels = attention.kernels
+
+    class Counting:  # stands in for the kernels module: counts every launch
+        def __getattr__(self, name):
+            kernel = getattr(kernels, name)
+
+            class Launcher:
+                def __getitem__(self, grid):
+                    def launch(*a, **kw):
+                        nonlocal launches
+                        launches += 1
+                        Ops.in_launch = True
+                        try:
+                            return kernel[grid](*a, **kw)
+                        finally:
+                            Ops.in_launch = False
+                    return launch
+            return Launcher()
+
+    attention.kernels = Counting()
+    try:
+        with Ops():
+            model(torch.arange(batch), torch.full((batch,), context), slots, attention)
+    finally:
+        attention.kernels = kernels
+    return Ops.n, launches
+
+
+def test_a_decode_step_is_a_fixed_number_of_ops_and_launches_whatever_the_batch(folder):
+    """No loop over requests on the device path: 2 and 9 requests cost the same ops and kernel launches."""
+    from backends.triton_attention import TritonAttention
+    from odma.models import load_model
+
+    model = load_model(folder)
+    attention = TritonAttention(torch.device("cpu"))
+    small, large = _count_step(model, attention, 2), _count_step(model, attention, 9)
+    assert small == large  # torch ops (norms, GEMMs, rotary, casts, views) and launches: none per request
+    # the K/V write and the decode attention of each layer (one split at this context: no reduction)
+    assert small[1] == 2 * model.config.num_layers
