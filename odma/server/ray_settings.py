@@ -1,5 +1,7 @@
-"""How odma runs on Ray Serve: replicas, the request router, where the length predictor runs, and how often the
-replicas tell the router and each other what they hold. The engine of every replica is an `EngineConfig`."""
+"""How odma runs on Ray Serve (odma-serve's `--ray` flags): replicas, the request router, where the length
+predictor runs, and how often the replicas tell the router and each other what they hold. The engine of every
+replica is an `EngineConfig`. Here, in the server's package, because its CLI parses them; `odma.serve_ray` reads
+them (`odma.serve_ray.settings` re-exports them)."""
 
 from __future__ import annotations
 
