@@ -1,4 +1,4 @@
-"""Every trace reader: the named traces and generic JSONL files (the format is in README); each returns a `Trace`
+"""Every trace reader: the named traces and generic JSONL files (docs/analyze.md, "Traces"); each returns a `Trace`
 with token counts from a named tokenizer."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _int_field(obj: dict, key: str, where: str) -> int | None:
 
 
 def parse_jsonl_trace(path: Path, tokenizer_name: str | None, limit: int | None = None) -> Trace:
-    """A generic JSONL trace, one request a line (see README for the fields)."""
+    """A generic JSONL trace, one request a line (docs/analyze.md, "Traces", lists the fields)."""
     if not path.exists():
         raise TraceError(f"trace file not found: {path}")
     raw: list[tuple[str, dict]] = []

@@ -22,8 +22,8 @@ from predictor.base import Manifest
 from predictor.onnx_files import HEADS_FILE
 
 FP32_PROBE_TOLERANCE = 0.01  # |Δ log L̂| and |Δu|: the rebuilt fp32 model vs an fp32 probe (same weights, any CPU)
-# vs a probe recorded from the int8 graph on the training machine (manifests before session 12): its quantization
-# error on the default's probe is 0.09; a backbone one layer off is 0.30 away
+# vs a probe recorded from the int8 graph on the training machine (manifests from before fp32 probes): its
+# quantization error on the default's probe is 0.09; a backbone one layer off is 0.30 away
 INT8_PROBE_TOLERANCE = 0.15
 QUANTIZATION_TOLERANCE = 0.5  # the rebuilt int8 graph vs its fp32 model (0.35 at most over 256 training requests)
 
