@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention
     from backends.cpu_linear import LinearKernel
     from backends.triton_attention import TritonAttention
-    from backends.virtual_arena import VirtualArena, VirtualMemory
+    from backends.virtual_memory import VirtualMemory
 
 ATTENTION_KINDS = ("auto", "triton", "sdpa")
 
@@ -230,16 +230,6 @@ class Backend(ABC):
     def virtual_memory(self) -> VirtualMemory | None:
         """Reserve address space and map memory behind it granule by granule (None: this backend cannot)."""
         return None
-
-    def create_virtual_arena(self, virtual_tokens: int, layout: KVLayout, physical_bytes: int) -> VirtualArena | None:
-        """An arena of `virtual_tokens` token slots of address space backed by `physical_bytes` of memory (whole
-        granules) that the KV manager maps where blocks grow; None where the backend has no virtual memory."""
-        from backends.virtual_arena import VirtualArena
-
-        vm = self.virtual_memory()
-        if vm is None:
-            return None
-        return VirtualArena(vm, virtual_tokens, layout, physical_bytes // vm.granularity)
 
     # -- arenas and segments -------------------------------------------------------------------------
 

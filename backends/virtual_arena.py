@@ -8,27 +8,11 @@ write) and then move between blocks: `map(byte_offset, n)` backs n granules of t
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
+from typing import Any
 
 from backends.base import Arena, KVLayout
 from backends.errors import BackendError
-
-
-class VirtualMemory(Protocol):
-    """What CudaVMM and HostVMM both offer."""
-
-    granularity: int
-
-    def granules(self, nbytes: int) -> int: ...
-    def create(self, n: int) -> list[int]: ...
-    def release(self, handles: list[int]) -> None: ...
-    def reserve(self, nbytes: int) -> int: ...
-    def free_range(self, ptr: int, nbytes: int) -> None: ...
-    def map(self, ptr: int, handles: list[int]) -> None: ...
-    def unmap(self, ptr: int, n_granules: int) -> None: ...
-    def tensor(self, ptr: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor: ...
+from backends.virtual_memory import VirtualMemory
 
 
 class VirtualArena(Arena):
@@ -96,3 +80,13 @@ class VirtualArena(Arena):
         self._free = []
         super().release()
         self.vm.free_range(self.ptr, self.virtual_bytes)
+
+
+def create_virtual_arena(backend: Any, virtual_tokens: int, layout: KVLayout, physical_bytes: int) -> VirtualArena | None:
+    """An arena of `virtual_tokens` token slots of address space on `backend`'s device, backed by `physical_bytes` of
+    memory (whole granules) that the KV manager maps where blocks grow; None where the backend has no virtual
+    memory (`Backend.virtual_memory`)."""
+    vm = backend.virtual_memory()
+    if vm is None:
+        return None
+    return VirtualArena(vm, virtual_tokens, layout, physical_bytes // vm.granularity)

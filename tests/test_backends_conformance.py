@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from backends import (
-    Arena, Backend, Capabilities, KVLayout, MemoryInfo, SegmentedArena, available_devices, get_backend,
+    Arena, Backend, Capabilities, KVLayout, MemoryInfo, SegmentedArena, available_devices, create_virtual_arena,
+    get_backend,
 )
 from odma.kv import Block  # the pool's blocks are what arenas view
 from backends import BackendError
@@ -40,13 +41,13 @@ def test_a_virtual_arena_holds_data_only_where_mapped(backend):
     import math
 
     if not backend.capabilities.supports_vmm:
-        assert backend.create_virtual_arena(64, LAYOUT, 1 << 20) is None
+        assert create_virtual_arena(backend, 64, LAYOUT, 1 << 20) is None
         return
     g = backend.virtual_memory().granularity
     bpt = LAYOUT.bytes_per_token
     unit = g // math.gcd(g, bpt)  # the fewest tokens that fill whole granules
     per = unit * bpt // g  # granules per unit
-    arena = backend.create_virtual_arena(64 * unit, LAYOUT, physical_bytes=3 * per * g)
+    arena = create_virtual_arena(backend, 64 * unit, LAYOUT, physical_bytes=3 * per * g)
     try:
         assert arena.physical_granules == 3 * per and arena.nbytes == 3 * per * g
         block = Block(offset=0, capacity=unit, bucket=0)

@@ -146,10 +146,10 @@ host = pytest.mark.skipif(not __import__("backends").get_backend("cpu").capabili
 
 @host
 def test_host_virtual_arena_commits_memory_only_where_mapped():
-    from backends import KVLayout, get_backend
+    from backends import KVLayout, create_virtual_arena, get_backend
 
     layout = KVLayout(layers=2, kv_heads=2, head_dim=16)
-    arena = get_backend("cpu").create_virtual_arena(1 << 20, layout, physical_bytes=64 * 4096)
+    arena = create_virtual_arena(get_backend("cpu"), 1 << 20, layout, physical_bytes=64 * 4096)
     try:
         assert arena.total_tokens == 1 << 20 and arena.physical_granules == 64
         g = arena.granule_bytes

@@ -107,7 +107,7 @@ def _build_mapped(config: EngineConfig, device: str, backend: Any, model: Causal
                   kv_dtype: torch.dtype, budget: int) -> tuple[ModelRunner, MappedKV] | None:
     """Growth by mapping: a virtual arena with room for twice max_num_seqs worst-case blocks, backed by the budget's
     memory in granules; None (copy migration, with a warning) where the backend has no virtual memory."""
-    from backends import KVLayout
+    from backends import KVLayout, create_virtual_arena
 
     c = model.config
     layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
@@ -118,7 +118,7 @@ def _build_mapped(config: EngineConfig, device: str, backend: Any, model: Causal
     geometry = PlaneGeometry(c.num_layers, layout.bytes_per_token // (2 * c.num_layers), vm.granularity)
     longest = min(config.max_model_len or c.max_position_embeddings, budget // layout.bytes_per_token)
     virtual_tokens = 2 * config.max_num_seqs * geometry.layout_tokens(max(longest, 1))
-    arena = backend.create_virtual_arena(virtual_tokens, layout, budget)
+    arena = create_virtual_arena(backend, virtual_tokens, layout, budget)
     runner = _runner(model, backend, virtual_tokens, kv_dtype, config.attention, arena=arena)
     return runner, MappedKV(policy, geometry, arena, virtual_tokens)
 
