@@ -122,12 +122,13 @@ class TritonAttention:
                 lstride.append(kv.stride(0))
                 half.append(kv.stride(1))
         t = self.tuning
+        blocks = _tiles(t, kv0.element_size())
         decode = [i for i, q in enumerate(q_lens) if q == 1]
         prefill = [i for i, q in enumerate(q_lens) if q > 1]
         q_rows = [0] * n
         for i in range(1, n):
             q_rows[i] = q_rows[i - 1] + q_lens[i - 1]
-        tiles = [(i, m) for i in prefill for m in range(0, q_lens[i], t.prefill_block_m)]
+        tiles = [(i, m) for i in prefill for m in range(0, q_lens[i], blocks[1])]
         # one host tensor, one copy to the device; the views below slice it
         per_req = torch.tensor([base, lstride, half, lens, starts, q_lens, q_rows], dtype=torch.int64)
         tok_req = torch.repeat_interleave(torch.arange(n), torch.tensor(q_lens))
@@ -146,7 +147,7 @@ class TritonAttention:
             lens=req[3], starts=req[4], q_lens=req[5], q_rows=req[6], tok_req=views[1], tok_pos=views[2],
             n_tokens=len(tok_req), dec_req=views[3].view(2, -1)[0], dec_row=views[3].view(2, -1)[1],
             n_decode=len(decode), tile_req=views[4].view(2, -1)[0], tile_m=views[4].view(2, -1)[1],
-            n_tiles=len(tiles), tuning=t, upcast=interpreting() and kv0.dtype == torch.bfloat16,
+            n_tiles=len(tiles), tuning=t, blocks=blocks, upcast=interpreting() and kv0.dtype == torch.bfloat16,
             picked=frozenset(range(n)),
         )
         step.choose_splits(max((lens[i] for i in decode), default=0), kv_heads)
@@ -183,6 +184,7 @@ class TritonStep:
     tile_m: torch.Tensor
     n_tiles: int
     tuning: Tuning
+    blocks: tuple[int, int, int]  # decode key tile, prefill query tile, prefill key tile (`_tiles`)
     upcast: bool
     picked: frozenset[int]
     rows: None = None
@@ -200,12 +202,13 @@ class TritonStep:
         t = self.tuning
         if not self.n_decode:
             return
+        tile = self.blocks[0]
         if t.split_tokens is not None:
             size = max(t.split_tokens, 1)
         else:
             want = max(1, math.ceil(t.programs / (self.n_decode * kv_heads)))
-            size = max(t.decode_block_n, -(-longest // want))
-            size = -(-size // t.decode_block_n) * t.decode_block_n
+            size = max(tile, -(-longest // want))
+            size = -(-size // tile) * tile
         self.n_splits = max(1, -(-longest // size))
         if self.n_splits > t.max_splits:
             self.n_splits = t.max_splits
@@ -228,6 +231,7 @@ class TritonStep:
         group = heads // (self.row // dim)
         scale = dim ** -0.5 * LOG2E
         block_d = _pow2(dim)
+        block_n, block_m, block_pn = self.blocks
         if self.n_decode:
             split = self.n_splits > 1
             if split:
@@ -239,19 +243,26 @@ class TritonStep:
                 self.storage, q, out, acc, lse, q.stride(0), out.stride(0), self.dec_req, self.dec_row, self.lens,
                 self.base, self.lstride, self.half, self.table, self.table_stride, self.page_elems, layer, scale,
                 self.split_tokens, self.n_splits, HEADS=heads, GROUP=group, D=dim, ROW=self.row,
-                BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=t.decode_block_n, PAGE=self.page,
+                BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, PAGE=self.page,
                 SPLIT=split, UPCAST=self.upcast)
             if split:
                 kern.reduce_kernel[(self.n_decode, heads)](
-                    out, acc, lse, self.dec_row, out.stride(0), self.n_splits, HEADS=heads, D=dim,
-                    BLOCK_S=_pow2(self.n_splits), BLOCK_D=block_d)
+                    out, acc, lse, self.dec_row, out.stride(0), self.n_splits, HEADS=heads, D=dim, BLOCK_D=block_d)
         if self.n_tiles:
             kern.prefill_kernel[(self.n_tiles, heads)](
                 self.storage, q, out, q.stride(0), out.stride(0), self.tile_req, self.tile_m, self.q_rows,
                 self.q_lens, self.starts, self.base, self.lstride, self.half, self.table, self.table_stride,
-                self.page_elems, layer, scale, GROUP=group, D=dim, ROW=self.row, BLOCK_M=t.prefill_block_m,
-                BLOCK_N=t.prefill_block_n, BLOCK_D=block_d, PAGE=self.page, UPCAST=self.upcast)
+                self.page_elems, layer, scale, GROUP=group, D=dim, ROW=self.row, BLOCK_M=block_m,
+                BLOCK_N=block_pn, BLOCK_D=block_d, PAGE=self.page, UPCAST=self.upcast)
         return out
+
+
+def _tiles(t: Tuning, element_size: int) -> tuple[int, int, int]:
+    """(decode key tile, prefill query tile, prefill key tile): fp32 tiles hold twice the bytes, so they are halved
+    (at most 32) to keep pipelined K/V tiles within a multiprocessor's shared memory."""
+    if element_size >= 4:
+        return min(t.decode_block_n, 32), min(t.prefill_block_m, 32), min(t.prefill_block_n, 32)
+    return t.decode_block_n, t.prefill_block_m, t.prefill_block_n
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -32,7 +32,7 @@ def _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elem
     return page * page_elems + layer * lstride + (t % PAGE).to(tl.int64) * ROW
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens", "layer"])
 def kv_write_kernel(kv_ptr, k_ptr, v_ptr, stride_k, stride_v, tok_req_ptr, tok_pos_ptr, n_tokens,
                     base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride, page_elems, layer,
                     ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr):
@@ -53,7 +53,7 @@ def kv_write_kernel(kv_ptr, k_ptr, v_ptr, stride_k, stride_v, tok_req_ptr, tok_p
     tl.store(dst + half[:, None], v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "split_tokens", "n_splits", "table_stride"])
 def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, stride_o,
                   dec_req_ptr, dec_row_ptr, lens_ptr, base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride,
                   page_elems, layer, qk_scale, split_tokens, n_splits,
@@ -116,27 +116,33 @@ def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, 
                  mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def reduce_kernel(out_ptr, part_acc_ptr, part_lse_ptr, dec_row_ptr, stride_o, n_splits,
-                  HEADS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Combine the splits of one (request, head): weights 2^(lse - max), then renormalize."""
+                  HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine the splits of one (request, head), one split at a time (online: any number of splits in registers
+    of one row): weights 2^(lse - running max), then renormalize. Empty splits (lse -1e30) weigh nothing."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(dec_row_ptr + i).to(tl.int64)
-    sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = sp < n_splits
+    dmask = d < D
     base = (i * HEADS + h).to(tl.int64) * n_splits
-    lse = tl.load(part_lse_ptr + base + sp, mask=smask, other=-1.0e30)
-    w = tl.exp2(lse - tl.max(lse, 0))
-    w = tl.where(smask, w, 0.0)
-    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D + d[None, :], mask=smask[:, None] & (d < D)[None, :],
-                  other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * stride_o + h * D + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+    m = -1.0e30
+    total = 0.0
+    o = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for sp in range(0, n_splits):
+        lse = tl.load(part_lse_ptr + base + sp)
+        part = tl.load(part_acc_ptr + (base + sp) * D + d, mask=dmask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        keep = tl.exp2(m - m_new)
+        w = tl.where(lse > -1.0e29, tl.exp2(lse - m_new), 0.0)
+        o = o * keep + part * w
+        total = total * keep + w
+        m = m_new
+    tl.store(out_ptr + row * stride_o + h * D + d, (o / total).to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "table_stride"])
 def prefill_kernel(kv_ptr, q_ptr, out_ptr, stride_q, stride_o, tile_req_ptr, tile_m_ptr,
                    q_row_ptr, q_len_ptr, start_ptr, base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride,
                    page_elems, layer, qk_scale,
