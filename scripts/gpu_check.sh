@@ -9,10 +9,16 @@
 # Needs python3 with torch and triton (a GPU machine's image has them; nothing is installed) and the trace: the
 # Azure conversation CSV under $ODMA_DATA_DIR/azure_llm_2023/ (default: ../shared/datasets, or .gpu/data when
 # that exists, which is where a run that travels without ../shared carries it).
+#   scripts/gpu_check.sh --stage        copy the trace into .gpu/data (git ignores it) so that it travels with the tree
 #   scripts/gpu_check.sh [OUT]          on a GPU
 #   scripts/gpu_check.sh --cpu [OUT]    the CPU dry run (tiny shapes, Triton's interpreter; CI runs it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--stage" ]; then
+  src=${ODMA_DATA_DIR:-../shared/datasets}/azure_llm_2023/conv.csv
+  mkdir -p .gpu/data/azure_llm_2023 && cp "$src" .gpu/data/azure_llm_2023/ && echo "staged $src in .gpu/data"
+  exit $?
+fi
 CPU=0
 if [ "${1:-}" = "--cpu" ]; then CPU=1; shift; fi
 OUT=${1:-${OUT:-runs/gpu_check}}

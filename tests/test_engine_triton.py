@@ -126,7 +126,7 @@ def _count_step(model, attention, batch: int, context: int = 9) -> tuple[int, in
             return func(*args, **(kwargs or {}))
 
     c = model.config
-    arena = get_backend("cpu").create_arena(batch * 16, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim))
+    arena = get_backend(DEVICE).create_arena(batch * 16, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim))
     from odma.kv import Block
 
     slots = [SeqSlot(arena.view(Block(16 * i, 16, 0)), context, 1) for i in range(batch)]
@@ -153,7 +153,7 @@ def _count_step(model, attention, batch: int, context: int = 9) -> tuple[int, in
     attention.kernels = Counting()
     try:
         with Ops():
-            model(torch.arange(batch), torch.full((batch,), context), slots, attention)
+            model(torch.arange(batch, device=DEVICE), torch.full((batch,), context, device=DEVICE), slots, attention)
     finally:
         attention.kernels = kernels
     return Ops.n, launches
@@ -164,8 +164,8 @@ def test_a_decode_step_is_a_fixed_number_of_ops_and_launches_whatever_the_batch(
     from backends.triton_attention import TritonAttention
     from odma.models import load_model
 
-    model = load_model(folder)
-    attention = TritonAttention(torch.device("cpu"))
+    model = load_model(folder, device=DEVICE)
+    attention = TritonAttention(torch.device(DEVICE))
     small, large = _count_step(model, attention, 2), _count_step(model, attention, 9)
     assert small == large  # torch ops (norms, GEMMs, rotary, casts, views) and launches: none per request
     # the K/V write and the decode attention of each layer (one split at this context: no reduction)

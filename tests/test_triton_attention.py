@@ -187,16 +187,14 @@ def test_blocks_of_separate_allocations_are_read_through_one_base():
     """Ballooned segments are separate tensors: their blocks are addressed relative to the first one's storage."""
     case = _step([(5, 1), (12, 1), (0, 9)], kv_heads=2, group=2, dim=64, dtype=torch.float32, paged=False)
     arena, slots, q, k, v, _ = case
-    if DEVICE.type != "cpu":
-        pytest.skip("the segment copies below are CPU tensors")
-    segments = [s.kv.clone() for s in slots]  # each block now its own allocation
+    segments = [s.kv.clone().to(DEVICE) for s in slots]  # each block now its own allocation
     moved = [SimpleNamespace(kv=seg, pages=None, start=s.start, q_len=s.q_len) for seg, s in zip(segments, slots)]
-    out = TritonAttention(DEVICE).plan_step(moved).attend(1, q, k, v)
+    out = TritonAttention(DEVICE).plan_step(moved).attend(1, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)).cpu()
     ref, _ = _reference(*case)
     _check(out, ref, torch.float32)
     pos = 0
     for seg, s in zip(segments, moved):
-        assert torch.equal(seg[1, 0, s.start:s.start + s.q_len], k[pos:pos + s.q_len])
+        assert torch.equal(seg[1, 0, s.start:s.start + s.q_len].cpu(), k[pos:pos + s.q_len])
         pos += s.q_len
 
 

@@ -48,7 +48,7 @@ def random_model(shape: dict, dtype: torch.dtype = torch.bfloat16, device: str =
 
     config = ModelConfig(**shape)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config).to(dtype)  # allocated in `dtype` directly (a 7B model never exists in fp32)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -59,6 +59,5 @@ def random_model(shape: dict, dtype: torch.dtype = torch.bfloat16, device: str =
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    model.to(dtype)
     model.rotary.inv_freq = Rotary(config.head_dim, config.rope_theta).inv_freq.to(device)
     return model.eval()
