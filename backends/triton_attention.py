@@ -88,7 +88,6 @@ class TritonAttention:
             raise BackendError("a step mixes paged and contiguous requests")
         kv0 = slots[0].kv
         storage = _flat_storage(kv0)
-        elem = kv0.element_size()
         layers, _, _, kv_heads, head_dim = kv0.shape[-5:]
         row = kv_heads * head_dim
         n = len(slots)
@@ -96,31 +95,11 @@ class TritonAttention:
         q_lens = [s.q_len for s in slots]
         lens = [a + b for a, b in zip(starts, q_lens)]
         if paged:
-            page = kv0.shape[-3]
-            width = max(len(s.pages) for s in slots)
-            for s, need in zip(slots, lens):
-                if len(s.pages) * page < need:
-                    raise BackendError(f"{len(s.pages)} pages of {page} tokens cannot hold {need} tokens")
-            base = [0] * n
-            lstride = [2 * page * row] * n
-            half = [page * row] * n
-            table = [list(s.pages) + [0] * (width - len(s.pages)) for s in slots]
-            page_elems = page * layers * 2 * row
+            addr = _paged_addresses(slots, lens, layers, row)
         else:
-            page, width, table, page_elems = 0, 1, [[0]] * n, 0
-            base, lstride, half = [], [], []
-            for s, need in zip(slots, lens):
-                kv = s.kv
-                if kv.dtype != kv0.dtype or tuple(kv.shape[-2:]) != (kv_heads, head_dim) or not _rows_contiguous(kv):
-                    raise BackendError("blocks of one step must share dtype and head shape, rows contiguous")
-                if need > kv.shape[2]:
-                    raise BackendError(f"a block of {kv.shape[2]} tokens cannot hold {need} tokens")
-                offset = kv.data_ptr() - storage.data_ptr()  # blocks of other segments: relative to the first
-                if offset % elem:
-                    raise BackendError("a block is not aligned to its elements")
-                base.append(offset // elem)
-                lstride.append(kv.stride(0))
-                half.append(kv.stride(1))
+            addr = _block_addresses(slots, lens, storage, kv_heads, head_dim)
+        base, lstride, half, table, page, page_elems = addr
+        width = len(table[0])
         t = self.tuning
         blocks = _tiles(t, kv0.element_size())
         decode = [i for i, q in enumerate(q_lens) if q == 1]
@@ -255,6 +234,37 @@ class TritonStep:
                 self.page_elems, layer, scale, GROUP=group, D=dim, ROW=self.row, BLOCK_M=block_m,
                 BLOCK_N=block_pn, BLOCK_D=block_d, PAGE=self.page, UPCAST=self.upcast)
         return out
+
+
+def _block_addresses(slots: Sequence, lens: list[int], storage: torch.Tensor, kv_heads: int, head_dim: int):
+    """Contiguous blocks: each one's element offset in `storage` and its per-layer and K-to-V strides."""
+    kv0, elem = slots[0].kv, storage.element_size()
+    base, lstride, half = [], [], []
+    for s, need in zip(slots, lens):
+        kv = s.kv
+        if kv.dtype != kv0.dtype or tuple(kv.shape[-2:]) != (kv_heads, head_dim) or not _rows_contiguous(kv):
+            raise BackendError("blocks of one step must share dtype and head shape, rows contiguous")
+        if need > kv.shape[2]:
+            raise BackendError(f"a block of {kv.shape[2]} tokens cannot hold {need} tokens")
+        offset = kv.data_ptr() - storage.data_ptr()  # blocks of other segments: relative to the first
+        if offset % elem:
+            raise BackendError("a block is not aligned to its elements")
+        base.append(offset // elem)
+        lstride.append(kv.stride(0))
+        half.append(kv.stride(1))
+    return base, lstride, half, [[0]] * len(slots), 0, 0
+
+
+def _paged_addresses(slots: Sequence, lens: list[int], layers: int, row: int):
+    """Pages (blocks of PAGE tokens): every request's page table, padded to the longest, and the page's strides."""
+    page = slots[0].kv.shape[-3]
+    width = max(max(len(s.pages) for s in slots), 1)
+    for s, need in zip(slots, lens):
+        if len(s.pages) * page < need:
+            raise BackendError(f"{len(s.pages)} pages of {page} tokens cannot hold {need} tokens")
+    n = len(slots)
+    table = [list(s.pages) + [0] * (width - len(s.pages)) for s in slots]
+    return [0] * n, [2 * page * row] * n, [page * row] * n, table, page, page * layers * 2 * row
 
 
 def _tiles(t: Tuning, element_size: int) -> tuple[int, int, int]:
