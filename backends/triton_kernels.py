@@ -32,6 +32,29 @@ def _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elem
     return page * page_elems + layer * lstride + (t % PAGE).to(tl.int64) * ROW
 
 
+@triton.jit
+def _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, allowed, q, m, lsum, acc, qk_scale, D: tl.constexpr,
+          UPCAST: tl.constexpr):
+    """Fold one tile of keys (K rows at element offsets `rows`, V rows `half` further) into the running softmax of
+    the queries `q`: scores where `allowed`, the running max `m`, sum `lsum` and output `acc` rescaled (exp2: the
+    scale includes log2(e))."""
+    ptrs = kv_ptr + rows[:, None] + kvh * D + d[None, :]
+    kvmask = tmask[:, None] & dmask[None, :]
+    k = tl.load(ptrs, mask=kvmask, other=0.0)
+    v = tl.load(ptrs + half, mask=kvmask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    scores = tl.where(allowed, scores, -1.0e30)
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, lsum, acc
+
+
 @triton.jit(do_not_specialize=["n_tokens", "layer"])
 def kv_write_kernel(kv_ptr, k_ptr, v_ptr, stride_k, stride_v, tok_req_ptr, tok_pos_ptr, n_tokens,
                     base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride, page_elems, layer,
@@ -89,21 +112,8 @@ def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, 
         t = start + tl.arange(0, BLOCK_N)
         tmask = t < hi
         rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE)
-        ptrs = kv_ptr + rows[:, None] + kvh * D + d[None, :]
-        kvmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(ptrs, mask=kvmask, other=0.0)
-        v = tl.load(ptrs + half, mask=kvmask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        scores = tl.where(tmask[None, :], scores, -1.0e30)
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, lsum, acc = _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, tmask[None, :], q, m, lsum, acc, qk_scale,
+                             D, UPCAST)
     safe = tl.where(lsum > 0, lsum, 1.0)
     acc = acc / safe[:, None]
     omask = gmask[:, None] & dmask[None, :]
@@ -177,21 +187,8 @@ def prefill_kernel(kv_ptr, q_ptr, out_ptr, stride_q, stride_o, tile_req_ptr, til
         t = kstart + tl.arange(0, BLOCK_N)
         tmask = t < end
         rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE)
-        ptrs = kv_ptr + rows[:, None] + kvh * D + d[None, :]
-        kvmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(ptrs, mask=kvmask, other=0.0)
-        v = tl.load(ptrs + half, mask=kvmask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        scores = tl.where((t[None, :] <= pos[:, None]) & tmask[None, :], scores, -1.0e30)
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        causal = (t[None, :] <= pos[:, None]) & tmask[None, :]
+        m, lsum, acc = _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, causal, q, m, lsum, acc, qk_scale, D, UPCAST)
     acc = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     tl.store(out_ptr + (row0 + mi)[:, None] * stride_o + h * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=qmask)
