@@ -6,10 +6,11 @@ from backends.base import Arena, Backend, Capabilities, KVLayout, MemoryInfo, Nu
 from backends.cpu import CPUBackend
 from backends.errors import BackendError
 from backends.segmented import SegmentedArena
+from backends.virtual_arena import VirtualArena, create_virtual_arena
 
 __all__ = [
     "Arena", "Backend", "BackendError", "CPUBackend", "Capabilities", "KVLayout", "MemoryInfo", "NullEvent", "NullStream",
-    "SegmentedArena", "Span", "available_devices", "get_backend", "parse_device",
+    "SegmentedArena", "Span", "VirtualArena", "available_devices", "create_virtual_arena", "get_backend", "parse_device",
 ]
 
 KINDS = ("cpu", "cuda", "mlu")

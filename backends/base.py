@@ -8,6 +8,7 @@ memory figures and capability flags. CPU is the reference; CUDA and MLU share `T
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NamedTuple, Protocol
@@ -16,9 +17,15 @@ import torch
 
 from backends.errors import BackendError
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention
     from backends.cpu_linear import LinearKernel
+    from backends.triton_attention import TritonAttention
+    from backends.virtual_memory import VirtualMemory
+
+ATTENTION_KINDS = ("auto", "triton", "sdpa")
 
 
 class Block(Protocol):
@@ -68,7 +75,7 @@ class KVLayout:
 class Capabilities:
     """What a backend can do beyond the common interface (callers branch on these, never on names)."""
 
-    supports_vmm: bool = False  # grow a block in place by mapping pages; no backend implements it yet
+    supports_vmm: bool = False  # reserve address space and map memory behind it (`Backend.virtual_memory`)
     supports_streams: bool = False  # streams/events are real (False: no-op objects, work is synchronous)
     pinned_host: bool = False  # host buffers are page-locked, so device↔host copies can be asynchronous
     returns_memory_to_driver: bool = False  # free_arena(..., return_to_driver=True) gives bytes back
@@ -194,9 +201,34 @@ class Backend(ABC):
         uses torch's SDPA per request)."""
         return None
 
+    def attention(self, kind: str = "auto") -> DecodeAttention | TritonAttention | None:
+        """The model's attention kernel. auto: this backend's best (the CPU's C decode kernel; on accelerators the
+        Triton kernels when Triton imports, else None, logged); triton: the Triton kernels for every request
+        (BackendError where they cannot run: on CPU only under TRITON_INTERPRET=1); sdpa: None, torch's SDPA
+        per request (the reference)."""
+        if kind not in ATTENTION_KINDS:
+            raise BackendError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {kind!r}")
+        if kind == "sdpa":
+            return None
+        from backends.triton_attention import TritonAttention, available
+
+        if kind == "triton":
+            return TritonAttention(self.device)
+        if self.device.type == "cpu":
+            return self.decode_attention()
+        why = available(self.device)
+        if why is not None:
+            log.warning("%s: Triton attention unavailable (%s); attention runs as SDPA per request", self.device, why)
+            return None
+        return TritonAttention(self.device)
+
     def linear_kernel(self) -> LinearKernel | None:
         """A GEMM for the model's linear layers on weights packed for it, where this backend has one (None:
         torch's own)."""
+        return None
+
+    def virtual_memory(self) -> VirtualMemory | None:
+        """Reserve address space and map memory behind it granule by granule (None: this backend cannot)."""
         return None
 
     # -- arenas and segments -------------------------------------------------------------------------

@@ -10,11 +10,13 @@ from backends import cpu_attention, cpu_linear
 from backends.base import Backend, Capabilities, MemoryInfo
 from backends.cpu_attention import DecodeAttention
 from backends.cpu_linear import LinearKernel
+from backends.host_vmm import HostVMM, open_host_vmm
 
 
 class CPUBackend(Backend):
     name = "cpu"
-    capabilities = Capabilities()  # no VMM, no streams, no pinned memory (nothing to pin against)
+    # no streams, no pinned memory (nothing to pin against); virtual memory through mmap on Linux
+    capabilities = Capabilities(supports_vmm=open_host_vmm() is not None)
 
     @property
     def device(self) -> torch.device:
@@ -25,6 +27,9 @@ class CPUBackend(Backend):
 
     def linear_kernel(self) -> LinearKernel | None:
         return cpu_linear.load()
+
+    def virtual_memory(self) -> HostVMM | None:
+        return open_host_vmm()
 
     def synchronize(self) -> None:
         pass  # CPU ops are synchronous

@@ -54,6 +54,12 @@ class DecodeAttention:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
+    def plan_step(self, slots) -> DecodeBatch | None:
+        """`plan` for a model step's slots (each with `kv`, `start`, `q_len`; paged slots are not for this kernel)."""
+        if any(s.pages is not None for s in slots):
+            return None
+        return self.plan([s.kv for s in slots], [s.start for s in slots], [s.q_len for s in slots])
+
     def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int],
              workers: int | None = None) -> DecodeBatch | None:
         """The requests with q_len 1 whose blocks the kernel can read (fp32, rows contiguous); None if none.

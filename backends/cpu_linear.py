@@ -3,7 +3,7 @@ where the CPU has AVX512_BF16.
 
 Why: a decode step reads every weight once for a few rows; oneDNN's kernels on SmolLM2's shapes wait for the
 weight stream and then compute, this one overlaps the two (the measurements: csrc/linear.c and
-docs/BENCHMARKS.md, "Session 18"). It needs AVX-512 (built for this CPU); elsewhere `load()` returns None and
+docs/BENCHMARKS.md, "CPU linear layers"). It needs AVX-512 (built for this CPU); elsewhere `load()` returns None and
 the model keeps oneDNN. With OpenMP in the build it splits the panels over torch's threads; without, it is used
 only where torch runs one thread (`serves()`).
 """

@@ -24,8 +24,9 @@ class TorchDeviceBackend(Backend):
         self.name = kind
         self._mod = module
         self._device = torch.device(kind, index)
+        self._vmm = self._open_vmm(kind, index)
         self.capabilities = Capabilities(
-            supports_vmm=False,  # no backend maps pages yet: blocks grow by copy migration
+            supports_vmm=self._vmm is not None,
             supports_streams=True,
             pinned_host=_can_pin(),
             returns_memory_to_driver=True,
@@ -34,6 +35,18 @@ class TorchDeviceBackend(Backend):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @staticmethod
+    def _open_vmm(kind: str, index: int) -> Any:
+        """CUDA's driver-level virtual memory where the device supports it (the MLU's CNDrv variant is not written)."""
+        if kind != "cuda":
+            return None
+        from backends.cuda_vmm import open_vmm
+
+        return open_vmm(index)
+
+    def virtual_memory(self) -> Any:
+        return self._vmm
 
     def synchronize(self) -> None:
         self._mod.synchronize(self._device)

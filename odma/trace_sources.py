@@ -1,4 +1,5 @@
-"""Readers for the named traces; each returns a `Trace` with token counts from a named tokenizer."""
+"""Every trace reader: the named traces and generic JSONL files (docs/analyze.md, "Traces"); each returns a `Trace`
+with token counts from a named tokenizer."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import re
 from datetime import datetime
 from pathlib import Path
 
 from odma.config import default_cache_dir, default_data_dir
 from odma.errors import TraceError
-from odma.traces import Trace, TraceRecord, normalized_prompt, parse_jsonl_trace
+from odma.trace_records import Trace, TraceRecord, normalized_prompt
 
 NAMED_TRACES = (
     "alpaca", "alpaca-eval:<generator>", "nq", "nq-open", "sharegpt", "sharegpt-chat", "azure-code", "azure-conv",
@@ -45,6 +47,95 @@ def load_one(spec: str, *, tokenizer: str, data_dir: str | Path | None, limit: i
     if path.suffix in (".jsonl", ".json") or path.exists():
         return parse_jsonl_trace(path, tokenizer, limit)
     raise TraceError(f"unknown trace {spec!r}: use one of {', '.join(NAMED_TRACES)} or a path to a JSONL file")
+
+
+def _int_field(obj: dict, key: str, where: str) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TraceError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_jsonl_trace(path: Path, tokenizer_name: str | None, limit: int | None = None) -> Trace:
+    """A generic JSONL trace, one request a line (docs/analyze.md, "Traces", lists the fields)."""
+    if not path.exists():
+        raise TraceError(f"trace file not found: {path}")
+    raw: list[tuple[str, dict]] = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{where}: each line must be a JSON object")
+            _validate_generic(obj, where)
+            raw.append((where, obj))
+            if limit is not None and len(raw) >= limit:
+                break
+    needs_tokenizer = any(
+        o.get("prompt_tokens") is None or o.get("output_tokens") is None for _, o in raw
+    )
+    tok = None
+    if needs_tokenizer:
+        from odma.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer_name or "smollm2")
+    records = []
+    for i, (where, o) in enumerate(raw):
+        prompt_tokens = o.get("prompt_tokens")
+        if prompt_tokens is None:
+            prompt_tokens = tok.count_chat(o["prompt"])
+        output_tokens = o.get("output_tokens")
+        if output_tokens is None:
+            output_tokens = tok.count(o["output"])
+        records.append(
+            TraceRecord(
+                request_id=str(o.get("id", o.get("request_id", f"{path.stem}-{i}"))),  # to_json writes request_id
+                prompt=o.get("prompt"),
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                arrival_s=float(o.get("arrival_s", 0.0)),
+                output=o.get("output"),
+                type=o.get("type"),
+                temperature=o.get("temperature"),
+                system_prompt_id=o.get("system_prompt_id"),
+                depth=o.get("depth"),
+                prior_output_tokens=o.get("prior_output_tokens"),
+                last_output_tokens=o.get("last_output_tokens"),
+                conversation_id=o.get("conversation_id"),
+                generator=o.get("generator"),
+                finished=bool(o.get("finished", True)),
+                source=str(path),
+            )
+        )
+    name = str(path)
+    return Trace(name, records, tok.name if tok else "source")
+
+
+def _validate_generic(obj: dict, where: str) -> None:
+    for key in ("prompt", "output", "type", "system_prompt_id", "generator", "conversation_id"):
+        if key in obj and obj[key] is not None and not isinstance(obj[key], str):
+            raise TraceError(f"{where}: {key!r} must be a string")
+    if obj.get("prompt") is None and obj.get("prompt_tokens") is None:
+        raise TraceError(f"{where}: needs 'prompt' or 'prompt_tokens'")
+    if obj.get("output") is None and obj.get("output_tokens") is None:
+        raise TraceError(f"{where}: needs 'output' or 'output_tokens'")
+    if "prompt" in obj and obj["prompt"] == "" and obj.get("prompt_tokens") is None:
+        raise TraceError(f"{where}: empty 'prompt' and no 'prompt_tokens'")
+    _int_field(obj, "prompt_tokens", where)
+    _int_field(obj, "output_tokens", where)
+    _int_field(obj, "depth", where)
+    _int_field(obj, "last_output_tokens", where)
+    for key in ("arrival_s", "temperature", "prior_output_tokens"):
+        v = obj.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise TraceError(f"{where}: {key!r} must be a finite non-negative number, got {v!r}")
 
 
 def _require(path: Path, what: str) -> Path:

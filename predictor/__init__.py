@@ -1,4 +1,4 @@
-"""Length predictors behind one interface: `predict(requests) -> [(L̂, u)]` (issue 3).
+"""Length predictors behind one interface: `predict(requests) -> [(L̂, u)]`.
 
 Implementations: the trained encoder served by onnxruntime (`onnx_runtime.OnnxPredictor`), the scikit-learn
 fallback (`sklearn_baseline.SklearnPredictor`), and for experiments only `oracle` / `noisy-oracle:SIGMA`.

@@ -33,7 +33,7 @@ class Calibration:
     tau: float = math.inf
     target: float | None = None  # under-prediction rate α and τ were chosen for
     ceiling: float = math.inf  # no admission reservation above the bucket holding this (absent in old manifests)
-    table: ReservationTable | None = None  # per-L̂-group reservations; replaces α and the ceiling (session 9)
+    table: ReservationTable | None = None  # per-L̂-group reservations; replaces α and the ceiling when present
 
     def to_json(self) -> dict:
         d = asdict(self)

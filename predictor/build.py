@@ -19,10 +19,11 @@ import numpy as np
 
 from odma.errors import PredictorError
 from predictor.base import Manifest
+from predictor.onnx_files import HEADS_FILE
 
 FP32_PROBE_TOLERANCE = 0.01  # |Δ log L̂| and |Δu|: the rebuilt fp32 model vs an fp32 probe (same weights, any CPU)
-# vs a probe recorded from the int8 graph on the training machine (manifests before session 12): its quantization
-# error on the default's probe is 0.09; a backbone one layer off is 0.30 away
+# vs a probe recorded from the int8 graph on the training machine (manifests from before fp32 probes): its
+# quantization error on the default's probe is 0.09; a backbone one layer off is 0.30 away
 INT8_PROBE_TOLERANCE = 0.15
 QUANTIZATION_TOLERANCE = 0.5  # the rebuilt int8 graph vs its fp32 model (0.35 at most over 256 training requests)
 
@@ -58,7 +59,6 @@ def build_onnx_from_heads(folder: Path, manifest: Manifest, dest: Path) -> None:
     from safetensors.torch import load_file
 
     from predictor.onnx_export import compare_with_torch, export_onnx
-    from predictor.onnx_runtime import HEADS_FILE
 
     try:
         state = load_file(str(Path(folder) / HEADS_FILE))

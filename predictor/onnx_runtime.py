@@ -17,13 +17,11 @@ from odma.config import default_cache_dir
 from odma.errors import PredictorError
 from predictor.base import Manifest, Prediction, Predictor
 from predictor.features import MetadataEncoder
+from predictor.onnx_files import HEADS_FILE, ONNX_FILE, TOKENIZER_DIR
 from predictor.text import encode_texts
 
 log = logging.getLogger(__name__)
 
-ONNX_FILE = "predictor.onnx"
-HEADS_FILE = "heads.safetensors"
-TOKENIZER_DIR = "tokenizer"
 BATCH = 64
 
 

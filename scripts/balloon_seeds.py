@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
 
 
 def _meets(r: dict) -> bool:
-    """The issue's target in one run: >= 1.5x peak batch, and neither median TTFT more than 5 % worse."""
+    """The ballooning target in one run: >= 1.5x peak batch, and neither median TTFT more than 5 % worse."""
     return r["peak_batch_ratio"] >= 1.5 and r["ttft_long_p50_ratio"] <= 1.05 and r["ttft_short_p50_ratio"] <= 1.05
 
 

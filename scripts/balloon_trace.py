@@ -1,6 +1,6 @@
-"""One run of the ballooning step-time model, off and on, request by request (docs/BENCHMARKS.md, "Session 12"):
-when each long request reached the head of the queue, was admitted and got its first token (in steps), and what
-the pool held at each side's peak batch.
+"""One run of the ballooning step-time model, off and on, request by request (docs/BENCHMARKS.md, "Ballooning KV
+and activations"): when each long request reached the head of the queue, was admitted and got its first token (in
+steps), and what the pool held at each side's peak batch.
 
     .venv/bin/python scripts/balloon_trace.py [odma-bench balloon flags ...]    # a few seconds
     e.g. --num-long 4 --max-num-seqs 128 --seed 4

@@ -1,5 +1,5 @@
 """A decode step's GEMMs at a given row count, by library: how far the fp32 linear layers of SmolLM2-135M are from
-the weight stream and from the FMA peak (docs/BENCHMARKS.md, "Session 17" and "Session 18").
+the weight stream and from the FMA peak (docs/BENCHMARKS.md, "CPU linear layers").
 
     .venv/bin/python scripts/gemm_decode_rows.py [--rows 16] [--threads 1] [--dtype bfloat16]
 
@@ -7,7 +7,7 @@ Every shape gets 30 distinct weight matrices (one per layer; the LM head one), s
 in a real step. Per shape and library: the median of 30 passes over the 30 layers, in ms. Libraries: oneDNN on
 weights packed for 16 and for 64 rows (`odma/models/cpu_linear.py` packs for 64), MKL on weights packed for the
 row count (`torch.ops.mkl._mkl_linear`), `F.linear` (MKL, packing the weight on every call), and odma's own kernel
-(backends/cpu_linear.py, where it builds here), the engine's default since session 18. With --dtype bfloat16: oneDNN
+(backends/cpu_linear.py, where it builds here), the engine's default where it builds. With --dtype bfloat16: oneDNN
 and odma's kernel only (MKL has no bf16 GEMM here).
 """
 

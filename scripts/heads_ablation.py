@@ -24,9 +24,9 @@ from training.pipeline import TrainOptions, _embed, _embedder
 LOG_LENGTH_COLUMNS = [0, 6, 8]
 REPLY_COLUMNS = slice(5, 9)
 
-VARIANTS = (  # name, log/8 scale (session 6), reply lengths, linear metadata path, regression weight
-    ("session-6 heads, no reply lengths", True, False, False, 1.0),
-    ("session-6 heads + reply lengths", True, True, False, 1.0),
+VARIANTS = (  # name, log/8 scale (the first heads'), reply lengths, linear metadata path, regression weight
+    ("the first heads, no reply lengths", True, False, False, 1.0),
+    ("the first heads + reply lengths", True, True, False, 1.0),
     ("+ length features in log units (were log/8)", False, True, False, 1.0),
     ("+ a linear metadata path to log L̂ (`meta_skip`)", False, True, True, 1.0),
     ("+ regression weight 4 (the default now)", False, True, True, 4.0),

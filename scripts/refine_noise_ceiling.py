@@ -1,4 +1,4 @@
-"""The sampling-noise ceiling of the decode-time refinement (docs/predictor.md, issue 20): how well can ANY
+"""The sampling-noise ceiling of the decode-time refinement (docs/predictor.md): how well can ANY
 predictor know a request's remaining length after j generated tokens, against knowing only its prompt?
 
 For test-split answers of SmolLM2 (datasets/smollm2_answers) longer than j tokens, the served model through odma's
@@ -12,7 +12,7 @@ prompt-time estimate and a decode-time refinement can reach on these requests; t
 gain. The recorded answer's own remaining length is scored too, against the K draws of each group.
 
     .venv/bin/python scripts/refine_noise_ceiling.py --prompts 150 --samples 5 --after 32 \
-        --json docs/results/refine_noise_ceiling_s19.json      # 9 min on 2 cores
+        --json docs/results/refine_noise_ceiling.json      # 9 min on 2 cores
 """
 
 from __future__ import annotations

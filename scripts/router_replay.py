@@ -1,4 +1,4 @@
-"""Memory-aware routing vs power-of-two choices at N replicas, replayed (docs/ray.md, issue 23).
+"""Memory-aware routing vs power-of-two choices at N replicas, replayed (docs/ray.md).
 
 `odma.bench.router_replay`: N engine schedulers, each with its own share of KV and the cost model's step times,
 behind Ray Serve's default router (`pow2`) and odma's (`odma`), the same Poisson arrivals for both. The load is

@@ -1,13 +1,19 @@
-"""Shared fixtures: a tiny served model with SmolLM2's tokenizer and answers for it (the probe tests), and the
-server tests' tiny model folder."""
+"""Fixtures shared by the probe tests (a tiny served model with SmolLM2's tokenizer, and answers for it) and the
+server tests (the tiny model folder they serve). Also: without a CUDA device, Triton's kernels run in its
+interpreter on CPU tensors (set before anything imports triton)."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "predictor_tiny.jsonl"
 

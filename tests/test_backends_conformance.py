@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from backends import (
-    Arena, Backend, Capabilities, KVLayout, MemoryInfo, SegmentedArena, available_devices, get_backend,
+    Arena, Backend, Capabilities, KVLayout, MemoryInfo, SegmentedArena, available_devices, create_virtual_arena,
+    get_backend,
 )
 from odma.kv import Block  # the pool's blocks are what arenas view
 from backends import BackendError
@@ -30,8 +31,44 @@ def _fill(arena: Arena, block: Block, seed: float) -> torch.Tensor:
 
 def test_backend_identity(backend):
     assert isinstance(backend.capabilities, Capabilities)
-    assert backend.capabilities.supports_vmm is False  # nobody maps pages yet: growth is copy migration
+    assert backend.capabilities.supports_vmm is (backend.virtual_memory() is not None)
     assert backend.device.type == backend.name
+
+
+def test_a_virtual_arena_holds_data_only_where_mapped(backend):
+    """Where the backend has virtual memory: views and copies as in any arena, over granules mapped on demand; a
+    block's range grows by mapping the granules after it without touching what it holds."""
+    import math
+
+    if not backend.capabilities.supports_vmm:
+        assert create_virtual_arena(backend, 64, LAYOUT, 1 << 20) is None
+        return
+    g = backend.virtual_memory().granularity
+    bpt = LAYOUT.bytes_per_token
+    unit = g // math.gcd(g, bpt)  # the fewest tokens that fill whole granules
+    per = unit * bpt // g  # granules per unit
+    arena = create_virtual_arena(backend, 64 * unit, LAYOUT, physical_bytes=3 * per * g)
+    try:
+        assert arena.physical_granules == 3 * per and arena.nbytes == 3 * per * g
+        block = Block(offset=0, capacity=unit, bucket=0)
+        arena.map(0, per)
+        values = _fill(arena, block, 1.0)
+        arena.map(per * g, per)  # grow behind it: the data stays where it is
+        e = LAYOUT.elements_per_token
+        assert torch.equal(arena.storage[: unit * e].view_as(values), values)
+        far = Block(offset=32 * unit, capacity=unit, bucket=1)
+        arena.map(32 * per * g, per)
+        arena.copy(block, far, unit // 2)
+        assert torch.equal(arena.view(far)[:, :, : unit // 2], values[:, :, : unit // 2])
+        with pytest.raises(BackendError):
+            arena.map(40 * per * g, 1)  # every physical granule is in use
+        arena.unmap(0, 2 * per)
+        arena.unmap(32 * per * g, per)
+        assert arena.mapped_granules == 0
+        with pytest.raises(BackendError):
+            arena.unmap(0, 1)  # not mapped
+    finally:
+        arena.release()
 
 
 def test_arena_view_is_a_view_of_one_contiguous_range(backend):

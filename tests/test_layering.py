@@ -2,9 +2,18 @@
 
 Layers, lowest first: `backends` (devices; knows nothing of odma) · odma's core (errors, config, traces,
 tokenizer) · `odma.kv` (the memory room) and `odma.models` · `predictor` · `odma.engine` · `odma.analyze`,
-`training` · `odma.server` (with `odma.serve_ray`, the same server on Ray Serve) · `odma.bench`. A package may
-import only packages listed for it below; no package imports another's private (`_name`) members; no two modules
-import each other at import time.
+`training` · `odma.server` · `odma.serve_ray` (the same server on Ray Serve, built on odma.server) · `odma.bench`. A
+package may import only packages listed for it below; no package imports another's private (`_name`) members; and
+no chain of imports between modules leads back to where it started.
+
+Every import counts as a dependency: at module level, inside a function (imported lazily, when first called) and
+under `if TYPE_CHECKING:` (for annotations only). A lazy import postpones a dependency; it does not remove it, and
+a cycle through one still means neither module can be understood, tested or moved without the other.
+
+Not counted, on purpose: a module named by a string and imported with importlib when a user asks for it. Two
+places do that, as registries: `predictor.registry` (a predictor's kind → "module:attribute") and odma-serve's
+`--ray` (`odma.server.cli.RAY_ENTRY`). They are extension points of the lower layer: it names the entry it calls
+and never reads the other package's code at import time; `test_the_named_entry_points_exist` checks the names.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("odma", "predictor", "backends", "training")
-SUBPACKAGES = ("kv", "engine", "server", "analyze", "bench", "models")
+SUBPACKAGES = ("kv", "engine", "server", "serve_ray", "analyze", "bench", "models")
 ALLOWED = {
     "backends": set(),
     "odma.core": set(),
@@ -26,20 +35,16 @@ ALLOWED = {
     "odma.analyze": {"odma.core", "odma.kv", "predictor", "odma.engine"},  # it simulates the engine's scheduler
     "training": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine"},
     "odma.server": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor"},
+    "odma.serve_ray": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor", "odma.server"},
     "odma.bench": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine", "odma.analyze",
-                   "odma.server"},
+                   "odma.server", "odma.serve_ray"},
 }
-
-
-SAME_LAYER = {"serve_ray": "server"}  # odma-serve on Ray Serve: the server's layer (the CLI starts either)
 
 
 def layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "odma":
         return parts[0]
-    if len(parts) > 1 and parts[1] in SAME_LAYER:
-        return f"odma.{SAME_LAYER[parts[1]]}"
     return f"odma.{parts[1]}" if len(parts) > 1 and parts[1] in SUBPACKAGES else "odma.core"
 
 
@@ -48,25 +53,79 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports() -> list[tuple[str, str, list[str], bool]]:
-    """(importing module, imported module, names, at import time) for every import of our packages."""
+def imports() -> list[tuple[str, str, list[str], str]]:
+    """(importing module, imported module, names, where) for every import of our packages; where is "module"
+    (at import time), "function" (lazy) or "annotations" (under `if TYPE_CHECKING:`)."""
     found = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             module = module_name(path)
 
-            def visit(node: ast.AST, top: bool) -> None:
+            def visit(node: ast.AST, where: str) -> None:
                 for child in ast.iter_child_nodes(node):
+                    inner = where
                     if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                        continue  # annotations only
+                        inner = "annotations"
+                    elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                        inner = "function" if where == "module" else where
                     if isinstance(child, ast.Import):
-                        found.extend((module, a.name, [], top) for a in child.names)
+                        found.extend((module, a.name, [], where) for a in child.names)
                     elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                        found.append((module, child.module, [a.name for a in child.names], top))
-                    visit(child, top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+                        found.append((module, child.module, [a.name for a in child.names], where))
+                    elif isinstance(child, ast.ImportFrom):  # relative imports would slip past the names below
+                        raise AssertionError(f"{module}: use absolute imports (from {package}...)")
+                    visit(child, inner)
 
-            visit(ast.parse(path.read_text()), True)
+            visit(ast.parse(path.read_text()), "module")
     return [f for f in found if f[1].split(".")[0] in PACKAGES]
+
+
+def module_graph() -> dict[str, dict[str, set[str]]]:
+    """Module → the project modules it imports → how ("module", "function", "annotations"). `from pkg import x`
+    depends on `pkg.x` when that is a module, else on `pkg` (its __init__); a module's own package is no edge."""
+    known = {module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for src, dst, names, where in imports():
+        for target in [f"{dst}.{n}" for n in names if f"{dst}.{n}" in known] or [dst]:
+            if target != src and not src.startswith(target + "."):
+                graph[src][target].add(where)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, set[str]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted: every import cycle
+    lies inside one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, {}):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
 
 
 def test_packages_import_only_the_layers_below_them():
@@ -82,35 +141,33 @@ def test_no_private_name_crosses_a_package():
 
 
 def test_no_import_cycle_between_modules():
-    known = {module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
-    graph: dict[str, set[str]] = defaultdict(set)
-    for src, dst, names, top in imports():
-        if not top:
-            continue
-        for target in [f"{dst}.{n}" for n in names if f"{dst}.{n}" in known] or [dst]:
-            if target != src and not src.startswith(target + "."):  # a package's own __init__ is no cycle
-                graph[src].add(target)
-    state: dict[str, int] = {}
-    cycle: list[str] = []
+    graph = module_graph()
+    found = cycles(graph)
 
-    def dfs(node: str, path: list[str]) -> bool:
-        state[node] = 1
-        for nxt in graph.get(node, ()):
-            if state.get(nxt) == 1:
-                cycle.extend(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
-                return True
-            if nxt not in state and dfs(nxt, path + [nxt]):
-                return True
-        state[node] = 2
-        return False
+    def describe(component: list[str]) -> str:
+        return "\n".join(f"  {a} -> {b} ({', '.join(sorted(graph[a][b]))})"
+                         for a in component for b in sorted(graph[a]) if b in component)
 
-    for start in sorted(graph):
-        if start not in state and dfs(start, [start]):
-            break
-    assert not cycle, " -> ".join(cycle)
+    assert not found, "import cycles:\n" + "\n\n".join(describe(c) for c in found)
+
+
+def test_the_cycle_check_finds_a_cycle_through_lazy_and_annotation_imports():
+    graph = {"a": {"b": {"module"}}, "b": {"c": {"function"}}, "c": {"a": {"annotations"}}, "d": {"a": {"module"}}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b": {"module"}}, "b": {}}) == []
+
+
+def test_the_named_entry_points_exist():
+    import importlib
+
+    from odma.server.cli import RAY_ENTRY
+
+    module, _, function = RAY_ENTRY.partition(":")
+    assert callable(getattr(importlib.import_module(module), function))
 
 
 def test_the_check_sees_real_imports():
     found = imports()
     assert len(found) > 200  # the walk reaches the whole tree
     assert any(src == "odma.engine.scheduler" and dst == "odma.kv" for src, dst, _, _ in found)
+    assert {where for *_, where in found} == {"module", "function", "annotations"}

@@ -73,7 +73,7 @@ def test_calibration_json_keeps_the_reservation_table():
     back = Calibration.from_json(json.loads(json.dumps(cal.to_json())))
     assert back == cal and back.table == table
     assert cal.bucket_manager().select(100.0, 0.9).bound == 256
-    assert Calibration.from_json({"bounds": [16], "large_bound": 64}).table is None  # manifests before session 9
+    assert Calibration.from_json({"bounds": [16], "large_bound": 64}).table is None  # older manifests
     for bad in ({"edges": [1.0], "tokens": [16]}, {"edges": [2.0, 1.0], "tokens": [1, 2, 3]}, {"tokens": [16]},
                 {"edges": [1.0], "tokens": ["x", 2]}):
         with pytest.raises(PredictorError, match="calibration"):
@@ -99,7 +99,7 @@ def test_calibration_json_keeps_the_ceiling_and_reads_manifests_without_one():
     cal = Calibration((16, 64, 256), 1024, alpha=2.0, ceiling=64.0)
     assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
     assert cal.bucket_manager().select(200.0, 0.5).bound == 64  # 200·2 would take the large bucket
-    old = {"bounds": [16, 64, 256], "large_bound": 1024, "alpha": 2.0, "tau": None}  # session 1-7 manifests
+    old = {"bounds": [16, 64, 256], "large_bound": 1024, "alpha": 2.0, "tau": None}  # manifests with α and τ only
     assert Calibration.from_json(old).ceiling == math.inf
     assert Calibration.from_json(json.loads(json.dumps(Calibration((16,), 64).to_json()))).ceiling == math.inf
     with pytest.raises(PredictorError, match="ceiling"):

@@ -20,6 +20,8 @@ FLAGS = {
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "kv_dtype": (["--kv-dtype", "bfloat16"], "bfloat16"),
     "policy": (["--policy", "s3"], "s3"),
+    "attention": (["--attention", "sdpa"], "sdpa"),
+    "kv_growth": (["--kv-growth", "map"], "map"),
     "kv_budget": (["--kv-budget", "64MiB"], "64MiB"),
     "max_num_seqs": (["--max-num-seqs", "7"], 7),
     "schedule": (["--schedule", "sjf"], "sjf"),

@@ -1,4 +1,4 @@
-"""Issue #24's defects, each probed from outside as it was found: pathological values, huge seeds, lone
+"""Server defects, each probed from outside as it was found: pathological values, huge seeds, lone
 surrogates, tiny temperatures, silently ignored or loosely typed parameters, error shapes. Every error is
 OpenAI's error object; nothing reaches the engine in a form that can fail a step; one bad request never ends
 another."""

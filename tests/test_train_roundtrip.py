@@ -99,8 +99,8 @@ def test_heads_only_folder_rebuilds_the_same_graph(trained, tmp_path, monkeypatc
     # the backbone is checked on fp32 outputs: a probe they disagree with (another backbone) fails loudly
     with pytest.raises(PredictorError, match="backbone"):
         rebuild_with_probe(fp32_length=lambda p: [x * 3 for x in p["fp32_length"]])
-    # manifests before session 12 hold only the int8 graph's probe from the training machine: another CPU's int8
-    # kernels may differ from it by ~0.1 in log L̂ (accepted), another backbone by far more (refused)
+    # manifests from before fp32 probes hold only the int8 graph's probe from the training machine: another CPU's
+    # int8 kernels may differ from it by ~0.1 in log L̂ (accepted), another backbone by far more (refused)
     rebuild_with_probe(length=lambda p: [x * 1.1 for x in p["fp32_length"]], fp32_length=None, fp32_uncertainty=None)
     with pytest.raises(PredictorError, match="backbone"):
         rebuild_with_probe(length=lambda p: [x * 3 for x in p["fp32_length"]], fp32_length=None, fp32_uncertainty=None)

@@ -1,1 +1,1 @@
-"""odma-train: the length predictor's training, calibration, evaluation and export (issue 3)."""
+"""odma-train: the length predictor's training, calibration, evaluation and export."""

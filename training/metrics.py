@@ -22,7 +22,7 @@ def _safe_corr(fn, a: np.ndarray, b: np.ndarray) -> float | None:
 
 def evaluate(preds: Sequence[Prediction], realized: np.ndarray, calibration: Calibration, stats: TrainStats,
              s3_baseline_buckets: np.ndarray | None = None) -> dict:
-    """All metrics of the issue; `realized` is capped at the large bound (what a server can generate)."""
+    """Every metric of report.json; `realized` is capped at the large bound (what a server can generate)."""
     y = np.asarray(realized, dtype=np.float64)
     length = np.array([p.length for p in preds], dtype=np.float64)
     unc = np.array([p.uncertainty for p in preds], dtype=np.float64)

@@ -11,7 +11,7 @@
  * segments: only addresses are shared with the caller.
  * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention, as transformers' repeat_kv).
  *
- * Speed (docs/BENCHMARKS.md, "Session 16"): a decode step reads every cached row once, mostly from DRAM, in
+ * Speed (Zen 5, 2026-11-24; docs/BENCHMARKS.md, "Decode attention"): a decode step reads every cached row once, mostly from DRAM, in
  * short streams (one request's K, then its V: ~166 KB each at SmolLM2's 217 rows). Prefetching PREFETCH_ROWS
  * rows ahead, and the first V rows while K's last rows are scored, keeps DRAM busy across those stream starts;
  * with the group size and head_dim as constants the compiler keeps the loops free of divisions. Together

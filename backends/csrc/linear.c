@@ -3,7 +3,7 @@
  * Why not oneDNN: a decode step multiplies a few rows (one per request) by every weight of the model, so each
  * weight is read from DRAM once per step and used a few times. oneDNN's fp32 kernel on SmolLM2's shapes at 16
  * rows took the weight stream's time plus the FMAs' time, one after the other (30 ms per step on a Zen 5 core:
- * 13.4 ms of stream at 40 GB/s, 16.8 ms of FMAs; docs/BENCHMARKS.md, "Session 17"). This kernel streams each
+ * 13.4 ms of stream at 40 GB/s, 16.8 ms of FMAs; docs/BENCHMARKS.md, "CPU linear layers"). This kernel streams each
  * panel once, prefetching ahead, while it computes on the lines already there, so the two overlap.
  *
  * Layout: W [N, K] is packed as panels of PANEL output columns, panel p = [K][PANEL] (row k holds W[p*PANEL + j, k]

@@ -203,7 +203,7 @@ def guidellm_point(url: str, label: str, streams: int, n: int, model_dir: Path, 
     # guidellm's seed draws the synthetic prompts: one seed per concurrency, the same for every server. With one
     # seed for the whole sweep each point re-sent the previous points' prompts, and a server with a prefix cache
     # of finished requests (vLLM's, 128-token blocks) served those from cache: 16 of c=16's 64 prompts, 64 of
-    # c=64's 128 (its hit counter matched that count exactly in session 17's run).
+    # c=64's 128 (its hit counter matched that count exactly in a run of 2026-11-24).
     seed = args.seed + streams
     # absolute: guidellm runs in the logs folder (its own files land there) and resolves a relative path from it
     path = (out / "guidellm" / f"{label}-c{streams}.json").resolve()

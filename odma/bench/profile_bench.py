@@ -204,7 +204,7 @@ def _ranges(engine):
 
     worker = engine.workers[0]
     runner, sched = worker.runner, worker.scheduler
-    saved = (runner.model.forward, runner.sampler, runner.decode_kernel, sched.schedule)
+    saved = (runner.model.forward, runner.sampler, runner.attention, sched.schedule)
 
     def wrap(fn, name):
         def inner(*a, **k):
@@ -213,12 +213,12 @@ def _ranges(engine):
         inner.__wrapped__ = fn
         return inner
 
-    class Kernel:  # the model calls kernel.plan(...) once a step and batch.attend → kernel(...) per layer
+    class Kernel:  # the model calls kernel.plan_step(...) once a step and batch.attend → kernel(...) per layer
         def __init__(self, k):
             self.k = k
 
-        def plan(self, *a, **kw):
-            batch = self.k.plan(*a, **kw)
+        def plan_step(self, *a, **kw):
+            batch = self.k.plan_step(*a, **kw)
             if batch is not None:
                 batch.kernel = self
             return batch
@@ -230,15 +230,15 @@ def _ranges(engine):
     linears = [m for m in runner.model.modules() if isinstance(m, KernelLinear)]  # the GEMM kernel, per layer
     runner.model.forward = wrap(runner.model.forward, "odma.model")
     runner.sampler = wrap(runner.sampler, "odma.sampler")
-    if runner.decode_kernel is not None:
-        runner.decode_kernel = Kernel(runner.decode_kernel)
+    if runner.attention is not None:
+        runner.attention = Kernel(runner.attention)
     sched.schedule = wrap(sched.schedule, "odma.scheduler")
     for m in linears:
         m.kernel = wrap(m.kernel, "odma.linear")
     try:
         yield
     finally:
-        runner.model.forward, runner.sampler, runner.decode_kernel, sched.schedule = saved
+        runner.model.forward, runner.sampler, runner.attention, sched.schedule = saved
         for m in linears:
             m.kernel = m.kernel.__wrapped__
 

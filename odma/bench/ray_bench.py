@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sjf-aging-rounds", type=int, default=None, help="every engine's sjf aging bound")
     p.add_argument("--probe", default=None, help="every engine's length probe (e.g. 'probe')")
     p.add_argument("--growth-hint", default=None, choices=["pred", "none"], help="every engine's growth hint")
+    p.add_argument("--kv-growth", default=None, choices=["copy", "map"], help="every engine's --kv-growth")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--modes", default="single,odma,pow2", help=f"comma-separated, of {MODES}")
     p.add_argument("--rounds", type=int, default=1, help="repeat the modes this often (ratios per round)")
@@ -93,6 +94,7 @@ def _engine_config(args, kv_budget: str):
             "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),
             *(["--probe", args.probe] if args.probe else []),
             *(["--growth-hint", args.growth_hint] if args.growth_hint else []),
+            *(["--kv-growth", args.kv_growth] if args.kv_growth else []),
             *(["--admission-demand", str(args.admission_demand)] if args.admission_demand else [])]
     return config_from_args(build_parser().parse_args(argv))
 

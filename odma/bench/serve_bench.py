@@ -43,9 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="odma", choices=["odma", "static", "s3"])
     p.add_argument("--kv-budget", default="160MiB")
     p.add_argument("--max-num-seqs", type=int, default=64,
-                   help="the started server's batch cap (default 64, the server's default before session 14, so that "
+                   help="the started server's batch cap (default 64, the server's default before it was 128, so that "
                         "the commands recorded in docs/BENCHMARKS.md reproduce; the server's own default is 128)")
     p.add_argument("--preempt", default="swap", choices=["wait", "recompute", "swap"])
+    p.add_argument("--kv-growth", default=None, choices=["copy", "map"],
+                   help="the started server's --kv-growth (default: the server's, copy)")
     p.add_argument("--admission-demand", type=float, default=None,
                    help="the started server's --admission-demand (admission by the running set's predicted final KV)")
     p.add_argument("--predictor", default="default")
@@ -154,7 +156,7 @@ def _vllm_gauges(text: str) -> dict:
 
 def _server_counters(text: str) -> dict:
     out = {}
-    for name in ("odma_migrations_total", "odma_preemptions_total", "odma_stalls_total", "odma_reservation_refusals_total",
+    for name in ("odma_migrations_total", "odma_grown_in_place_total", "odma_preemptions_total", "odma_stalls_total", "odma_reservation_refusals_total",
                  "odma_migration_refusals_total", "odma_demand_refusals_total", "odma_kv_budget_bytes", "odma_engine_steps_total",
                  "odma_engine_busy_seconds_total", "odma_engine_decode_tokens_total", "odma_engine_prefill_tokens_total"):
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
@@ -267,6 +269,7 @@ def _server_process(args):
            "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),
            *(["--probe", args.probe] if args.probe else []),
            *(["--growth-hint", args.growth_hint] if args.growth_hint else []),
+           *(["--kv-growth", args.kv_growth] if args.kv_growth else []),
            *(["--admission-demand", str(args.admission_demand)] if args.admission_demand else [])]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
@@ -306,7 +309,7 @@ def run(args: argparse.Namespace) -> dict:
         result.update(policy=args.policy, kv_budget=args.kv_budget, preempt=args.preempt, dtype=args.dtype,
                       max_num_seqs=args.max_num_seqs, admission_demand=args.admission_demand,
                       kv_dtype=args.kv_dtype or "server default", growth_hint=args.growth_hint or "server default",
-                      **common)
+                      kv_growth=args.kv_growth or "server default", **common)
     elif args.url:
         result = {**asyncio.run(_replay(args.url.rstrip("/"), records, args)), **common}
     else:

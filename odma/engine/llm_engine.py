@@ -115,7 +115,9 @@ class LLMEngine:
         if config.length_log and config.bootstrap_from_log:
             bootstrap = read_realized_lengths(config.length_log, model=config.model, max_length=self.max_model_len)
         # one policy object for every device: one set of bucket bounds, one window of realized lengths
-        self.policy = build_policy(config.policy, max_tokens=config.max_tokens_cap, buckets=config.buckets,
+        # (the paged baseline reserves no buckets; its requests are tagged as odma's are, for ordering)
+        self.policy = build_policy("odma" if config.policy == "paged" else config.policy,
+                                   max_tokens=config.max_tokens_cap, buckets=config.buckets,
                                    pool=config.pool, s3_buckets=config.s3_buckets, bootstrap=bootstrap)
         kv_dtype = DTYPES[config.resolved_kv_dtype]
         models = {str(model.device): model}  # devices that are the same torch device share the weights

@@ -10,20 +10,13 @@ vocabulary); they are read with a forward hook on the last decoder layer, only i
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 
-if TYPE_CHECKING:
-    from odma.engine.scheduler import Work
+from odma.engine.sequence import TokenLogprob, Work
 
 ROWS_PER_CHUNK = 256  # prompt rows projected to the vocabulary at once (256 × 49k floats = 50 MB)
-
-
-class TokenLogprob(NamedTuple):
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the k most likely tokens, most likely first (k = what was asked)
 
 
 def _entries(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:

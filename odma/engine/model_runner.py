@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from backends import Arena, Backend, KVLayout, Span
+from backends import Arena, Backend, BackendError, KVLayout, Span
+from backends.triton_attention import TritonAttention
 from odma.engine.logprobs import SampledLogprobs, prompt_logprobs
 from odma.engine.scheduler import Work
 from odma.engine.sampling import Sampler
@@ -13,16 +14,23 @@ from odma.models.llama import CausalLM, HiddenCapture, SeqSlot
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, backend: Backend, total_tokens: int, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: CausalLM, backend: Backend, total_tokens: int, kv_dtype: torch.dtype | None = None,
+                 attention: str = "auto", page_tokens: int | None = None, arena: Arena | None = None) -> None:
+        """attention: auto | triton | sdpa (Backend.attention). page_tokens: the arena holds pages of this many
+        tokens that requests address through page tables (the paged baseline; Triton attention only). arena: one
+        made by the caller (a virtual arena for growth by mapping); by default one of total_tokens."""
         c = model.config
         if backend.name == "cpu":
             pack_linears(model, backend.linear_kernel())  # weights packed once for the GEMM (cpu_linear.py)
         self.model = model
         self.backend = backend
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype)
+        self.attention = backend.attention(attention)
+        self.page_tokens = page_tokens
+        if page_tokens is not None and not isinstance(self.attention, TritonAttention):
+            raise BackendError("paged KV is read by the Triton attention only (attention 'triton', or 'auto' on a GPU)")
         # the only KV allocation: one arena for the whole pool; a block is a view of one range of it
-        self.arena: Arena = backend.create_arena(total_tokens, self.layout)
-        self.decode_kernel = backend.decode_attention()
+        self.arena: Arena = arena if arena is not None else backend.create_arena(total_tokens, self.layout)
         self.sampler = Sampler()
         self.eos_ids: tuple[int, ...] = tuple(c.eos_token_ids)  # end a request unless ignore_eos
         # hidden states a length probe reads: set capture_layers, and after each run() `captured[layer]` holds
@@ -42,29 +50,59 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[SeqSlot] = []
+        pages = self.pages_view() if self.page_tokens is not None else None
         for w in work:
             ids += w.seq.token_ids(w.start, w.start + w.q_len)
             positions += range(w.start, w.start + w.q_len)
-            slots.append(SeqSlot(self.arena.view(w.seq.block), w.start, w.q_len))
+            if pages is not None:
+                slots.append(SeqSlot(pages, w.start, w.q_len, pages=w.seq.kv.pages))
+            else:
+                slots.append(SeqSlot(self.arena.view(w.seq.block), w.start, w.q_len))
         capture = HiddenCapture(self.capture_layers) if self.capture_layers else None
         with prompt_logprobs(self.model, work):  # only for requests that ask (echo with logprobs)
             logits = self.model(
                 torch.tensor(ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device),
                 slots,
-                self.decode_kernel,
+                self.attention,
                 capture=capture,
-            ).cpu()
+            )
         self.captured = {k: v.cpu() for k, v in capture.last.items()} if capture is not None else {}
         for w in work:
             w.seq.num_cached = w.start + w.q_len
+        tokens = self._sample(work, logits)
+        return [t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(tokens, work)]
+
+    def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
+        """One token per row. Plain greedy rows take the argmax where the logits are (on an accelerator only the
+        token ids come back); rows that sample, mask tokens (min_tokens) or report logprobs go through the sampler
+        on the host."""
         params = [w.seq.params for w in work]
         banned = [self._banned(w) for w in work]
-        chosen = SampledLogprobs(work, logits)  # before the sampler masks the logits in place
-        tokens = self.sampler(logits, params, [w.seq.generator for w in work], banned)
-        tokens = [t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(tokens, work)]
-        chosen.record(tokens)
+        host = [i for i, (p, ban) in enumerate(zip(params, banned)) if not p.greedy or ban or p.logprobs is not None]
+        if not host:
+            return logits.argmax(-1).tolist()
+        tokens: list[int] = [0] * len(work)
+        if len(host) < len(work):
+            host_set = set(host)
+            plain = [i for i in range(len(work)) if i not in host_set]
+            for i, t in zip(plain, logits[plain].argmax(-1).tolist()):
+                tokens[i] = t
+            logits = logits[host]
+        logits = logits.cpu()
+        sub = [work[i] for i in host]
+        chosen = SampledLogprobs(sub, logits)  # before the sampler masks the logits in place
+        sampled = self.sampler(logits, [params[i] for i in host], [w.seq.generator for w in sub],
+                               [banned[i] for i in host])
+        for i, t in zip(host, sampled):
+            tokens[i] = t
+        chosen.record([t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(sampled, sub)])
         return tokens
+
+    def pages_view(self) -> torch.Tensor:
+        """The arena as pages [pages, layers, 2, page_tokens, kv_heads, head_dim] (paged KV only)."""
+        lay, p = self.layout, self.page_tokens
+        return self.arena.storage.view(-1, lay.layers, 2, p, lay.kv_heads, lay.head_dim)
 
     @torch.inference_mode()
     def profile_activations(self, token_counts: list[int]) -> dict[int, int]:

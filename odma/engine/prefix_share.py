@@ -16,10 +16,7 @@ it before the model step (`copy_prefixes`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from odma.engine.sequence import Sequence
+from odma.engine.sequence import Sequence, Work
 
 MAX_CANDIDATES = 8  # holders compared per lookup (most recent first): the first tokens already matched
 
@@ -105,8 +102,6 @@ def copy_prefixes(work: list, arena) -> list:
     """The step's work with each planned prefix copy done (`Work.copy_from`): the holder's first `start` tokens'
     K/V are copied into the request's block. A holder that no longer has them (it cannot lose them between the
     scheduler's plan and this call, but a wrong copy would be silent) turns the item back into a full prefill."""
-    from odma.engine.scheduler import Work
-
     out = []
     for w in work:
         source = w.copy_from

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from odma.engine.ordering import make_order, predicted_remaining
 from odma.engine.prefix_share import PrefixIndex
-from odma.engine.sequence import Sequence, Status
+from odma.engine.sequence import Sequence, Status, Work
 from odma.kv import KVHandle, KVManager
 
 PREEMPT_MODES = ("wait", "recompute", "swap")
@@ -29,14 +29,6 @@ class Swapper(Protocol):
 
     def drop(self, seq: Sequence) -> None:
         """Forget the host copy (the request ended while swapped out)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Work:
-    seq: Sequence
-    start: int  # tokens already cached
-    q_len: int  # tokens fed this step
-    copy_from: Sequence | None = None  # the first `start` tokens' K/V are copied from this request's block first
 
 
 @dataclass(slots=True)

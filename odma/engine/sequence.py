@@ -1,15 +1,16 @@
-"""Per-request state: token ids, sampling parameters, the predictor's tag, the KV block, timings."""
+"""Per-request state: token ids, sampling parameters, the predictor's tag, the KV block, timings; its log-probability
+records (`TokenLogprob`) and what it is fed in a step (`Work`). The scheduler, the orderings, prefix sharing and the
+log-probabilities all read these types, so they live here, in a module that imports none of those."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from odma.engine.logprobs import TokenLogprob
 from odma.engine.sampling import SamplingParams, generator_seed
 from odma.kv import Block, KVHandle
 
@@ -25,6 +26,12 @@ class RequestTags:
     # (L̂, u) predicted upstream (a cluster's ingress predicts once, to route by it): the engine tags the request
     # with it instead of running its own predictor
     prediction: tuple[float, float] | None = None
+
+
+class TokenLogprob(NamedTuple):
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the k most likely tokens, most likely first (k = what was asked)
 
 
 class Status(Enum):
@@ -128,3 +135,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    seq: Sequence
+    start: int  # tokens already cached
+    q_len: int  # tokens fed this step
+    copy_from: Sequence | None = None  # the first `start` tokens' K/V are copied from this request's block first

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from odma.engine.config import EngineConfig, parse_kv_budget
+from odma.engine.config import PAGE_TOKENS, EngineConfig, parse_kv_budget
 from odma.engine.model_runner import ModelRunner
 from odma.engine.scheduler import Scheduler
 from odma.errors import ConfigError
-from odma.kv import ContiguousKV, DeviceLoad, ElasticKV, KVPool, ReservationPolicy
+from odma.kv import ContiguousKV, DeviceLoad, ElasticKV, KVPool, MappedKV, PagedKV, PlaneGeometry, ReservationPolicy
 from odma.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -25,14 +25,15 @@ class DeviceWorker:
     device: str
     backend: Any
     runner: ModelRunner
-    kv: ContiguousKV  # the door the scheduler uses
+    kv: ContiguousKV | PagedKV | MappedKV  # the door the scheduler uses
     scheduler: Scheduler
     swap: Any = None  # odma.engine.swap.HostSwap when preempting by swap
 
     @property
-    def pool(self) -> KVPool:
-        """The device's pool, for observability (stats) and tests; scheduling goes through `kv`."""
-        return self.kv.pool
+    def pool(self) -> KVPool | PagedKV | MappedKV:
+        """The device's pool, for observability (stats) and tests; scheduling goes through `kv`. The paged
+        baseline's page bookkeeping answers `stats()` itself."""
+        return self.kv if isinstance(self.kv, (PagedKV, MappedKV)) else self.kv.pool
 
     @property
     def elastic(self) -> ElasticKV | None:
@@ -54,12 +55,19 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
     total_tokens = budget // bytes_per_token
     if total_tokens < config.pool.align:
         raise ConfigError(f"kv budget {config.kv_budget!r} holds {total_tokens} tokens of {bytes_per_token} B each")
-    runner = ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype)
-    # static blocks never grow and never use the large bucket: give it the whole budget as one region
-    large_share = 0.0 if config.policy == "static" else config.pool.large_share
-    pool = KVPool(total_tokens, policy, large_share=large_share, align=config.pool.align,
-                  bytes_per_token=bytes_per_token, mover=runner.arena, worst_case_prompt_share=config.pool.worst_case_prompt_share)
-    kv = ContiguousKV(pool, elastic=_build_elastic(config, backend, runner, pool) if config.balloon else None)
+    if config.policy == "paged":
+        return _build_paged_worker(config, device, backend, model, kv_dtype, total_tokens, bytes_per_token)
+    mapped = _build_mapped(config, device, backend, model, policy, kv_dtype, budget) if config.kv_growth == "map" else None
+    if mapped is not None:
+        runner, kv = mapped
+    else:
+        runner = _runner(model, backend, total_tokens, kv_dtype, config.attention)
+        # static blocks never grow and never use the large bucket: give it the whole budget as one region
+        large_share = 0.0 if config.policy == "static" else config.pool.large_share
+        pool = KVPool(total_tokens, policy, large_share=large_share, align=config.pool.align,
+                      bytes_per_token=bytes_per_token, mover=runner.arena,
+                      worst_case_prompt_share=config.pool.worst_case_prompt_share)
+        kv = ContiguousKV(pool, elastic=_build_elastic(config, backend, runner, pool) if config.balloon else None)
     swap = None
     if config.preempt == "swap":
         from odma.engine.swap import HostSwap
@@ -73,9 +81,63 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
                           admission_demand=config.admission_demand,
                           chunk_prefills=config.balloon and config.balloon_chunked_prefill,
                           clear_window=config.clear_window, prefix_min_tokens=config.prefix_share_min_tokens)
-    log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); decode attention: %s", device, budget / 2**20,
-             total_tokens, bytes_per_token, "backend kernel" if runner.decode_kernel is not None else "SDPA per request")
+    log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); growth by %s; attention: %s", device, budget / 2**20,
+             kv.total_tokens, bytes_per_token, "mapping" if mapped is not None else "copy", attention_name(runner))
     return DeviceWorker(device, backend, runner, kv, scheduler, swap)
+
+
+def attention_name(runner: ModelRunner) -> str:
+    kind = type(runner.attention).__name__
+    return {"DecodeAttention": "the CPU decode kernel (SDPA for prefills)", "TritonAttention": "Triton kernels",
+            "NoneType": "SDPA per request"}.get(kind, kind)
+
+
+def _runner(model: CausalLM, backend: Any, total_tokens: int, kv_dtype: torch.dtype, attention: str,
+            page_tokens: int | None = None, arena: Any = None) -> ModelRunner:
+    from backends import BackendError
+
+    try:
+        return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=attention, page_tokens=page_tokens,
+                           arena=arena)
+    except BackendError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _build_mapped(config: EngineConfig, device: str, backend: Any, model: CausalLM, policy: ReservationPolicy,
+                  kv_dtype: torch.dtype, budget: int) -> tuple[ModelRunner, MappedKV] | None:
+    """Growth by mapping: a virtual arena with room for twice max_num_seqs worst-case blocks, backed by the budget's
+    memory in granules; None (copy migration, with a warning) where the backend has no virtual memory."""
+    from backends import KVLayout, create_virtual_arena
+
+    c = model.config
+    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+    vm = backend.virtual_memory()
+    if vm is None:
+        log.warning("%s: no virtual memory on this backend; blocks grow by copy migration", device)
+        return None
+    geometry = PlaneGeometry(c.num_layers, layout.bytes_per_token // (2 * c.num_layers), vm.granularity)
+    longest = min(config.max_model_len or c.max_position_embeddings, budget // layout.bytes_per_token)
+    virtual_tokens = 2 * config.max_num_seqs * geometry.layout_tokens(max(longest, 1))
+    arena = create_virtual_arena(backend, virtual_tokens, layout, budget)
+    runner = _runner(model, backend, virtual_tokens, kv_dtype, config.attention, arena=arena)
+    return runner, MappedKV(policy, geometry, arena, virtual_tokens)
+
+
+def _build_paged_worker(config: EngineConfig, device: str, backend: Any, model: CausalLM, kv_dtype: torch.dtype,
+                        total_tokens: int, bytes_per_token: int) -> DeviceWorker:
+    """The paged baseline: the same budget as pages of PAGE_TOKENS, handed out one at a time as requests grow (vLLM's
+    memory), read through page tables by the same Triton kernels. Preempted requests are recomputed, as vLLM does by
+    default (pages are not swapped); no prefix copies (a copy needs a contiguous source)."""
+    pages = total_tokens // PAGE_TOKENS
+    runner = _runner(model, backend, pages * PAGE_TOKENS, kv_dtype, config.attention, page_tokens=PAGE_TOKENS)
+    kv = PagedKV(pages * PAGE_TOKENS, page_tokens=PAGE_TOKENS, bytes_per_token=bytes_per_token)
+    preempt = "recompute" if config.preempt == "swap" else config.preempt
+    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
+                          preempt=preempt, order=config.schedule, aging_rounds=config.sjf_aging_rounds,
+                          admission_theta=config.admission_theta, admission_demand=config.admission_demand)
+    log.info("%s: paged kv, %d pages of %d tokens (%d B/token); preemption: %s; attention: %s", device, pages,
+             PAGE_TOKENS, bytes_per_token, preempt, attention_name(runner))
+    return DeviceWorker(device, backend, runner, kv, scheduler)
 
 
 def _build_elastic(c: EngineConfig, backend, runner: ModelRunner, pool: KVPool) -> ElasticKV:

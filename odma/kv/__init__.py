@@ -26,6 +26,7 @@ from odma.kv.buckets import (
 from odma.kv.elastic import ElasticKV
 from odma.kv.manager import ContiguousKV, KVManager
 from odma.kv.offload import OffloadConfig, OffloadController
+from odma.kv.mapped import MappedKV, PlaneGeometry
 from odma.kv.paged import PagedKV
 from odma.kv.placement import DeviceLoad, rank_devices
 from odma.kv.policy import (
@@ -44,8 +45,8 @@ from odma.kv.pool import KVPool, PoolCounters, PoolStats
 __all__ = [
     "LARGE", "LARGE_REGION", "MAIN", "POLICY_KINDS", "ActivationProfile", "BalloonPool", "Block", "BlockMover",
     "BucketChoice", "BucketConfig", "BucketManager", "BucketPolicy", "ContiguousKV", "DeviceLoad", "ElasticKV",
-    "ExactPolicy", "Growth", "KVHandle", "KVManager", "KVPool", "KVRequest", "OffloadConfig", "OffloadController",
-    "PagedKV", "PoolConfig", "PoolCounters", "PoolStats", "Reservation", "ReservationPolicy", "ReservationTable", "Segment",
+    "ExactPolicy", "Growth", "KVHandle", "KVManager", "KVPool", "KVRequest", "MappedKV", "OffloadConfig", "OffloadController",
+    "PagedKV", "PlaneGeometry", "PoolConfig", "PoolCounters", "PoolStats", "Reservation", "ReservationPolicy", "ReservationTable", "Segment",
     "SizedRequest", "StaticPolicy", "align_up", "build_policy", "equal_width_bounds", "optimal_bounds", "quantile_bounds",
     "rank_devices",
 ]

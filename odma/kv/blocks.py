@@ -35,6 +35,7 @@ class KVHandle:
     request_id: str
     capacity: int  # tokens the request may hold now
     block: Block | None = None  # the contiguous range (None for the paged model, which has no ranges)
+    pages: list[int] | None = None  # the paged model's page ids, in token order (its holder reads them in place)
 
 
 @dataclass(frozen=True, slots=True)

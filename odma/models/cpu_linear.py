@@ -4,7 +4,7 @@ The default (`ODMA_CPU_LINEAR=odma`): fp32 layers, and bf16 ones on CPUs with AV
 kernel (backends/cpu_linear.py) where it builds here (AVX-512, a C compiler) and serves torch's thread count; it
 overlaps the weight stream with the FMAs, which oneDNN does not: one thread, SmolLM2's layers, fp32 0.72-0.81x
 oneDNN's time at 16 rows, bf16 0.70x, both level from 64-256 rows on; two threads 0.71-0.80x at 16 rows but 1.1x
-at 600 (docs/BENCHMARKS.md, "Session 18"). Every other layer is packed for oneDNN as below.
+at 600 (Zen 5, 2026-11-24; docs/BENCHMARKS.md, "CPU linear layers"). Every other layer is packed for oneDNN as below.
 
 Why: `F.linear` on CPU re-packs the weight matrix into the GEMM's blocked layout on every call; with the few
 rows of a decode step (one per request) that packing is a large share of the GEMM, and the GEMMs are most
@@ -14,15 +14,15 @@ The results differ from `F.linear` in the last bits (another summation order), a
 The packed call serves every row count, large prefills included. On SmolLM2's shapes, one thread, at every M from
 16 to 2,600 it ran at 102-112 GF/s against 74-101 for `F.linear` on a Zen 4 CPU, and at 141-262 against 82-112 on
 a Zen 5 (oneDNN picks its AVX-512 kernels by CPU flag, MKL did not reach them); inside the engine a 638-token
-prefill step took 0.71-0.76 s instead of 1.51-2.08 s on the Zen 5 (docs/BENCHMARKS.md, "Session 16"). An earlier,
-isolated measurement on an AVX2 CPU had MKL 5-10 % ahead above 512 rows; `ODMA_CPU_LINEAR=mixed` keeps that split
-(F.linear for steps of more than DENSE_ABOVE rows) for such machines. The dense weight stays either way (a tied
-LM head, `mixed`), so the packed copy costs the weights' size once more in host memory (538 MB for SmolLM2-135M
-in fp32).
+prefill step took 0.71-0.76 s instead of 1.51-2.08 s on the Zen 5 (2026-11-24; docs/BENCHMARKS.md, "CPU linear
+layers"). An earlier, isolated measurement on an AVX2 CPU had MKL 5-10 % ahead above 512 rows;
+`ODMA_CPU_LINEAR=mixed` keeps that split (F.linear for steps of more than DENSE_ABOVE rows) for such machines. The
+dense weight stays either way (a tied LM head, `mixed`), so the packed copy costs the weights' size once more in
+host memory (538 MB for SmolLM2-135M in fp32).
 
 bfloat16 weights (`--dtype bfloat16`) are packed too where oneDNN has a bf16 path on this CPU: one thread, 16 rows,
 SmolLM2's shapes, the packed call took 0.78 × F.linear's time for the layers and 0.57 × for the LM head, with
-bit-identical results; from 256 rows on the two are within 7 % (docs/BENCHMARKS.md, "Session 14").
+bit-identical results; from 256 rows on the two are within 7 % (measured on 2026-11-24 on an EPYC with AVX-512).
 
 `ODMA_CPU_LINEAR` = `odma` (default: the kernel where it serves, oneDNN for the rest) | `onednn` (packed for every
 step) | `mixed` (F.linear above DENSE_ABOVE rows) | `torch` (F.linear always: A/B measurements, or a torch build

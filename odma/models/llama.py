@@ -19,6 +19,7 @@ from odma.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention, DecodeBatch
+    from backends.triton_attention import TritonAttention, TritonStep
 
 
 @dataclass(slots=True)
@@ -28,6 +29,9 @@ class SeqSlot:
     kv: torch.Tensor  # [layers, 2, capacity, kv_heads, head_dim], a view into the pool's arena
     start: int  # tokens already cached in the block
     q_len: int  # tokens fed this step (prompt chunk, or 1 when decoding)
+    # paged KV (the baseline): the request's page ids in order, and `kv` is the whole arena viewed as pages
+    # [pages, layers, 2, page_tokens, kv_heads, head_dim]; only the Triton attention reads pages
+    pages: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -84,7 +88,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlot],
-                decode: DecodeBatch | None = None) -> torch.Tensor:
+                decode: DecodeBatch | TritonStep | None = None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
@@ -94,7 +98,7 @@ class Attention(nn.Module):
         # slow): attention runs in the cache's dtype, the projections in the weights'. Same dtype: no-ops.
         kv_dtype = seqs[0].kv.dtype
         q = q.to(kv_dtype)
-        if decode is not None:  # the backend's kernel takes every decoding request of the step in one call
+        if decode is not None:  # the backend's kernel takes its requests of the step in one call per layer
             k, v = k.to(kv_dtype), v.to(kv_dtype)
             if decode.rows is None:
                 return self.o_proj(decode.attend(self.layer, q, k, v).view(t, -1).to(x.dtype))
@@ -191,15 +195,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlot],
-                decode_kernel: DecodeAttention | None = None, capture: HiddenCapture | None = None) -> torch.Tensor:
+                attention: DecodeAttention | TritonAttention | None = None,
+                capture: HiddenCapture | None = None) -> torch.Tensor:
         """input_ids, positions: [T] for all requests' new tokens, in `seqs` order. Returns [len(seqs), vocab].
-        decode_kernel: the backend's decode attention (None: SDPA for every request). capture: hidden states
-        to hand back (see HiddenCapture)."""
+        attention: the backend's kernel, planned once for the step (the CPU's takes the decoding requests, the
+        Triton one every request); None: SDPA for every request. capture: hidden states to hand back (see
+        HiddenCapture)."""
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)
-        decode = None
-        if decode_kernel is not None:
-            decode = decode_kernel.plan([s.kv for s in seqs], [s.start for s in seqs], [s.q_len for s in seqs])
+        decode = attention.plan_step(seqs) if attention is not None else None
         last = torch.tensor([s.q_len for s in seqs], device=x.device).cumsum(0) - 1
         if capture is None:
             for layer in self.model.layers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import re
@@ -11,10 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_dir
-from odma.engine.config import LOG_PROMPT_MODES, POLICIES, EngineConfig
+from odma.engine.config import ATTENTION_KINDS, KV_GROWTH, LOG_PROMPT_MODES, POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
-from odma.serve_ray.settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
+from odma.server.ray_settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
 
 log = logging.getLogger("odma.serve")
 
@@ -47,9 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "with AVX512-BF16 or AMX, see docs/serving.md)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="KV cache dtype (default: float32 on cpu, where bf16 attention is slow; --dtype elsewhere)")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES, help="KV reservation policy")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES,
+                   help="KV reservation policy (paged: 16-token pages, the baseline; needs the Triton attention)")
+    p.add_argument("--attention", default=d.attention, choices=ATTENTION_KINDS,
+                   help="attention kernel: auto (CPU: the C decode kernel; GPU/MLU: Triton over the KV arena), "
+                        "triton, or sdpa (torch per request)")
     p.add_argument("--kv-budget", default=d.kv_budget, help="KV pool: bytes (268435456, 256MiB, 2GB) or a share of device memory (0.3, 30%%)")
     p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
+    p.add_argument("--kv-growth", default=d.kv_growth, choices=KV_GROWTH,
+                   help="copy: an outgrown block migrates (one sequential copy); map: every block is address space for "
+                        "its worst case and memory is mapped behind it as it grows (virtual memory: CUDA, Linux hosts)")
     p.add_argument("--reserve-scale", type=float, default=d.pool.reserve_scale,
                    help="odma reserves for reserve_scale·L̂ and grows by migration past it (the replays chose this value)")
     p.add_argument("--growth-hint", default=d.pool.growth_hint, choices=GROWTH_HINTS,
@@ -155,7 +163,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     device = devices[0] if devices else args.device
     dtype = args.dtype or ("float32" if device.startswith("cpu") else "bfloat16")
     return EngineConfig(
-        model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, kv_budget=args.kv_budget,
+        model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, attention=args.attention, kv_growth=args.kv_growth,
+        kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, schedule=args.schedule, sjf_aging_rounds=args.sjf_aging_rounds,
         max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
         max_model_len=args.max_model_len, parallel_devices=args.parallel_devices, s3_buckets=args.s3_buckets,
@@ -206,13 +215,18 @@ def build_server(config: EngineConfig, max_queue: int = 256, served_name: str | 
     return app, runtime
 
 
+# `--ray` serves the same app on Ray Serve. odma.serve_ray is built on this package (its ingress runs create_app),
+# so the CLI names its entry point and imports it only when asked: dependencies run one way, serve_ray → server.
+RAY_ENTRY = "odma.serve_ray.app:serve_forever"
+
+
 def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         import ray.serve  # noqa: F401 - odma.serve_ray imports Ray only once it deploys: say what is missing now
     except ImportError as exc:
         raise ConfigError(f"--ray needs Ray Serve: pip install 'odma[ray]' ({exc})") from None
-    from odma.serve_ray.app import serve_forever
-
+    module, _, function = RAY_ENTRY.partition(":")
+    serve_forever = getattr(importlib.import_module(module), function)
     return serve_forever(config, ray_settings_from_args(args), host=args.host, port=args.port,
                          served_name=args.served_model_name, generation_config=args.generation_config,
                          override_generation_config=args.override_generation_config, max_n=args.max_n)

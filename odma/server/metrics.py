@@ -178,7 +178,8 @@ class _EngineCollector:
         yield counter("odma_migrations", "Blocks moved to a larger range mid-decode", pool.migrations)
         yield counter("odma_migrated_tokens", "Tokens copied by migrations", pool.migrated_tokens)
         yield counter("odma_migration_refusals", "Growths refused for lack of room", pool.migration_refusals)
-        yield counter("odma_grown_in_place", "Growths over the free units after a block (counted in migrations too)",
+        yield counter("odma_grown_in_place", "Growths where the block lies: over the free units after it (counted in "
+                      "migrations too) or, with --kv-growth map, by mapping memory behind it (nothing copied)",
                       pool.grown_in_place)
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
         yield counter("odma_theta_refusals", "Admissions deferred to keep reservations within theta (eLLM Alg. 1)",

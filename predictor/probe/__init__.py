@@ -1,4 +1,4 @@
-"""The `probe` predictor: the served model's own hidden states → its output length (issue 20).
+"""The `probe` predictor: the served model's own hidden states → its output length.
 
 - hidden.py       the served model's prefill / teacher forcing, standalone (odma's own model code)
 - state_cache.py  prompt-end states of every layer, cached on disk per model

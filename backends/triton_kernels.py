@@ -1,0 +1,194 @@
+"""Triton kernels over the one KV arena: write the step's K/V into each request's block, decode attention (split
+over the context, flash-decoding style) and varlen causal attention for prefill chunks.
+
+Every kernel addresses the arena as one flat tensor of elements. A request's K rows of a layer are found one of
+two ways, chosen at compile time by PAGE:
+- PAGE == 0, contiguous: the request's block starts at element `base[r]`; a block of capacity C is laid out
+  [layers, 2, C, kv_heads, head_dim], so layer L's K row t is at base + L * layer_stride[r] + t * ROW and its V
+  row `half[r]` further (layer_stride = 2 * C * ROW, half = C * ROW; ROW = kv_heads * head_dim).
+- PAGE > 0, paged: token t lives in page table[r, t // PAGE], each page a block of capacity PAGE in the same
+  layout, so the row is at page * page_elems + L * layer_stride[r] + (t % PAGE) * ROW (every request's
+  layer_stride and half are the page's). This is the paged baseline: the same code, reading through a table.
+
+Nothing here is CUDA-specific (no inline assembly, no vendor intrinsics), so the same source is what a Triton
+backend for another accelerator (Cambricon's triton-mlu) compiles. UPCAST computes the dot products in float32:
+Triton's interpreter (TRITON_INTERPRET=1, the CPU check) gets bf16 `tl.dot` wrong, so it runs with UPCAST.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, mask,
+          ROW: tl.constexpr, PAGE: tl.constexpr):
+    """Element offsets of K rows `t` of requests `r` (scalars or vectors of the same shape) in `layer`."""
+    lstride = tl.load(lstride_ptr + r)
+    if PAGE == 0:
+        return tl.load(base_ptr + r) + layer * lstride + t.to(tl.int64) * ROW
+    page = tl.load(table_ptr + r.to(tl.int64) * table_stride + t // PAGE, mask=mask, other=0).to(tl.int64)
+    return page * page_elems + layer * lstride + (t % PAGE).to(tl.int64) * ROW
+
+
+@triton.jit
+def _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, allowed, q, m, lsum, acc, qk_scale, D: tl.constexpr,
+          UPCAST: tl.constexpr):
+    """Fold one tile of keys (K rows at element offsets `rows`, V rows `half` further) into the running softmax of
+    the queries `q`: scores where `allowed`, the running max `m`, sum `lsum` and output `acc` rescaled (exp2: the
+    scale includes log2(e))."""
+    ptrs = kv_ptr + rows[:, None] + kvh * D + d[None, :]
+    kvmask = tmask[:, None] & dmask[None, :]
+    k = tl.load(ptrs, mask=kvmask, other=0.0)
+    v = tl.load(ptrs + half, mask=kvmask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    scores = tl.where(allowed, scores, -1.0e30)
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, lsum, acc
+
+
+@triton.jit(do_not_specialize=["n_tokens", "layer"])
+def kv_write_kernel(kv_ptr, k_ptr, v_ptr, stride_k, stride_v, tok_req_ptr, tok_pos_ptr, n_tokens,
+                    base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride, page_elems, layer,
+                    ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr):
+    """k, v [T, ROW] (row strides stride_k, stride_v) → each token's row `tok_pos` of its request's block."""
+    j = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    jmask = j < n_tokens
+    r = tl.load(tok_req_ptr + j, mask=jmask, other=0)
+    t = tl.load(tok_pos_ptr + j, mask=jmask, other=0)
+    rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, jmask, ROW, PAGE)
+    half = tl.load(half_ptr + r, mask=jmask, other=0)
+    e = tl.arange(0, BLOCK_R)
+    mask = jmask[:, None] & (e < ROW)[None, :]
+    dst = kv_ptr + rows[:, None] + e[None, :]
+    j64 = j.to(tl.int64)
+    k = tl.load(k_ptr + j64[:, None] * stride_k + e[None, :], mask=mask)
+    v = tl.load(v_ptr + j64[:, None] * stride_v + e[None, :], mask=mask)
+    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half[:, None], v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["layer", "split_tokens", "n_splits", "table_stride"])
+def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, stride_o,
+                  dec_req_ptr, dec_row_ptr, lens_ptr, base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride,
+                  page_elems, layer, qk_scale, split_tokens, n_splits,
+                  HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    """One query token per request. Program (i, kv head, split): the GROUP query heads that share the kv head,
+    over the split's range of the context, read once. qk_scale includes log2(e) (exp2 below). Without SPLIT the
+    normalized result goes to out[row]; with it, the split's normalized partial and its log2-sum-exp go to
+    part_acc [n, HEADS, n_splits, D] and part_lse [n, HEADS, n_splits] for `reduce_kernel`."""
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    r = tl.load(dec_req_ptr + i)
+    row = tl.load(dec_row_ptr + i).to(tl.int64)
+    n = tl.load(lens_ptr + r)
+    lo = s * split_tokens
+    hi = tl.minimum(lo + split_tokens, n)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    dmask = d < D
+    q = tl.load(q_ptr + row * stride_q + heads[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    half = tl.load(half_ptr + r)
+    m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    lsum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        tmask = t < hi
+        rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE)
+        m, lsum, acc = _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, tmask[None, :], q, m, lsum, acc, qk_scale,
+                             D, UPCAST)
+    safe = tl.where(lsum > 0, lsum, 1.0)
+    acc = acc / safe[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if SPLIT:
+        part = (i * HEADS + heads).to(tl.int64) * n_splits + s
+        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=omask)
+        tl.store(part_lse_ptr + part, tl.where(lsum > 0, m + tl.log2(safe), -1.0e30), mask=gmask)
+    else:
+        tl.store(out_ptr + row * stride_o + heads[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=omask)
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def reduce_kernel(out_ptr, part_acc_ptr, part_lse_ptr, dec_row_ptr, stride_o, n_splits,
+                  HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine the splits of one (request, head), one split at a time (online: any number of splits in registers
+    of one row): weights 2^(lse - running max), then renormalize. Empty splits (lse -1e30) weigh nothing."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(dec_row_ptr + i).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    base = (i * HEADS + h).to(tl.int64) * n_splits
+    m = -1.0e30
+    total = 0.0
+    o = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for sp in range(0, n_splits):
+        lse = tl.load(part_lse_ptr + base + sp)
+        part = tl.load(part_acc_ptr + (base + sp) * D + d, mask=dmask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        keep = tl.exp2(m - m_new)
+        w = tl.where(lse > -1.0e29, tl.exp2(lse - m_new), 0.0)
+        o = o * keep + part * w
+        total = total * keep + w
+        m = m_new
+    tl.store(out_ptr + row * stride_o + h * D + d, (o / total).to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit(do_not_specialize=["layer", "table_stride"])
+def prefill_kernel(kv_ptr, q_ptr, out_ptr, stride_q, stride_o, tile_req_ptr, tile_m_ptr,
+                   q_row_ptr, q_len_ptr, start_ptr, base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride,
+                   page_elems, layer, qk_scale,
+                   GROUP: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+    """Causal attention of a chunk of queries (positions start .. start+q_len-1 of request r, packed from row
+    q_row[r]) over the request's block [0, start + q_len): the cached tokens (an earlier chunk, a copied prefix)
+    and the chunk's own, which the write kernel has stored. Program (tile, head): BLOCK_M queries of one head."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    r = tl.load(tile_req_ptr + tile)
+    m0 = tl.load(tile_m_ptr + tile)
+    q_len = tl.load(q_len_ptr + r)
+    start = tl.load(start_ptr + r)
+    row0 = tl.load(q_row_ptr + r).to(tl.int64)
+    mi = m0 + tl.arange(0, BLOCK_M)
+    mmask = mi < q_len
+    pos = start + mi
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qmask = mmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + (row0 + mi)[:, None] * stride_q + h * D + d[None, :], mask=qmask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    half = tl.load(half_ptr + r)
+    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    end = start + tl.minimum(m0 + BLOCK_M, q_len)  # one past the tile's last query position
+    for kstart in range(0, end, BLOCK_N):
+        t = kstart + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE)
+        causal = (t[None, :] <= pos[:, None]) & tmask[None, :]
+        m, lsum, acc = _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, causal, q, m, lsum, acc, qk_scale, D, UPCAST)
+    acc = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+    tl.store(out_ptr + (row0 + mi)[:, None] * stride_o + h * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=qmask)

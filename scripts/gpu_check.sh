@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The accelerator path on one NVIDIA GPU in one command (meant to finish within 8 minutes on an H100/H200):
+#   1. the CUDA conformance tests, the Triton kernel tests and the engine-through-Triton tests, on the GPU;
+#   2. odma-bench gpu: contiguous vs paged decode kernels (context 1K/4K/16K x batch 1/16/64, GB/s against the
+#      measured copy bandwidth), growth by virtual-memory mapping vs a copy, and the engine with random weights of
+#      the paper model's shape on a natural-length trace, odma vs static vs paged on one KV budget.
+# Everything lands in OUT (default runs/gpu_check): env.txt, tests.log, gpu_check.json.
+#
+# Needs python3 with torch and triton (a GPU machine's image has them; nothing is installed) and the trace: the
+# Azure conversation CSV under $ODMA_DATA_DIR/azure_llm_2023/ (default: ../shared/datasets, or .gpu/data when
+# that exists, which is where a run that travels without ../shared carries it).
+#   scripts/gpu_check.sh --stage        copy the trace into .gpu/data (git ignores it) so that it travels with the tree
+#   scripts/gpu_check.sh [OUT]          on a GPU
+#   scripts/gpu_check.sh --cpu [OUT]    the CPU dry run (tiny shapes, Triton's interpreter; CI runs it)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--stage" ]; then
+  src=${ODMA_DATA_DIR:-../shared/datasets}/azure_llm_2023/conv.csv
+  mkdir -p .gpu/data/azure_llm_2023 && cp "$src" .gpu/data/azure_llm_2023/ && echo "staged $src in .gpu/data"
+  exit $?
+fi
+CPU=0
+if [ "${1:-}" = "--cpu" ]; then CPU=1; shift; fi
+OUT=${1:-${OUT:-runs/gpu_check}}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && [ "$CPU" = 1 ] && PY=.venv/bin/python
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -z "${ODMA_DATA_DIR:-}" ] && [ -d .gpu/data ]; then export ODMA_DATA_DIR=$PWD/.gpu/data; fi
+export PYTHONUNBUFFERED=1
+status=0
+
+"$PY" - <<'PYEOF' 2>&1 | tee "$OUT/env.txt"
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as e:
+    print("triton missing:", e)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", p.name, p.multi_processor_count, "SMs", round(p.total_memory / 2**30), "GiB")
+PYEOF
+
+if [ "$CPU" = 1 ]; then
+  export TRITON_INTERPRET=1
+  "$PY" -m odma.bench.gpu_bench --device cpu --tiny --rounds 1 --json --out "$OUT/gpu_check.json" >/dev/null || status=1
+else
+  XDIST=""
+  "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"  # Triton compiles each kernel variant once per process
+  timeout 200 "$PY" -m pytest -q $XDIST -p no:cacheprovider tests/test_backends_conformance.py \
+      tests/test_triton_attention.py tests/test_engine_triton.py tests/test_cuda_vmm.py 2>&1 | tee "$OUT/tests.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout 270 "$PY" -m odma.bench.gpu_bench --json --out "$OUT/gpu_check.json" >/dev/null || status=1
+fi
+"$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1)[:6000])" "$OUT/gpu_check.json" || status=1
+exit $status

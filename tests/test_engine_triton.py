@@ -1,0 +1,172 @@
+"""The engine through the Triton attention path (every request, one launch per kernel per layer) gives the tokens
+the CPU path gives: greedy tokens equal on the tiny model, over contiguous blocks that migrate, swap and share
+prefixes, and over the paged baseline's pages. On CPU the kernels run in Triton's interpreter (tests/conftest.py),
+so these runs are short."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from backends import triton_attention  # noqa: E402
+from odma.engine import SamplingParams  # noqa: E402
+from odma.engine.testing import tiny_engine  # noqa: E402
+from odma.errors import ConfigError  # noqa: E402
+from odma.models.tiny import make_tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not triton_attention.interpreting() else "cpu"
+pytestmark = pytest.mark.skipif(triton_attention.available(torch.device(DEVICE)) is not None,
+                                reason="Triton cannot run here")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 17, [3], list(range(200, 222))]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def folder(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """The CPU path (C decode kernel + SDPA prefills), nothing under pressure."""
+    return [s.output_ids for s in tiny_engine(folder, kv_budget="1MiB").generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("policy", ["odma", "paged"])
+def test_greedy_tokens_equal_the_cpu_path(folder, reference, policy):
+    engine = tiny_engine(folder, kv_budget="1MiB", attention="triton", policy=policy, device=DEVICE)
+    assert type(engine.runner.attention).__name__ == "TritonAttention"
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert [s.output_ids for s in seqs] == reference
+    stats = engine.pool.stats()
+    assert stats.live_blocks == 0 and stats.reserved_tokens == 0
+    engine.workers[0].kv.check()
+
+
+def test_migrations_and_swaps_keep_the_tokens(folder, reference):
+    """A pool too small for the batch, buckets smaller than the outputs (8-token s3 buckets, 12 tokens out: blocks
+    migrate) and swap preemption: the K/V the kernels read after a move or a swap-in are the right ones."""
+    engine = tiny_engine(folder, kv_budget="32KiB", attention="triton", policy="s3", s3_buckets=16, predicted=1,
+                         preempt="swap", align=4, device=DEVICE)
+    seqs = engine.generate(PROMPTS, GREEDY)
+    counters, stats = engine.scheduler.counters, engine.pool.stats()
+    assert stats.migrations > 0 and counters.preemptions > 0 and counters.swap_ins > 0
+    assert [s.output_ids for s in seqs] == reference
+    engine.pool.check_invariants()
+
+
+def test_a_copied_prefix_is_read_by_the_prefill_kernel(folder):
+    """Prompts that begin like a running request's copy its cached K/V and prefill the rest from there (a chunk
+    whose keys start before its first query)."""
+    shared = [list(range(60, 80)) + [i] for i in range(3)]  # a 20-token prefix
+    engine = tiny_engine(folder, kv_budget="1MiB", attention="triton", device=DEVICE)
+    first = engine.add_request(shared[0], GREEDY)
+    engine.step()  # its prompt is cached now
+    later = [engine.add_request(p, GREEDY) for p in shared[1:]]
+    while engine.has_work():
+        engine.step()
+    assert engine.scheduler.counters.prefix_copies == 2
+    alone = tiny_engine(folder, kv_budget="1MiB").generate(shared, GREEDY)
+    assert [s.output_ids for s in [first, *later]] == [s.output_ids for s in alone]
+
+
+def test_paged_baseline_recomputes_under_pressure(folder, reference):
+    engine = tiny_engine(folder, kv_budget="32KiB", attention="triton", policy="paged", device=DEVICE)
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert engine.scheduler.counters.preemptions > 0
+    assert [s.output_ids for s in seqs] == reference
+    engine.workers[0].kv.check()
+    assert engine.workers[0].kv.free_pages == engine.workers[0].kv.total_pages
+
+
+def test_sampled_tokens_and_logprobs_match_the_cpu_path(folder):
+    """Rows that sample or report logprobs go through the host sampler, the greedy ones stay argmax: a mixed batch."""
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, min_tokens=8)]
+    prompts = PROMPTS[:3]
+
+    def run(**kw):
+        engine = tiny_engine(folder, kv_budget="1MiB", **kw)
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        return seqs
+
+    cpu, tri = run(), run(attention="triton", device=DEVICE)
+    assert [s.output_ids for s in tri] == [s.output_ids for s in cpu]
+    for a, b in zip(tri[1].output_logprobs, cpu[1].output_logprobs):
+        assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_paged_needs_the_triton_attention(folder):
+    with pytest.raises(ConfigError, match="Triton"):
+        tiny_engine(folder, policy="paged", attention="sdpa")
+    with pytest.raises(ConfigError, match="ballooning"):
+        tiny_engine(folder, policy="paged", balloon=True)
+
+
+def _count_step(model, attention, batch: int, context: int = 9) -> tuple[int, int]:
+    """(torch ops, Triton launches) of one decode step of `batch` requests through the Triton path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from backends import KVLayout, get_backend
+    from odma.models.llama import SeqSlot
+
+    class Ops(TorchDispatchMode):
+        n = 0
+        in_launch = False  # what the interpreter does inside a launch is the kernel, not the step's torch ops
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.n += not Ops.in_launch
+            return func(*args, **(kwargs or {}))
+
+    c = model.config
+    arena = get_backend(DEVICE).create_arena(batch * 16, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim))
+    from odma.kv import Block
+
+    slots = [SeqSlot(arena.view(Block(16 * i, 16, 0)), context, 1) for i in range(batch)]
+    launches = 0
+    kernels = attention.kernels
+
+    class Counting:  # stands in for the kernels module: counts every launch
+        def __getattr__(self, name):
+            kernel = getattr(kernels, name)
+
+            class Launcher:
+                def __getitem__(self, grid):
+                    def launch(*a, **kw):
+                        nonlocal launches
+                        launches += 1
+                        Ops.in_launch = True
+                        try:
+                            return kernel[grid](*a, **kw)
+                        finally:
+                            Ops.in_launch = False
+                    return launch
+            return Launcher()
+
+    attention.kernels = Counting()
+    try:
+        with Ops():
+            model(torch.arange(batch, device=DEVICE), torch.full((batch,), context, device=DEVICE), slots, attention)
+    finally:
+        attention.kernels = kernels
+    return Ops.n, launches
+
+
+def test_a_decode_step_is_a_fixed_number_of_ops_and_launches_whatever_the_batch(folder):
+    """No loop over requests on the device path: 2 and 9 requests cost the same ops and kernel launches."""
+    from backends.triton_attention import TritonAttention
+    from odma.models import load_model
+
+    model = load_model(folder, device=DEVICE)
+    attention = TritonAttention(torch.device(DEVICE))
+    small, large = _count_step(model, attention, 2), _count_step(model, attention, 9)
+    assert small == large  # torch ops (norms, GEMMs, rotary, casts, views) and launches: none per request
+    # the K/V write and the decode attention of each layer (one split at this context: no reduction)
+    assert small[1] == 2 * model.config.num_layers
