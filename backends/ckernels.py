@@ -1,9 +1,13 @@
 """Builds the CPU backend's C kernels (csrc/) with the system compiler, once per source, flags and CPU.
 
 A library is compiled for this CPU (-march=native; the portable flags where the compiler refuses it) into
-$ODMA_CACHE_DIR/kernels, keyed by the source, the flags, the compiler and the CPU's feature flags, and loaded by
-ctypes. A build is written beside its target and renamed, so concurrent first starts never load a half-written
-library.
+$ODMA_CACHE_DIR/kernels, keyed by the source (with csrc/'s headers), the flags, the compiler and the CPU's feature
+flags, and loaded by ctypes. A build is written beside its target and renamed, so concurrent first starts never
+load a half-written library.
+
+The GEMM kernels come in two instruction sets (csrc/panel.h): `ODMA_CPU_ISA=auto` (default) builds them for this
+CPU (AVX-512 where it has it, else AVX2 + FMA), `ODMA_CPU_ISA=avx2` for x86-64-v3 (AVX2, FMA, F16C) whatever the
+CPU has beyond it: the path an AVX2-only CPU runs, built, tested and measured on an AVX-512 one.
 """
 
 from __future__ import annotations
@@ -19,12 +23,21 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
+from backends.errors import BackendError
+
 T = TypeVar("T")
 
 CSRC = Path(__file__).parent / "csrc"
 # compile with -ffast-math, link without: linking with it adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (Python then parsed 5e-324 as 0.0, and every float op lost its denormals)
 LINK_FLAGS = ("-shared",)
+ISA_VARIABLE = "ODMA_CPU_ISA"
+ISAS = ("auto", "avx2")
+# -ffp-contract=off: a product and a sum written apart stay apart (a GGUF block's w = d * q + m is rounded twice, as
+# the reference dequantization rounds it); the FMAs are written as FMAs
+_ISA_FLAGS = {"auto": ("-O3", "-march=native", "-ffp-contract=off"),
+              "avx2": ("-O3", "-march=x86-64-v3", "-mtune=native", "-ffp-contract=off")}
+_AVX2_FEATURES = ("avx2", "fma", "f16c")
 
 
 def disabled() -> bool:
@@ -70,6 +83,55 @@ class Loader(Generic[T]):
         return self._loaded
 
 
+def requested_isa() -> str:
+    """ODMA_CPU_ISA, checked: a typo must not silently build another kernel."""
+    value = os.environ.get(ISA_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in ISAS:
+        raise BackendError(f"{ISA_VARIABLE}={value!r}: expected one of {', '.join(ISAS)}")
+    return value
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def isa_runs_here(isa: str) -> bool:
+    """Whether this CPU can run a build for `isa` (auto: always, it is built for this CPU)."""
+    return isa == "auto" or (platform.machine() in ("x86_64", "AMD64") and set(_AVX2_FEATURES) <= cpu_flags())
+
+
+class IsaLoader(Generic[T]):
+    """A kernel library built per instruction set (`ISAS`): one Loader each, on demand. Calling it answers the
+    kernel for `isa` (default: ODMA_CPU_ISA's) or None; BackendError for an ISA this CPU cannot run."""
+
+    def __init__(self, source: Path, wrap: Callable[[ctypes.CDLL], T], what: str, fallback: str,
+                 level: int = logging.WARNING) -> None:
+        self.source, self.wrap, self.what, self.fallback, self.level = source, wrap, what, fallback, level
+        self._loaders: dict[str, Loader[T]] = {}
+
+    def loader(self, isa: str) -> Loader[T]:
+        if isa not in ISAS:
+            raise BackendError(f"unknown instruction set {isa!r}: expected one of {', '.join(ISAS)}")
+        if not isa_runs_here(isa):
+            raise BackendError(f"{ISA_VARIABLE}={isa}: this CPU lacks {', '.join(_AVX2_FEATURES)}")
+        if isa not in self._loaders:
+            flags = _ISA_FLAGS[isa]
+            # with OpenMP, then without (a compiler that has none); -fPIC for the shared library
+            sets = (flags + ("-fopenmp", "-fPIC"), flags + ("-fPIC",))
+            what = self.what if isa == "auto" else f"{self.what} ({isa})"
+            self._loaders[isa] = Loader(self.source, sets, self.wrap, what, self.fallback, level=self.level)
+        return self._loaders[isa]
+
+    def __call__(self, isa: str | None = None) -> T | None:
+        return self.loader(isa or requested_isa())()
+
+
 def kernel_dir() -> Path:
     """Where built kernels are kept: kernels/ under $ODMA_CACHE_DIR, else under ~/.cache/odma (the folder odma
     caches into; read from the environment here, because backends know nothing of odma)."""
@@ -81,7 +143,7 @@ def build(source: Path, flags: tuple[str, ...], link: tuple[str, ...] = ()) -> P
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     recipe = " ".join(flags) + " | link: " + " ".join(LINK_FLAGS + link)
     key = hashlib.sha256(text + recipe.encode() + compiler.encode() + _cpu_signature()).hexdigest()[:16]
     target = kernel_dir() / f"{source.stem}-{key}.so"
@@ -106,9 +168,4 @@ def build(source: Path, flags: tuple[str, ...], link: tuple[str, ...] = ()) -> P
 
 def _cpu_signature() -> bytes:
     """What -march=native depends on: a library built on one CPU must not be loaded on another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return (platform.machine() + platform.processor() + flags).encode()
+    return (platform.machine() + platform.processor() + " ".join(sorted(cpu_flags()))).encode()

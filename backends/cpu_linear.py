@@ -1,11 +1,12 @@
-"""The CPU backend's GEMM over column-panel packed weights (csrc/linear.c), called by ctypes: fp32, and bf16
-where the CPU has AVX512_BF16.
+"""The CPU backend's GEMM over column-panel packed weights (csrc/linear.c), called by ctypes: fp32 and bf16.
 
 Why: a decode step reads every weight once for a few rows; oneDNN's kernels on SmolLM2's shapes wait for the
 weight stream and then compute, this one overlaps the two (the measurements: csrc/linear.c and
-docs/BENCHMARKS.md, "CPU linear layers"). It needs AVX-512 (built for this CPU); elsewhere `load()` returns None and
-the model keeps oneDNN. With OpenMP in the build it splits the panels over torch's threads; without, it is used
-only where torch runs one thread (`serves()`).
+docs/BENCHMARKS.md, "CPU linear layers"). It is built for this CPU's AVX-512 or AVX2 + FMA (`ODMA_CPU_ISA=avx2`
+forces the AVX2 build: backends/ckernels.py); bf16 runs on AVX512_BF16's dot products where the CPU has them,
+widened to fp32 in registers elsewhere. Without either ISA `load()` returns None and the model keeps oneDNN. With
+OpenMP in the build it splits the panels over torch's threads; without, it is used only where torch runs one
+thread (`serves()`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import torch
 from backends import ckernels
 
 SOURCE = ckernels.CSRC / "linear.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
-SERIAL_FLAGS = ("-O3", "-march=native", "-fPIC")  # a compiler without OpenMP
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGS = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I]
+ISA_NAMES = {512: "avx512", 2: "avx2"}
 
 
 class LinearKernel:
@@ -33,11 +33,13 @@ class LinearKernel:
             fn.restype, fn.argtypes = ctypes.c_int, _ARGS
         self.panel = int(lib.odma_linear_panel())
         self.parallel = bool(lib.odma_linear_openmp())
-        # a build without AVX-512 (AVX512_BF16) answers -1: refuse it here, not on the first step, in words (it is
+        self.isa = ISA_NAMES.get(int(lib.odma_linear_isa()), "none")  # avx512 | avx2: which path this build runs
+        self.bf16 = {1: "avx512_bf16", 2: "widened"}.get(int(lib.odma_linear_bf16_mode()), "none")
+        # a build without AVX-512 or AVX2 + FMA answers -1: refuse it here, not on the first step, in words (it is
         # built with -march=native, so it lacks them exactly where this CPU does)
         self.dtypes = tuple(d for d in self._fns if self._answers(d))
         if torch.float32 not in self.dtypes:
-            raise RuntimeError("this CPU has no AVX-512")
+            raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA")
 
     def _answers(self, dtype: torch.dtype) -> bool:
         """Whether this build multiplies in `dtype` on this CPU (whatever torch's thread count: `serves` says that)."""
@@ -55,7 +57,8 @@ class LinearKernel:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """W [N, K] → panels of `panel` columns of y, zero-padded: fp32 [P, K, panel] (k-major); bf16
-        [P, K/2, panel, 2] (k in pairs, as vdpbf16ps reads them)."""
+        [P, K/2, panel, 2] (k in pairs, as vdpbf16ps reads them). A packed weight serves the build that packed it
+        (the AVX-512 and AVX2 builds have different panel widths)."""
         n, k = weight.shape
         panels = -(-n // self.panel)
         padded = torch.zeros(panels * self.panel, k, dtype=weight.dtype)
@@ -83,6 +86,7 @@ class LinearKernel:
         return y.view(*x.shape[:-1], out_features) if flat else y
 
 
-# the kernel, built on first use; None where it cannot be (logged at INFO: oneDNN is as good a default elsewhere)
-load: ckernels.Loader[LinearKernel] = ckernels.Loader(
-    SOURCE, (FLAGS, SERIAL_FLAGS), LinearKernel, "CPU linear kernel", "linear layers use oneDNN", level=logging.INFO)
+# the kernel, built on first use for ODMA_CPU_ISA's instruction set; None where it cannot be (logged at INFO: oneDNN
+# is as good a default elsewhere)
+load: ckernels.IsaLoader[LinearKernel] = ckernels.IsaLoader(
+    SOURCE, LinearKernel, "CPU linear kernel", "linear layers use oneDNN", level=logging.INFO)

@@ -52,3 +52,19 @@ def answers(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "answers.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def pytest_report_header(config):
+    """The CPU GEMM paths this run tests: the kernel tests run once per instruction set this CPU runs (their ids
+    name it), so a log says which path a CI machine exercised."""
+    from backends import ckernels, cpu_linear
+
+    paths = []
+    for isa in ckernels.ISAS:
+        try:
+            kernel = cpu_linear.load(isa) if ckernels.isa_runs_here(isa) else None
+        except Exception as exc:  # noqa: BLE001 - a header must not stop the run; the tests report the failure
+            paths.append(f"{isa}: {exc}")
+            continue
+        paths.append(f"ODMA_CPU_ISA={isa}: " + (f"{kernel.isa} (bf16 {kernel.bf16})" if kernel else "no kernel"))
+    return "odma CPU GEMM paths: " + "; ".join(paths)

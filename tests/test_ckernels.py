@@ -13,7 +13,7 @@ from backends import cpu_attention, cpu_linear
 
 
 @pytest.mark.parametrize("loader,fallback", [(cpu_attention.load, "falls back to SDPA"),
-                                             (cpu_linear.load, "linear layers use oneDNN")])
+                                             (cpu_linear.load.loader("auto"), "linear layers use oneDNN")])
 def test_a_disabled_or_unbuildable_kernel_falls_back(loader, fallback, monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(loader, "_tried", False)
     monkeypatch.setattr(loader, "_loaded", None)
@@ -56,19 +56,39 @@ class _LinearLibraryWithoutAvx512:
     def odma_linear_openmp(self) -> int:
         return 1
 
+    def odma_linear_isa(self) -> int:
+        return 0
 
-def test_a_cpu_without_avx512_is_named_in_words(monkeypatch, caplog):
+    def odma_linear_bf16_mode(self) -> int:
+        return 0
+
+
+def test_a_cpu_without_avx512_or_avx2_is_named_in_words(monkeypatch, caplog):
     """The start log said `CPU linear kernel unavailable (linear kernel failed (code -1) on x (1, 2) torch.float32)`."""
     from backends import ckernels
 
-    loader = ckernels.Loader(cpu_linear.SOURCE, cpu_linear.FLAGS, cpu_linear.LinearKernel, "CPU linear kernel",
-                             "linear layers use oneDNN")
+    loader = ckernels.IsaLoader(cpu_linear.SOURCE, cpu_linear.LinearKernel, "CPU linear kernel",
+                                "linear layers use oneDNN")
     monkeypatch.setattr(ckernels, "load_library", lambda *a, **k: _LinearLibraryWithoutAvx512())
     monkeypatch.setenv("ODMA_CPU_KERNELS", "1")
     with caplog.at_level(logging.INFO):
-        assert loader() is None
-    assert "CPU linear kernel unavailable (this CPU has no AVX-512); linear layers use oneDNN" in caplog.text
+        assert loader("auto") is None
+    assert ("CPU linear kernel unavailable (this CPU has neither AVX-512 nor AVX2 with FMA); linear layers use oneDNN"
+            in caplog.text)
     assert "code -1" not in caplog.text
+
+
+def test_the_instruction_set_is_chosen_by_name_and_checked(monkeypatch):
+    from backends import BackendError, ckernels
+
+    monkeypatch.setenv("ODMA_CPU_ISA", "avx3")
+    with pytest.raises(BackendError, match="ODMA_CPU_ISA='avx3'"):
+        cpu_linear.load()
+    monkeypatch.setenv("ODMA_CPU_ISA", " AVX2 ")
+    assert ckernels.requested_isa() == "avx2"
+    monkeypatch.setattr(ckernels, "cpu_flags", lambda: {"sse4_2", "avx"})  # a CPU without AVX2: never run its build
+    with pytest.raises(BackendError, match="lacks avx2, fma, f16c"):
+        cpu_linear.load()
 
 
 class _LinearLibraryWithoutAvx512Bf16(_LinearLibraryWithoutAvx512):
