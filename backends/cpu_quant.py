@@ -1,0 +1,175 @@
+"""The CPU backend's GEMM on GGUF-quantized weights (csrc/quant_linear.c), called by ctypes: Q4_0, Q4_1, Q8_0,
+Q4_K and Q6_K blocks kept quantized in memory, dequantized panel by panel inside the GEMM (fp32 x, y and bias).
+
+`pack` reads a tensor's raw GGUF blocks (what gguf-py's reader maps: uint8 rows of blocks) and regroups them into
+the kernel's column panels (the layout: csrc/quant_linear.c). Built like the fp32 kernel (backends/cpu_linear.py):
+for this CPU's AVX-512 or AVX2 + FMA, `ODMA_CPU_ISA=avx2` forcing the AVX2 build; None where neither builds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backends import ckernels
+from backends.cpu_linear import ISA_NAMES
+
+SOURCE = ckernels.CSRC / "quant_linear.c"
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True, slots=True)
+class BlockType:
+    """One GGUF block format: its ggml id, depths per block, bytes per block, depths per sub-block (one s, o)."""
+
+    name: str
+    ggml_id: int
+    block: int
+    block_bytes: int
+    sub: int
+    scale16: bool  # s (and o) kept in fp16, as in the file
+    offset: bool  # w = s * q + o (else s * q)
+    nibbles: bool  # 4-bit q, two to a byte
+
+
+BLOCK_TYPES = {t.ggml_id: t for t in (
+    BlockType("Q4_0", 2, 32, 18, 32, True, False, True),
+    BlockType("Q4_1", 3, 32, 20, 32, True, True, True),
+    BlockType("Q8_0", 8, 32, 34, 32, True, False, False),
+    BlockType("Q4_K", 12, 256, 144, 32, False, True, True),
+    BlockType("Q6_K", 14, 256, 210, 16, False, False, False),
+)}
+
+
+def block_type(ggml_id: int) -> BlockType:
+    try:
+        return BLOCK_TYPES[int(ggml_id)]
+    except KeyError:
+        names = ", ".join(t.name for t in BLOCK_TYPES.values())
+        raise ValueError(f"ggml type {ggml_id} has no quantized kernel (supported: {names})") from None
+
+
+def unpack_blocks(t: BlockType, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """rows: uint8 [N, K / block * block_bytes] → (q [N, K] uint8 for 4-bit q (Q4_0: the nibble, centred by the
+    kernel), int8 otherwise; s [N, K / sub]; o [N, K / sub] or None), s and o as float16 (scale16) or float32.
+    w = s * q + o (Q4_0: s * (q - 8)) rounded as gguf-py's dequantization rounds it."""
+    n = rows.shape[0]
+    b = np.ascontiguousarray(rows, dtype=np.uint8).reshape(n, -1, t.block_bytes)
+    half = lambda a: a.copy().view(np.float16).reshape(n, -1)  # noqa: E731 - little-endian fp16 pairs
+    if t.name in ("Q4_0", "Q4_1"):
+        head = 2 if t.name == "Q4_0" else 4
+        qs = b[..., head:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # element i, then i + 16 of each block
+        return q, half(b[..., 0:2]), half(b[..., 2:4]) if t.offset else None
+    if t.name == "Q8_0":
+        return b[..., 2:].copy().view(np.int8).reshape(n, -1), half(b[..., 0:2]), None
+    if t.name == "Q4_K":
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, blocks, 1]
+        dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = _k_scales(b[..., 4:16])
+        qs = b[..., 16:].reshape(n, -1, 4, 32)  # four groups of 32 bytes: sub-blocks 2g (low) and 2g + 1 (high)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1)
+        return q, (d * sc.astype(np.float32)).reshape(n, -1), (-(dmin * m.astype(np.float32))).reshape(n, -1)
+    # Q6_K: ql [128], qh [64], scales int8 [16], d fp16
+    ql, qh = b[..., :128].reshape(n, -1, 2, 1, 64), b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    scales = b[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = b[..., 208:210].copy().view(np.float16).astype(np.float32)
+    low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [n, blocks, 2, 2, 64]
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [n, blocks, 2, 4, 32]
+    q = (low.reshape(n, -1, 2, 4, 32) | (high << 4)).astype(np.int8) - np.int8(32)
+    return q.reshape(n, -1), (d * scales).reshape(n, -1), None
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's twelve bytes of 6-bit scales and mins → (sc, m), eight each per block."""
+    shape = packed.shape[:-1]
+    p = packed.reshape(*shape, 3, 4)
+    d, m, md = p[..., 0, :], p[..., 1, :], p[..., 2, :]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+class QuantKernel:
+    """y = x @ W.T + b for fp32 CPU tensors, W a GGUF tensor's quantized blocks packed once by `pack`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.odma_quant_linear
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _I]
+        self._dequantize = lib.odma_quant_dequantize
+        self._dequantize.restype = ctypes.c_int
+        self._dequantize.argtypes = [_P, ctypes.c_int, _I, _I, _P]
+        self._panel_bytes = lib.odma_quant_panel_bytes
+        self._panel_bytes.restype, self._panel_bytes.argtypes = ctypes.c_int64, [ctypes.c_int, _I]
+        self.panel = int(lib.odma_quant_panel())
+        self.parallel = bool(lib.odma_quant_openmp())
+        self.isa = ISA_NAMES.get(int(lib.odma_quant_isa()), "none")
+        if self.isa == "none":
+            raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA")
+
+    def serves(self) -> bool:
+        """Whether this build runs at torch's thread count (a serial build would leave threads idle)."""
+        return self.parallel or torch.get_num_threads() == 1
+
+    def pack(self, ggml_id: int, rows: np.ndarray, k: int) -> torch.Tensor:
+        """A tensor's blocks (uint8 [N, K / block * block_bytes], GGUF's row order) → the kernel's panels (uint8)."""
+        t = block_type(ggml_id)
+        n = rows.shape[0]
+        if k % t.block or rows.ndim != 2 or rows.shape[1] != k // t.block * t.block_bytes:
+            raise ValueError(f"{t.name}: rows of shape {tuple(rows.shape)} do not hold {k} depths in blocks of {t.block}")
+        q, s, o = unpack_blocks(t, rows)
+        panels, p, subs = -(-n // self.panel), self.panel, k // t.sub
+        pad = panels * p - n
+
+        def by_panel(a: np.ndarray) -> np.ndarray:  # [N, subs, ...] → [panels, subs, ..., P], zero-padded columns
+            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+            a = a.reshape(panels, p, *a.shape[1:])
+            return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+        q = by_panel(q.reshape(n, subs, t.sub))  # [panels, subs, sub, P]
+        if t.nibbles:
+            q = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).astype(np.uint8)  # depth 2i low, 2i + 1 high
+        parts = [by_panel(s).view(np.uint8).reshape(panels, subs, -1)]
+        if o is not None:
+            parts.append(by_panel(o).view(np.uint8).reshape(panels, subs, -1))
+        parts.append(q.view(np.uint8).reshape(panels, subs, -1))
+        packed = np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1)
+        expected = self._panel_bytes(t.ggml_id, k) * panels
+        if packed.size != expected:  # the two sides of the layout disagree: a bug, never a silent misread
+            raise RuntimeError(f"{t.name}: packed {packed.size} bytes, the kernel expects {expected}")
+        return torch.from_numpy(packed)
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, ggml_id: int, out_features: int,
+                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] fp32 → [M, out_features]; `out`: write into these columns of a wider fp32 [M, *] instead (a
+        fused layer whose parts have different block types)."""
+        m, k = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty((m, out_features), dtype=torch.float32) if out is None else out
+        if m:
+            code = self._fn(x.data_ptr(), m, x.stride(0), packed.data_ptr(), ggml_id, k, out_features,
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+                            torch.get_num_threads())
+            if code:
+                raise RuntimeError(f"quantized linear kernel failed (code {code}) on x {tuple(x.shape)}, type {ggml_id}")
+        return y
+
+    def dequantize(self, packed: torch.Tensor, ggml_id: int, k: int, n: int) -> torch.Tensor:
+        """The fp32 rows [n, k] the GEMM multiplies by."""
+        out = torch.empty((n, k), dtype=torch.float32)
+        code = self._dequantize(packed.data_ptr(), ggml_id, k, n, out.data_ptr())
+        if code:
+            raise RuntimeError(f"quantized dequantize failed (code {code})")
+        return out
+
+
+# built on first use for ODMA_CPU_ISA's instruction set; None where it cannot be (the model then keeps fp32 weights)
+load: ckernels.IsaLoader[QuantKernel] = ckernels.IsaLoader(
+    SOURCE, QuantKernel, "CPU quantized-weights kernel", "quantized GGUF weights are dequantized to fp32",
+    level=logging.INFO)

@@ -1,0 +1,125 @@
+"""The GEMM on GGUF-quantized weights (backends/cpu_quant.py, csrc/quant_linear.c): packed blocks dequantize to
+gguf-py's very floats, and the GEMM on them gives the fp32 kernel's bits on those floats (up to ROWS rows
+dequantized in registers, more through the panel buffer), at row, column and depth tails, on every thread count.
+Once per instruction set this CPU runs (test ids and pytest's header name them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends import ckernels, cpu_linear, cpu_quant
+
+gguf = pytest.importorskip("gguf")
+
+
+def runnable() -> dict[str, tuple[cpu_quant.QuantKernel, cpu_linear.LinearKernel]]:
+    out = {}
+    for isa in ckernels.ISAS:
+        if not ckernels.isa_runs_here(isa):
+            continue
+        q, f = cpu_quant.load(isa), cpu_linear.load(isa)
+        if q is not None and f is not None:
+            out.setdefault(q.isa, (q, f))
+    return out
+
+
+KERNELS = runnable()
+per_isa = pytest.mark.parametrize("kernels", list(KERNELS.values()), ids=list(KERNELS))
+TYPES = pytest.mark.parametrize("ggml_id", list(cpu_quant.BLOCK_TYPES), ids=[t.name for t in cpu_quant.BLOCK_TYPES.values()])
+
+
+def random_blocks(ggml_id: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of random blocks of the type, their fp16 scales and mins set to sane values (not NaN or huge)."""
+    t = cpu_quant.BLOCK_TYPES[ggml_id]
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 256, size=(n, k // t.block * t.block_bytes), dtype=np.uint8)
+    b = rows.reshape(n, -1, t.block_bytes)
+    halves = {"Q4_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}[t.name]
+    for at in halves:
+        b[..., at:at + 2] = rng.uniform(-0.05, 0.05, size=(*b.shape[:-1], 1)).astype(np.float16).view(np.uint8)
+    return rows
+
+
+def reference(ggml_id: int, rows: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.dequantize(rows, gguf.GGMLQuantizationType(ggml_id)).astype(np.float32))
+
+
+@per_isa
+@TYPES
+@pytest.mark.parametrize("n", [1, 23, 49, 100])
+def test_packed_blocks_dequantize_to_gguf_pys_floats(kernels, ggml_id, n):
+    q, _ = kernels
+    k = 512
+    rows = random_blocks(ggml_id, n, k, seed=n)
+    packed = q.pack(ggml_id, rows, k)
+    out = q.dequantize(packed, ggml_id, k, n)
+    ref = reference(ggml_id, rows).reshape(n, k)
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))  # bit for bit, signed zeros included
+
+
+@per_isa
+@TYPES
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17])
+def test_the_gemm_gives_the_fp32_kernels_bits_on_the_dequantized_weights(kernels, ggml_id, rows):
+    # rows: within one register pass (AVX2 4, AVX-512 8) and past it (the panel buffer); columns 70: a panel tail
+    q, f = kernels
+    n, k = 70, 256
+    blocks = random_blocks(ggml_id, n, k, seed=rows)
+    packed = q.pack(ggml_id, blocks, k)
+    w = q.dequantize(packed, ggml_id, k, n)
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    out = q(x, packed, ggml_id, n, b)
+    assert torch.equal(out, f(x, f.pack(w), b, n))
+    scale = float((x.double().abs() @ w.double().abs().T).max())  # fp32 sums of k products: errors scale with this
+    torch.testing.assert_close(out.double(), F.linear(x.double(), w.double(), b.double()), rtol=0, atol=1e-6 * scale)
+
+
+@per_isa
+@pytest.mark.parametrize("rows", [2, 13])
+def test_threads_split_panels_without_changing_a_bit(kernels, rows):
+    q, _ = kernels
+    blocks = random_blocks(3, 300, 128)
+    packed = q.pack(3, blocks, 128)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = q(x, packed, 3, 300)
+        torch.set_num_threads(3)
+        three = q(x, packed, 3, 300)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, three)
+
+
+@per_isa
+def test_parts_of_different_types_write_their_own_columns(kernels):
+    """A fused layer whose tensors differ in type (Q4_K q beside Q6_K v): each part fills its columns of one y."""
+    from odma.models.quantized import QuantLinear, QuantPart
+
+    q, _ = kernels
+    k = 256
+    a, b = random_blocks(12, 40, k, seed=1), random_blocks(14, 30, k, seed=2)
+    layer = QuantLinear(q, k, [QuantPart(q.pack(12, a, k), 12, 40), QuantPart(q.pack(14, b, k), 14, 30)],
+                        bias=torch.arange(70.0))
+    x = torch.randn(3, 2, k)
+    w = torch.cat([reference(12, a).reshape(40, k), reference(14, b).reshape(30, k)])
+    out = layer(x)
+    assert out.shape == (3, 2, 70)
+    torch.testing.assert_close(out.double(), F.linear(x.double(), w.double(), torch.arange(70.0).double()),
+                               rtol=1e-5, atol=1e-3)
+
+
+@per_isa
+def test_bad_blocks_are_refused_in_words(kernels):
+    q, _ = kernels
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        q.pack(13, np.zeros((4, 176), np.uint8), 256)  # Q5_K: not read by the kernel
+    with pytest.raises(ValueError, match="do not hold 64 depths"):
+        q.pack(3, np.zeros((4, 30), np.uint8), 64)  # a Q4_1 row of 64 depths is 2 blocks of 20 bytes
+    with pytest.raises(ValueError, match="do not hold 48 depths"):
+        q.pack(3, np.zeros((4, 40), np.uint8), 48)  # not a whole number of blocks
