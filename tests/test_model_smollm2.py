@@ -1,5 +1,7 @@
-"""End to end with the default model: SmolLM2-135M-Instruct (GGUF → cached safetensors), greedy decoding in
-one continuous batch equals transformers' `generate` for the first 32 tokens of every prompt."""
+"""End to end with the default model: SmolLM2-135M-Instruct (its Q4_1 GGUF: native blocks by default where the
+CPU has the kernel, or the cached fp32 conversion), greedy decoding in one continuous batch equals transformers'
+`generate` on the dequantized fp32 weights for the first 32 tokens of every prompt, and the native weights give
+the fp32 path's tokens and logits exactly."""
 
 from __future__ import annotations
 
@@ -28,12 +30,40 @@ def smollm2():
     return engine
 
 
-def test_default_model_is_smollm2_from_the_cached_conversion(smollm2):
+@pytest.fixture(scope="module")
+def smollm2_f32():
+    from odma.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(kv_budget="64MiB", length_log=None, predictor="median", threads=1, weights="f32"))
+
+
+def test_default_model_is_smollm2_native_where_the_cpu_has_the_kernel(smollm2, smollm2_f32):
+    from backends import cpu_quant
     from odma.models import resolve_model
+    from odma.models.gguf import weight_bytes
 
     folder = resolve_model()
     assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
     assert smollm2.model.config.model_type == "llama" and smollm2.model.config.num_layers == 30
+    assert smollm2.weights == ("native" if cpu_quant.load() is not None else "float32")
+    assert smollm2_f32.weights == "float32"
+    if smollm2.weights == "native":  # Q4_1 layers, a Q8_0 embedding and its tied head: under a quarter of fp32's
+        assert weight_bytes(smollm2.model) < weight_bytes(smollm2_f32.model) / 4
+
+
+def test_native_weights_give_the_fp32_paths_greedy_tokens_and_logits(smollm2, smollm2_f32):
+    from odma.engine import SamplingParams
+
+    if smollm2.weights != "native":
+        pytest.skip("no quantized-weights kernel on this CPU: the default engine is the fp32 one")
+    prompts = PROMPTS + [p + " Answer in French." for p in PROMPTS[1:]]
+    ids = _chat_ids(smollm2.tokenizer, prompts)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
+    native, dense = smollm2.generate(ids, params), smollm2_f32.generate(ids, params)
+    for a, b in zip(native, dense):
+        assert a.output_ids == b.output_ids
+        # one thread: both run odma's kernels on the same floats in the same order
+        assert a.output_logprobs == b.output_logprobs
 
 
 def _chat_ids(tok, prompts):

@@ -16,6 +16,7 @@ from odma.errors import ConfigError
 from odma.engine.ordering import ORDERS
 from backends.base import ATTENTION_KINDS  # noqa: F401 (re-exported for the CLI)
 from odma.kv import POLICY_KINDS
+from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
 
 # the contiguous pool's reservation policies, and "paged": vLLM-style 16-token pages in this engine (the baseline the
 # contiguous pool is measured against: same model, kernels and scheduler; Triton attention only)
@@ -47,6 +48,10 @@ class EngineConfig:
     # CPU pools, which share the same cores
     parallel_devices: bool | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16: weights and activations
+    # auto | f32 | bf16 | native: native serves a GGUF's quantized blocks as they are (odma/models/gguf.py; fp32
+    # activations); auto picks it for a quantized GGUF on a CPU with the kernel when dtype is float32, else dense
+    # weights of `dtype`; f32 and bf16 are dense weights of that dtype (dtype must agree)
+    weights: str = "auto"
     # KV cache dtype; None = float32 on CPU (torch's CPU attention for a decode query is several times slower in
     # bf16 than in fp32, so bf16 weights + fp32 KV is the fast CPU mix: odma-bench step), the weights' dtype elsewhere
     kv_dtype: str | None = None
@@ -157,6 +162,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"{name} must be float32, bfloat16 or float16, got {value!r}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        needs = {"native": "float32", **WEIGHT_DTYPES}.get(self.weights)
+        if needs and self.dtype != needs:
+            raise ConfigError(f"weights {self.weights!r} compute in {needs}, not dtype {self.dtype!r}")
         if self.schedule not in ORDERS:
             raise ConfigError(f"schedule must be one of {ORDERS}, got {self.schedule!r}")
         for name in ("max_num_seqs", "sjf_aging_rounds", "max_prefill_tokens", "max_tokens_cap", "default_max_tokens", "threads", "s3_buckets",

@@ -98,11 +98,12 @@ class LLMEngine:
         for b in backends:  # fail on a bad budget before loading anything
             parse_kv_budget(config.kv_budget, b.memory_info().total_bytes)
         folder = None
+        self.weights = config.dtype  # what the served weights are: a dtype, or "native" (a GGUF's own blocks)
         if model is None:
-            from odma.models import load_model, resolve_model
+            from odma.models.weights import load_served_model
 
-            folder = resolve_model(config.model)
-            model = load_model(folder, dtype=DTYPES[config.dtype], device=str(backends[0].device))
+            model, folder, self.weights = load_served_model(config.model, config.weights, config.dtype,
+                                                            device=str(backends[0].device))
             if tokenizer is None:
                 from transformers import AutoTokenizer
 
@@ -166,6 +167,11 @@ class LLMEngine:
             config.kv_budget, self.predictor.name,
             f" (fallback: {self.predictor.fallback_reason})" if self.predictor.fallback_reason else "",
         )
+        from odma.models.cpu_linear import linear_summary
+        from odma.models.gguf import weight_bytes
+
+        log.info("engine: weights %s (%.1f MB as stored); linear layers: %s", self.weights, weight_bytes(model) / 1e6,
+                 linear_summary(model))
 
     @property
     def predictor(self) -> LoadedPredictor:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -144,3 +145,38 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str
                 continue
             replaced += 1
     return replaced
+
+
+def linear_summary(model: nn.Module) -> str:
+    """Which GEMM each linear layer runs, counted ("121 odma avx512" ...): what a start log says."""
+    from odma.models.quantized import QuantLinear
+
+    inner = {id(m.large) for m in model.modules() if isinstance(m, KernelLinear) and m.large is not None}
+    kinds: Counter[str] = Counter()
+    for m in model.modules():
+        if isinstance(m, KernelLinear):
+            kinds[f"odma {m.kernel.isa} {str(m.packed.dtype).removeprefix('torch.')}"] += 1
+        elif isinstance(m, QuantLinear):
+            kinds[f"odma {m.kernel.isa} quantized"] += 1
+        elif isinstance(m, PackedLinear) and id(m) not in inner:
+            kinds["oneDNN"] += 1
+        elif type(m) is nn.Linear:
+            kinds["F.linear"] += 1
+    return ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()) or "none"
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step streams for the linear layers and the LM head, as the layers hold them (quantized
+    blocks, packed fp32 / bf16 panels, dense weights): the weight term of a step's roofline."""
+    from odma.models.quantized import QuantLinear
+
+    inner = {id(m.large) for m in model.modules() if isinstance(m, KernelLinear) and m.large is not None}
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.nbytes
+        elif isinstance(m, KernelLinear):
+            total += m.packed.numel() * m.packed.element_size()
+        elif (isinstance(m, PackedLinear) and id(m) not in inner) or type(m) is nn.Linear:
+            total += m.weight.numel() * m.weight.element_size()
+    return total

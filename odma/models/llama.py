@@ -182,11 +182,12 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype  # not lm_head's: on CPU it may hold only a packed copy
+        # the norms': lm_head may hold only a packed copy, and native GGUF weights have no float embedding table
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         c = self.config

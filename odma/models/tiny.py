@@ -61,3 +61,83 @@ def random_model(shape: dict, dtype: torch.dtype = torch.bfloat16, device: str =
                 p.normal_(0.0, 0.02, generator=gen)
     model.rotary.inv_freq = Rotary(config.head_dim, config.rope_theta).inv_freq.to(device)
     return model.eval()
+
+
+def make_tiny_gguf(path: str | Path, arch: str = "llama", types: dict[str, str] | None = None, seed: int = 0,
+                   **overrides) -> Path:
+    """A tiny random model as a GGUF file, its matrices in GGUF block types: `types` maps a role ("attn_q",
+    "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd", "output"; "output": None
+    ties the LM head to the embeddings) to a type name (F32, Q4_0, Q4_1, Q8_0: quantized by gguf-py; Q4_K, Q6_K:
+    random blocks with small scales, as gguf-py cannot quantize them). q and k rows are permuted as llama.cpp's
+    converter permutes a llama's. For the native-weights tests: the same file read by transformers (dense) and by
+    odma's native loader must compute the same thing."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as G, GGUFWriter, quantize
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+              rope_theta=10000.0, eps=1e-6, qkv_bias=arch == "qwen2")
+    kw.update(overrides)
+    types = {"token_embd": "Q8_0", "output": "Q8_0", **{r: "Q4_1" for r in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                          "ffn_gate", "ffn_up", "ffn_down")},
+             **(types or {})}
+    h, inter, heads, kv_heads = kw["hidden_size"], kw["intermediate_size"], kw["num_heads"], kw["num_kv_heads"]
+    head_dim = h // heads
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(512), w.add_block_count(kw["num_layers"]), w.add_embedding_length(h)
+    w.add_feed_forward_length(inter), w.add_head_count(heads), w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(kw["rope_theta"]), w.add_layer_norm_rms_eps(kw["eps"]), w.add_vocab_size(kw["vocab_size"])
+    w.add_rope_dimension_count(head_dim)
+
+    def permute(m: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf permute for q and k
+        return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
+
+    def matrix(name: str, role: str, rows: int, cols: int, scale: float = 0.08, heads_of: int | None = None) -> None:
+        kind = types[role]
+        m = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if heads_of and arch == "llama":
+            m = permute(m, heads_of)
+        if kind == "F32":
+            w.add_tensor(name, m)
+        elif kind in ("Q4_0", "Q4_1", "Q8_0"):
+            w.add_tensor(name, quantize(m, G[kind]), raw_dtype=G[kind])
+        else:
+            w.add_tensor(name, _k_blocks(kind, rows, cols, rng), raw_dtype=G[kind])
+
+    matrix("token_embd.weight", "token_embd", kw["vocab_size"], h, scale=0.5)
+    if types["output"] is not None:
+        matrix("output.weight", "output", kw["vocab_size"], h, scale=0.3)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    for i in range(kw["num_layers"]):
+        p = f"blk.{i}."
+        matrix(p + "attn_q.weight", "attn_q", heads * head_dim, h, heads_of=heads)
+        matrix(p + "attn_k.weight", "attn_k", kv_heads * head_dim, h, heads_of=kv_heads)
+        matrix(p + "attn_v.weight", "attn_v", kv_heads * head_dim, h)
+        matrix(p + "attn_output.weight", "attn_output", h, heads * head_dim)
+        matrix(p + "ffn_gate.weight", "ffn_gate", inter, h)
+        matrix(p + "ffn_up.weight", "ffn_up", inter, h)
+        matrix(p + "ffn_down.weight", "ffn_down", h, inter)
+        if kw["qkv_bias"]:
+            for x, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                w.add_tensor(p + f"attn_{x}.bias", (0.1 * rng.standard_normal(n * head_dim)).astype(np.float32))
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(p + f"{norm}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def _k_blocks(kind: str, rows: int, cols: int, rng):
+    """Random Q4_K / Q6_K blocks whose fp16 scales keep the weights around 0.05."""
+    import numpy as np
+
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    half = lambda v: np.full((rows, cols // 256, 1), v, np.float16).view(np.uint8)  # noqa: E731
+    if kind == "Q4_K":  # w = d * sc * q - dmin * m, sc and m 6-bit, q 4-bit
+        raw[..., 0:2], raw[..., 2:4] = half(0.0004), half(0.0004)
+    else:  # w = d * sc * (q - 32), sc int8, q 6-bit
+        raw[..., 208:210] = half(0.00002)
+    return raw.reshape(rows, -1)

@@ -15,6 +15,7 @@ from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_di
 from odma.engine.config import ATTENTION_KINDS, KV_GROWTH, LOG_PROMPT_MODES, POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
+from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
 from odma.server.ray_settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
 
 log = logging.getLogger("odma.serve")
@@ -43,9 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", default=None,
                    help="several devices, one KV pool each, e.g. mlu:0,mlu:1 or cuda:0,cuda:1 (cpu:0,cpu:1 tests placement); "
                         "--kv-budget is per device (default: --device alone)")
+    p.add_argument("--weights", default=d.weights, choices=WEIGHTS,
+                   help="native: a GGUF model's quantized blocks as they are, dequantized inside the CPU GEMM "
+                        "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); f32 / bf16: dense weights of that dtype; auto: native for a "
+                        "quantized GGUF (the default model is Q4_1) on a CPU with the kernel, unless --dtype is given")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype (default: float32 on cpu, bfloat16 elsewhere; bfloat16 is much faster on CPUs "
-                        "with AVX512-BF16 or AMX, see docs/serving.md)")
+                   help="dense weights of this dtype (default: float32 on cpu, bfloat16 elsewhere; bfloat16 is much "
+                        "faster on CPUs with AVX512-BF16 or AMX, see docs/serving.md)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="KV cache dtype (default: float32 on cpu, where bf16 attention is slow; --dtype elsewhere)")
     p.add_argument("--policy", default=d.policy, choices=POLICIES,
@@ -161,9 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     devices = tuple(d.strip() for d in (args.devices or "").split(",") if d.strip())
     device = devices[0] if devices else args.device
-    dtype = args.dtype or ("float32" if device.startswith("cpu") else "bfloat16")
+    weights = args.weights
+    if weights == "auto" and args.dtype:  # a dtype asked for is dense weights of that dtype
+        weights = {"float32": "f32", "bfloat16": "bf16"}.get(args.dtype, "auto")
+    dtype = args.dtype or WEIGHT_DTYPES.get(weights) or ("float32" if device.startswith("cpu") else "bfloat16")
     return EngineConfig(
-        model=args.model, device=device, devices=devices, dtype=dtype, kv_dtype=args.kv_dtype, policy=args.policy, attention=args.attention, kv_growth=args.kv_growth,
+        model=args.model, device=device, devices=devices, dtype=dtype, weights=weights, kv_dtype=args.kv_dtype, policy=args.policy, attention=args.attention, kv_growth=args.kv_growth,
         kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, schedule=args.schedule, sjf_aging_rounds=args.sjf_aging_rounds,
         max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,

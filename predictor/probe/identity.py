@@ -17,7 +17,9 @@ def model_identity(model: CausalLM) -> str:
     arch = json.dumps({"layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_heads,
                        "kv_heads": c.num_kv_heads, "vocab": c.vocab_size}, sort_keys=True)
     with torch.no_grad():
-        rows = model.model.embed_tokens.weight[:64].detach().to("cpu", torch.bfloat16).float().contiguous()
+        # through the embedding's forward: the same rows whether they are a table or GGUF blocks (native weights)
+        ids = torch.arange(64, device=model.device)
+        rows = model.model.embed_tokens(ids).detach().to("cpu", torch.bfloat16).float().contiguous()
         norm = model.model.layers[0].input_layernorm.weight.detach().to("cpu", torch.bfloat16).float().contiguous()
     h = hashlib.sha256(arch.encode())
     h.update(rows.numpy().tobytes())
