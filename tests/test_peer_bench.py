@@ -1,0 +1,63 @@
+"""`odma-bench peer`'s llama.cpp side (odma/bench/peer_servers.py, peer_report.py): llama-server gets odma's KV
+bytes as fp32 tokens, the same compute threads and sampling without its default top_k / min_p; the start log's
+slot layout is recorded; the ratios compare odma with the best of llama.cpp's slot settings. No server starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from odma.bench import peer_report
+from odma.bench.peer_servers import RunningServer, ServerSpec, command
+
+
+def flags(cmd: list[str]) -> dict[str, str]:
+    return {a: b for a, b in zip(cmd, cmd[1:]) if a.startswith("-")}
+
+
+def test_llamacpp_gets_the_kv_bytes_as_fp32_tokens_the_threads_and_plain_sampling(tmp_path):
+    kv_bytes, per_token = 1 << 30, 46080  # SmolLM2: 30 layers x K and V x 3 heads x 64 x 4 bytes
+    spec = ServerSpec("llamacpp", "llamacpp-s16", tmp_path, kv_bytes, 1, python="/opt/llama-server",
+                      gguf=tmp_path / "m.gguf", kv_tokens=kv_bytes // per_token, slots=16, unified=False)
+    cmd, env = command(spec, 8123)
+    f = flags(cmd)
+    assert cmd[0] == "/opt/llama-server" and f["-m"] == str(tmp_path / "m.gguf") and env == {}
+    assert (f["-c"], f["-np"], f["-ctk"], f["-ctv"], f["-t"], f["-tb"]) == ("23301", "16", "f32", "f32", "1", "1")
+    assert (f["--top-k"], f["--min-p"], f["-cram"], f["--alias"]) == ("0", "0", "0", "smollm2")
+    assert "-no-kvu" in cmd and "-kvu" not in cmd and "--metrics" in cmd
+    unified, _ = command(ServerSpec("llamacpp", "u", tmp_path, kv_bytes, 2, python="x", gguf=Path("m"), kv_tokens=9,
+                                    slots=128), 1)
+    assert "-kvu" in unified and flags(unified)["-np"] == "128" and flags(unified)["-t"] == "2"
+
+
+def test_odma_serves_either_the_fp32_folder_or_the_gguf_natively(tmp_path):
+    dense, _ = command(ServerSpec("odma", "odma", tmp_path, 1 << 30, 1), 1)
+    native, _ = command(ServerSpec("odma", "odma-native", tmp_path, 1 << 30, 1, gguf=tmp_path / "q.gguf"), 1)
+    assert (flags(dense)["--model"], flags(dense)["--dtype"]) == (str(tmp_path), "float32")
+    assert (flags(native)["--model"], flags(native)["--weights"]) == (str(tmp_path / "q.gguf"), "native")
+    assert "--dtype" not in native
+
+
+def test_the_start_log_says_how_many_kv_tokens_llamacpp_took(tmp_path):
+    log = tmp_path / "l.log"
+    for text, tokens in (("n_slots = 16, n_ctx_slot = 1536, kv_unified = 'false'", 16 * 1536),
+                         ("n_slots = 128, n_ctx_slot = 23552, kv_unified = 'true'", 23552)):
+        log.write_text("load_model: initializing, " + text + "\n")
+        facts = RunningServer(None, "", 0, log, 0.0).log_facts()
+        assert facts["kv_tokens"] == tokens and facts["slots"] in (16, 128)
+
+
+def test_the_ratios_compare_odma_with_llamacpps_best_setting():
+    run = lambda tps, ttft: {"throughput_tps": tps, "ttft_p50_s": ttft, "itl_mean_s": 0.1}  # noqa: E731
+    point = lambda c, tps: {"streams": c, "output_tps": tps, "ttft_p50_s": 1.0}  # noqa: E731
+    result = {"stages": {
+        "nq": {"odma-native": run(120.0, 2.0), "llamacpp-u128": run(30.0, 9.0), "llamacpp-s16": run(40.0, 4.0),
+               "llamacpp-s64": {"error": "did not start"}},
+        "guidellm": {"odma-native": {"points": [point(16, 90.0)]},
+                     "llamacpp-u16": {"points": [point(16, 60.0)]}, "llamacpp-s16": {"points": [point(16, 45.0)]}},
+    }}
+    r = peer_report.ratios(result)
+    assert r["nq vs llamacpp-s16"] == {"throughput": 3.0, "ttft_p50": 0.5, "ttft_p99": None, "itl": 1.0,
+                                       "latency_mean": None}
+    assert r["guidellm_c16 vs llamacpp-u16"]["throughput"] == 1.5
+    assert "nq" not in r  # no vLLM run: no odma ÷ vLLM ratio
+    assert "| llamacpp-s64 | error: did not start |" in peer_report.table(result)
