@@ -9,7 +9,9 @@ weights packed for 16 and for 64 rows (`odma/models/cpu_linear.py` packs for 64)
 row count (`torch.ops.mkl._mkl_linear`), `F.linear` (MKL, packing the weight on every call), and odma's own kernel
 (backends/cpu_linear.py, where it builds here), the engine's default where it builds, once per --isa (auto: this
 CPU's best, avx2: the AVX2 + FMA build; as `odma_<path>`). With --dtype bfloat16: oneDNN and odma's kernel only
-(MKL has no bf16 GEMM here). --skip-libraries: odma's kernel alone.
+(MKL has no bf16 GEMM here). --skip-libraries: odma's kernel alone. --quant: odma's kernel on GGUF blocks too
+(`odma_<path>_q`: the layers in Q4_1 and the LM head in Q8_0, as SmolLM2's file holds them; random blocks with
+small scales), against fp32 x.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 
-from backends import cpu_linear
+from backends import cpu_linear, cpu_quant
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
@@ -37,6 +40,17 @@ def median_ms(fn, reps: int = 30) -> float:
     return round(statistics.median(times) * 1e3, 2)
 
 
+def random_blocks(ggml_id: int, n: int, k: int, seed: int) -> np.ndarray:
+    """n rows of random GGUF blocks whose fp16 scale (and min) are small: timing needs no real weights."""
+    t = cpu_quant.BLOCK_TYPES[ggml_id]
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 256, size=(n, k // t.block, t.block_bytes), dtype=np.uint8)
+    rows[..., 0:2] = np.full(rows.shape[:-1] + (1,), 0.01, np.float16).view(np.uint8)
+    if t.offset:
+        rows[..., 2:4] = np.full(rows.shape[:-1] + (1,), -0.05, np.float16).view(np.uint8)
+    return rows.reshape(n, -1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=16)
@@ -44,11 +58,13 @@ def main() -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--isa", default="auto", help="odma kernel builds to time, comma-separated: auto, avx2")
     p.add_argument("--skip-libraries", action="store_true", help="time odma's kernel only")
+    p.add_argument("--quant", action="store_true", help="also time the kernel on Q4_1 / Q8_0 blocks")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     m = args.rows
     kernels = [k for k in (cpu_linear.load(isa.strip()) for isa in args.isa.split(",")) if k is not None]
+    quants = [q for q in (cpu_quant.load(isa.strip()) for isa in args.isa.split(",")) if q is not None] if args.quant else []
     out, totals = {}, {}
     for name, (k, n) in SHAPES.items():
         weights = [torch.randn(n, k).to(dtype) for _ in range(1 if name == "lm_head" else 30)]
@@ -68,6 +84,13 @@ def main() -> None:
                 ours = [kernel.pack(w) for w in weights]
                 row[f"odma_{kernel.isa}"] = median_ms(lambda: [kernel(x, p, None, n) for p in ours])
                 del ours
+        for quant in quants if dtype == torch.float32 else ():
+            kind = 8 if name == "lm_head" else 3  # Q8_0 head, Q4_1 layers
+            blocks = [random_blocks(kind, n, k, seed) for seed in range(len(weights))]
+            ours = [quant.pack(kind, b, k) for b in blocks]
+            row[f"odma_{quant.isa}_q"] = median_ms(lambda: [quant(x, p, kind, n) for p in ours])
+            row["quant_mb"] = round(sum(p.numel() for p in ours) / 1e6, 1)
+            del ours, blocks
         out[name] = row
         for key, value in row.items():
             totals[key] = round(totals.get(key, 0.0) + value, 2)

@@ -46,6 +46,7 @@ FLAGS = {
     "length_log_backups": (["--length-log-backups", "0"], 0),
     "bootstrap_from_log": (["--no-bootstrap-from-log"], False),
     "threads": (["--threads", "3"], 3),
+    "weights": (["--weights", "native"], "native"),
     "balloon": (["--balloon"], True),
     "balloon_segment_tokens": (["--balloon-segment-tokens", "256"], 256),
     "balloon_keep_tokens": (["--balloon-keep-tokens", "128"], 128),

@@ -26,6 +26,8 @@
 
 #include "panel.h"
 
+#define TILE_K 64 /* depths dequantized at a time for more than ROWS rows: a multiple of every sub-block */
+
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type ids */
 
 typedef struct {
@@ -193,9 +195,56 @@ static float *buffer_for(int64_t floats) {
     return panel_buf;
 }
 
-static void panel_f32(const float *x, int64_t M, int64_t ldx, const float *w, int64_t K, const float *bias,
-                      int64_t cols, float *y, int64_t ldy) {
-    panel_all_rows(x, M, ldx, (const char *)w, K, bias, cols, y, ldy, 0, W_F32); /* w is in cache: no prefetch */
+/* R rows of x (x: their columns from this tile's first depth) times one fp32 tile [steps][PANEL] of a panel, the
+ * accumulators starting from y (first tile: from zero) and going back to y (last tile: plus the bias). */
+#define LOAD_ROW(r)                                                                                \
+    if (R > r) {                                                                                   \
+        a##r##0 = vload_mask(y + r * ldy, m0);                                                     \
+        a##r##1 = vload_mask(y + r * ldy + VW, m1);                                                \
+        a##r##2 = vload_mask(y + r * ldy + 2 * VW, m2);                                            \
+    }
+#define SAVE_ROW(r)                                                                                \
+    if (R > r) {                                                                                   \
+        vstore_mask(y + r * ldy, m0, a##r##0);                                                     \
+        vstore_mask(y + r * ldy + VW, m1, a##r##1);                                                \
+        vstore_mask(y + r * ldy + 2 * VW, m2, a##r##2);                                            \
+    }
+
+ALWAYS_INLINE void tile_rows(const float *x, int64_t ldx, const float *w, int64_t steps, const float *bias,
+                             int64_t cols, float *y, int64_t ldy, int first, int last, const int R) {
+    const int MODE = W_F32;
+    const vmask m0 = first_n(cols), m1 = first_n(cols - VW), m2 = first_n(cols - 2 * VW);
+    DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3) DECLARE(4) DECLARE(5) DECLARE(6) DECLARE(7)
+    if (!first) {
+        LOAD_ROW(0) LOAD_ROW(1) LOAD_ROW(2) LOAD_ROW(3) LOAD_ROW(4) LOAD_ROW(5) LOAD_ROW(6) LOAD_ROW(7)
+    }
+    for (int64_t k = 0; k < steps; k++) {
+        const float *wk = w + k * PANEL;
+        const vec w0 = vload(wk), w1 = vload(wk + VW), w2 = vload(wk + 2 * VW);
+        MAC_ROW(0) MAC_ROW(1) MAC_ROW(2) MAC_ROW(3) MAC_ROW(4) MAC_ROW(5) MAC_ROW(6) MAC_ROW(7)
+    }
+    if (last) {
+        const vec b0 = load_bias(bias, 0, m0, MODE), b1 = load_bias(bias, VW, m1, MODE);
+        const vec b2 = load_bias(bias, 2 * VW, m2, MODE);
+        STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5) STORE_ROW(6) STORE_ROW(7)
+    } else {
+        SAVE_ROW(0) SAVE_ROW(1) SAVE_ROW(2) SAVE_ROW(3) SAVE_ROW(4) SAVE_ROW(5) SAVE_ROW(6) SAVE_ROW(7)
+    }
+}
+
+#define TILE_CASE(n) \
+    case n: tile_rows(xm, ldx, w, steps, bias, cols, ym, ldy, first, last, n < ROWS ? n : ROWS); break;
+
+static void tile_all_rows(const float *x, int64_t M, int64_t ldx, const float *w, int64_t steps, const float *bias,
+                          int64_t cols, float *y, int64_t ldy, int first, int last) {
+    for (int64_t m = 0; m < M; m += ROWS) {
+        const float *xm = x + m * ldx;
+        float *ym = y + m * ldy;
+        switch (M - m < ROWS ? M - m : ROWS) {
+            TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7)
+            default: tile_rows(xm, ldx, w, steps, bias, cols, ym, ldy, first, last, ROWS);
+        }
+    }
 }
 #endif
 
@@ -208,6 +257,9 @@ int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *pac
     const int64_t panel_bytes = odma_quant_panel_bytes(type, K);
     if (panel_bytes < 0 || M < 0 || N < 1 || ldx < K || ldy < N) return -2;
     if (!M) return 0;
+    qformat f;
+    format_of(type, &f);
+    const int64_t sub_bytes = sub_block_bytes(&f, PANEL);
     const int64_t panels = (N + PANEL - 1) / PANEL;
     int failed = 0;
     (void)threads;
@@ -219,13 +271,17 @@ int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *pac
             fused_panel(type, x, M, ldx, src, K, bias ? bias + col : 0, cols, y + col, ldy);
             continue;
         }
-        float *buf = buffer_for(K * PANEL);
-        if (!buf) {
+        float *tile = buffer_for(TILE_K * PANEL);
+        if (!tile) {
             failed = 1;
             continue;
         }
-        dequant_any(type, src, K, buf);
-        panel_f32(x, M, ldx, buf, K, bias ? bias + col : 0, cols, y + col, ldy);
+        for (int64_t k0 = 0; k0 < K; k0 += TILE_K) {
+            const int64_t depth = K - k0 < TILE_K ? K - k0 : TILE_K;
+            dequant_any(type, src + k0 / f.sub * sub_bytes, depth, tile);
+            tile_all_rows(x + k0, M, ldx, tile, depth, bias ? bias + col : 0, cols, y + col, ldy, k0 == 0,
+                          k0 + depth >= K);
+        }
     }
     return failed ? -3 : 0;
 #else

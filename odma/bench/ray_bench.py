@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission-demand", type=float, default=None, help="every engine's --admission-demand")
     p.add_argument("--predictor", default="default")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", default=None, choices=["auto", "f32", "bf16", "native"],
+                   help="every engine's --weights instead of --dtype (native: the GGUF's quantized blocks)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every engine (single and each replica)")
     p.add_argument("--schedule", default="fcfs", choices=["fcfs", "sjf"], help="every engine's order of service")
     p.add_argument("--sjf-aging-rounds", type=int, default=None, help="every engine's sjf aging bound")
@@ -89,8 +91,8 @@ def _engine_config(args, kv_budget: str):
 
     cap = str(max(args.max_tokens, args.hop_max_tokens, 16))
     argv = ["--model", args.model, "--policy", args.policy, "--kv-budget", kv_budget, "--max-num-seqs",
-            str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor, "--dtype", args.dtype,
-            "--threads", str(args.threads), "--length-log", "", "--max-tokens-cap", cap, "--default-max-tokens", cap,
+            str(args.max_num_seqs), "--preempt", args.preempt, "--predictor", args.predictor,
+            *(["--weights", args.weights] if args.weights else ["--dtype", args.dtype]), "--threads", str(args.threads), "--length-log", "", "--max-tokens-cap", cap, "--default-max-tokens", cap,
             "--schedule", args.schedule, *(["--sjf-aging-rounds", str(args.sjf_aging_rounds)] if args.sjf_aging_rounds else []),
             *(["--probe", args.probe] if args.probe else []),
             *(["--growth-hint", args.growth_hint] if args.growth_hint else []),
