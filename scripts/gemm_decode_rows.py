@@ -4,7 +4,8 @@ the weight stream and from the FMA peak (docs/BENCHMARKS.md, "CPU linear layers"
     .venv/bin/python scripts/gemm_decode_rows.py [--rows 16] [--threads 1] [--dtype bfloat16] [--isa auto,avx2]
 
 Every shape gets 30 distinct weight matrices (one per layer; the LM head one), so the weights stream from DRAM as
-in a real step. Per shape and library: the median of 30 passes over the 30 layers, in ms. Libraries: oneDNN on
+in a real step. Per shape and library: the median of 30 passes over the 30 layers, in ms, the libraries timed in
+rotation (one pass of each per round). Libraries: oneDNN on
 weights packed for 16 and for 64 rows (`odma/models/cpu_linear.py` packs for 64), MKL on weights packed for the
 row count (`torch.ops.mkl._mkl_linear`), `F.linear` (MKL, packing the weight on every call), and odma's own kernel
 (backends/cpu_linear.py, where it builds here), the engine's default where it builds, once per --isa (auto: this
@@ -29,15 +30,18 @@ from backends import cpu_linear, cpu_quant
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
 
-def median_ms(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
+def interleaved_ms(fns: dict, reps: int = 30) -> dict[str, float]:
+    """The median ms of each function, timed in rotation (one call of each per round): a change in the machine's
+    load falls on every library alike."""
+    for fn in fns.values():
+        fn(), fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return round(statistics.median(times) * 1e3, 2)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: round(statistics.median(ts) * 1e3, 2) for name, ts in times.items()}
 
 
 def random_blocks(ggml_id: int, n: int, k: int, seed: int) -> np.ndarray:
@@ -71,26 +75,26 @@ def main() -> None:
         x = torch.randn(m, k).to(dtype)
         row = {"gflop": round(2 * m * k * n * len(weights) / 1e9, 3),
                "weight_mb": round(x.element_size() * k * n * len(weights) / 1e6, 1)}
+        fns = {}
         for hint in () if args.skip_libraries else (16, 64):
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in weights]
-            row[f"onednn_packed{hint}"] = median_ms(
-                lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed])
+            fns[f"onednn_packed{hint}"] = lambda packed=packed: [
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed]
         if dtype == torch.float32 and not args.skip_libraries:
             mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
-            row["mkl_packed"] = median_ms(lambda: [torch.ops.mkl._mkl_linear(x, pw, w, None, m) for pw, w in zip(mkl, weights)])
-            row["f_linear"] = median_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+            fns["mkl_packed"] = lambda: [torch.ops.mkl._mkl_linear(x, pw, w, None, m) for pw, w in zip(mkl, weights)]
+            fns["f_linear"] = lambda: [torch.nn.functional.linear(x, w) for w in weights]
         for kernel in kernels:
             if kernel.serves(weights[0]):
                 ours = [kernel.pack(w) for w in weights]
-                row[f"odma_{kernel.isa}"] = median_ms(lambda: [kernel(x, p, None, n) for p in ours])
-                del ours
+                fns[f"odma_{kernel.isa}"] = lambda kernel=kernel, ours=ours: [kernel(x, p, None, n) for p in ours]
         for quant in quants if dtype == torch.float32 else ():
             kind = 8 if name == "lm_head" else 3  # Q8_0 head, Q4_1 layers
-            blocks = [random_blocks(kind, n, k, seed) for seed in range(len(weights))]
-            ours = [quant.pack(kind, b, k) for b in blocks]
-            row[f"odma_{quant.isa}_q"] = median_ms(lambda: [quant(x, p, kind, n) for p in ours])
+            ours = [quant.pack(kind, random_blocks(kind, n, k, seed), k) for seed in range(len(weights))]
+            fns[f"odma_{quant.isa}_q"] = lambda quant=quant, ours=ours, kind=kind: [quant(x, p, kind, n) for p in ours]
             row["quant_mb"] = round(sum(p.numel() for p in ours) / 1e6, 1)
-            del ours, blocks
+        row.update(interleaved_ms(fns))
+        del fns
         out[name] = row
         for key, value in row.items():
             totals[key] = round(totals.get(key, 0.0) + value, 2)

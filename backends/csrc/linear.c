@@ -17,8 +17,6 @@
  * Threads: OpenMP splits the panels (disjoint output columns); built with -fopenmp, the library uses the OpenMP
  * runtime torch already loaded (the same libgomp.so.1), not a second pool.
  */
-#include <stdlib.h>
-
 #include "panel.h"
 
 int odma_linear_panel(void) { return PANEL; }
@@ -73,24 +71,13 @@ static void run(panel_fn fn, const void *x, int64_t M, int64_t ldx, const void *
     }
 }
 
-/* scratch of the calling thread for the widened bf16 path (x, bias and y in fp32), grown on demand and kept */
-static __thread float *scratch;
-static __thread int64_t scratch_floats;
-
-static float *scratch_for(int64_t floats) {
-    if (floats > scratch_floats) {
-        float *grown = realloc(scratch, (size_t)floats * sizeof(float));
-        if (!grown) return 0;
-        scratch = grown;
-        scratch_floats = floats;
-    }
-    return scratch;
-}
+/* scratch of the calling thread for the widened bf16 path (x, bias and y in fp32) */
+static __thread grow_buffer scratch;
 
 /* bf16 without vdpbf16ps: x and bias widened to fp32 once, y computed in fp32 and rounded to bf16 at the end */
 static int run_widened(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *packed, int64_t K, int64_t N,
                        const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t threads) {
-    float *xf = scratch_for(M * K + N + M * N);
+    float *xf = grown(&scratch, M * K + N + M * N);
     if (!xf) return -3;
     float *bf = xf + M * K, *yf = bf + N;
     for (int64_t r = 0; r < M; r++)

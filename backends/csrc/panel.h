@@ -22,6 +22,7 @@
 #define ODMA_PANEL_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -109,6 +110,22 @@ static inline uint16_t to_bf16(float f) {
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A float buffer grown on demand and kept: each file holds its own per thread (`static __thread`). */
+typedef struct {
+    float *data;
+    int64_t floats;
+} grow_buffer;
+
+static inline float *grown(grow_buffer *b, int64_t floats) {
+    if (floats > b->floats) {
+        float *bigger = realloc(b->data, (size_t)floats * sizeof(float));
+        if (!bigger) return 0;
+        b->data = bigger;
+        b->floats = floats;
+    }
+    return b->data;
 }
 
 static inline float from_bf16(uint16_t h) {

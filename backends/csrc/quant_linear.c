@@ -22,8 +22,6 @@
  *   depths, in L2), then panel.h's fp32 passes run over it, ROWS rows at a time, as over an fp32 panel.
  * Threads: OpenMP splits the panels; each thread has its own buffer.
  */
-#include <stdlib.h>
-
 #include "panel.h"
 
 #define TILE_K 64 /* depths dequantized at a time for more than ROWS rows: a multiple of every sub-block */
@@ -181,19 +179,8 @@ static void dequant_any(int type, const char *src, int64_t K, float *dst) {
     }
 }
 
-/* the calling thread's panel buffer, grown on demand and kept (one per OpenMP thread) */
-static __thread float *panel_buf;
-static __thread int64_t panel_buf_floats;
-
-static float *buffer_for(int64_t floats) {
-    if (floats > panel_buf_floats) {
-        float *grown = realloc(panel_buf, (size_t)floats * sizeof(float));
-        if (!grown) return 0;
-        panel_buf = grown;
-        panel_buf_floats = floats;
-    }
-    return panel_buf;
-}
+/* the calling thread's tile (one per OpenMP thread) */
+static __thread grow_buffer tile_buf;
 
 /* R rows of x (x: their columns from this tile's first depth) times one fp32 tile [steps][PANEL] of a panel, the
  * accumulators starting from y (first tile: from zero) and going back to y (last tile: plus the bias). */
@@ -271,7 +258,7 @@ int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *pac
             fused_panel(type, x, M, ldx, src, K, bias ? bias + col : 0, cols, y + col, ldy);
             continue;
         }
-        float *tile = buffer_for(TILE_K * PANEL);
+        float *tile = grown(&tile_buf, TILE_K * PANEL);
         if (!tile) {
             failed = 1;
             continue;
@@ -297,7 +284,7 @@ int odma_quant_dequantize(const uint8_t *packed, int type, int64_t K, int64_t N,
 #ifdef ODMA_HAVE_PANEL
     const int64_t panel_bytes = odma_quant_panel_bytes(type, K);
     if (panel_bytes < 0 || N < 1) return -2;
-    float *buf = buffer_for(K * PANEL);
+    float *buf = grown(&tile_buf, K * PANEL);
     if (!buf) return -3;
     for (int64_t p = 0; p * PANEL < N; p++) {
         dequant_any(type, (const char *)packed + p * panel_bytes, K, buf);

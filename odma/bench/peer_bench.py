@@ -182,7 +182,7 @@ def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) 
 def _run_system(base, stages, records, memory, per_token, model_dir, peer_python, out, args, result) -> None:
     from dataclasses import replace
 
-    from odma.bench.peer_servers import serve
+    from odma.bench.peer_servers import group_memory_mb, serve
 
     system = base.system
     main_stages = [s for s in stages if s != "memory"]
@@ -190,11 +190,12 @@ def _run_system(base, stages, records, memory, per_token, model_dir, peer_python
         try:
             with serve(base, out / "logs") as srv:
                 _warm_up(srv)
-                result["servers"][base.label] = {"url": srv.url, "ready_s": round(srv.started_s, 1),
-                                                 "command": " ".join(srv.command), **srv.log_facts(),
-                                                 "log": str(srv.log_path)}
+                server = result["servers"][base.label] = {
+                    "url": srv.url, "ready_s": round(srv.started_s, 1), "command": " ".join(srv.command),
+                    **srv.log_facts(), "log": str(srv.log_path), "memory_after_warm_up": group_memory_mb(srv.pid)}
                 for stage in main_stages:
                     result["stages"][stage][base.label] = _stage(stage, srv, records, model_dir, peer_python, out, args)
+                    server[f"memory_after_{stage}"] = group_memory_mb(srv.pid)
                     _save(result, out)
         except RuntimeError as e:  # a server that fails to start fails its stages, not the whole run
             for stage in main_stages:

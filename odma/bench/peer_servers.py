@@ -150,6 +150,24 @@ def serve(spec: ServerSpec, log_dir: Path) -> Iterator[RunningServer]:
         stop(proc)
 
 
+def group_memory_mb(pgid: int) -> dict:
+    """Resident memory of a server's process group (every process it started): now and at its peak, MB."""
+    rss = hwm = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != pgid:
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except (OSError, ProcessLookupError):
+            continue
+        rss += int(fields.get("VmRSS", "0 kB").split()[0])
+        hwm += int(fields.get("VmHWM", "0 kB").split()[0])
+    return {"rss_mb": round(rss / 1024, 1), "peak_rss_mb": round(hwm / 1024, 1)}
+
+
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGTERM to the server's process group, SIGKILL to what is left after `grace_s`."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
