@@ -121,7 +121,8 @@ class QuantKernel:
         t = block_type(ggml_id)
         n = rows.shape[0]
         if k % t.block or rows.ndim != 2 or rows.shape[1] != k // t.block * t.block_bytes:
-            raise ValueError(f"{t.name}: rows of shape {tuple(rows.shape)} do not hold {k} depths in blocks of {t.block}")
+            raise ValueError(f"{t.name}: rows of shape {tuple(rows.shape)} do not hold {k} depths in blocks of "
+                             f"{t.block}")
         q, s, o = unpack_blocks(t, rows)
         panels, p, subs = -(-n // self.panel), self.panel, k // t.sub
         pad = panels * p - n
@@ -157,7 +158,8 @@ class QuantKernel:
                             None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
                             torch.get_num_threads())
             if code:
-                raise RuntimeError(f"quantized linear kernel failed (code {code}) on x {tuple(x.shape)}, type {ggml_id}")
+                raise RuntimeError(f"quantized linear kernel failed (code {code}) on x {tuple(x.shape)}, "
+                                   f"type {ggml_id}")
         return y
 
     def dequantize(self, packed: torch.Tensor, ggml_id: int, k: int, n: int) -> torch.Tensor:

@@ -204,7 +204,8 @@ def load_native_model(path: Path, config: ModelConfig, kernel: QuantKernel) -> C
     if embed_id in FLOAT_TYPES:
         model.model.embed_tokens = nn.Embedding.from_pretrained(tensors.floats("token_embd.weight"), freeze=True)
     else:
-        model.model.embed_tokens = QuantEmbedding(np.array(embed.raw), embed_id, c.hidden_size)  # a copy: the file is unmapped after loading
+        # a copy of the blocks: the file is unmapped once loading ends
+        model.model.embed_tokens = QuantEmbedding(np.array(embed.raw), embed_id, c.hidden_size)
     if head == "token_embd.weight" and embed_id in FLOAT_TYPES:  # tied, as the dense loader ties them
         model.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -224,7 +225,8 @@ def _dequantized(gid: int, rows: np.ndarray) -> torch.Tensor:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy as stored (quantized blocks, packed panels, float parameters)."""
+    """Bytes the model's weights occupy as stored: quantized blocks and float parameters (the packed copies the
+    fp32 / bf16 GEMMs keep beside dense weights come on top: pack_linears)."""
     total = sum(m.nbytes for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
     seen: set[int] = set()
     for p in model.parameters():

@@ -214,7 +214,8 @@ def native_unavailable(spec: str | None, dtype: str, device: str) -> str | None:
         return f"model {spec or DEFAULT_MODEL!r} is not a GGUF file"
     kinds = quantized_types(path)
     if not kinds & {t.name for t in cpu_quant.BLOCK_TYPES.values()}:
-        return f"{path.name} holds no matrix in a block type the kernel reads ({', '.join(sorted(kinds)) or 'only floats'})"
+        found = ", ".join(sorted(kinds)) or "only floats"
+        return f"{path.name} holds no matrix in a block type the kernel reads ({found})"
     kernel = cpu_quant.load()
     if kernel is None:
         return "no quantized-weights kernel here (it needs AVX-512, or AVX2 with FMA, and a C compiler)"
