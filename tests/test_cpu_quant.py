@@ -62,9 +62,10 @@ def test_packed_blocks_dequantize_to_gguf_pys_floats(kernels, ggml_id, n):
 
 @per_isa
 @TYPES
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17, 129])
 def test_the_gemm_gives_the_fp32_kernels_bits_on_the_dequantized_weights(kernels, ggml_id, rows):
-    # rows: within one register pass (AVX2 4, AVX-512 8) and past it (the panel buffer); columns 70: a panel tail
+    # rows: within one register pass (AVX2 4, AVX-512 8), past it (the L1 tile), past 128 (the panel buffer);
+    # columns 70: a panel tail
     q, f = kernels
     n, k = 70, 256
     blocks = random_blocks(ggml_id, n, k, seed=rows)

@@ -15,16 +15,23 @@
  * rounded, then + o rounded (the library is built with -ffp-contract=off), so a panel holds the very floats of the
  * dequantized fp32 model, and the FMAs after it (panel.h's, in k order) give the fp32 kernel's bits.
  *
- * Two ways through a panel, the same sums in the same order either way:
+ * Three ways through a panel, the same sums in the same order each way:
  * - up to ROWS rows (a decode step of a few requests): dequantized in registers, sub-block by sub-block, each vector
  *   of weights multiplied at once by every row; the weights never touch memory as floats;
- * - more rows: the panel is dequantized once into the thread's buffer (K x PANEL floats: 110-295 KB at SmolLM2's
- *   depths, in L2), then panel.h's fp32 passes run over it, ROWS rows at a time, as over an fp32 panel.
+ * - up to TILE_ROWS_MAX rows (a decode step of many requests): TILE_K depths of the panel at a time are
+ *   dequantized into the thread's tile (12 KB of fp32 for AVX-512, in L1), and every row, ROWS at a time, runs over
+ *   the tile, its accumulators kept in y between tiles (exact: a float stored and loaded back is the same float),
+ *   so the weights are dequantized once per step and read from L1 by every row pass;
+ * - more rows (a prefill): the whole panel is dequantized once into the thread's buffer (K x PANEL floats, in L2)
+ *   and panel.h's fp32 passes run over it as over an fp32 panel: moving every row's accumulators through y at each
+ *   tile cost more than it saved there (SmolLM2's layers, one thread, Xeon: at 2,048 rows 4.1 s tiled, 3.1 s from
+ *   the buffer, 2.9 s for the fp32 kernel; at 128 rows 189, 204 and 203 ms; level at 256).
  * Threads: OpenMP splits the panels; each thread has its own buffer.
  */
 #include "panel.h"
 
 #define TILE_K 64 /* depths dequantized at a time for more than ROWS rows: a multiple of every sub-block */
+#define TILE_ROWS_MAX 128 /* more rows: the whole panel dequantized into a buffer */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type ids */
 
@@ -169,6 +176,11 @@ static void fused_panel(int type, const float *x, int64_t M, int64_t ldx, const 
     }
 }
 
+static void panel_f32(const float *x, int64_t M, int64_t ldx, const float *w, int64_t K, const float *bias,
+                      int64_t cols, float *y, int64_t ldy) {
+    panel_all_rows(x, M, ldx, (const char *)w, K, bias, cols, y, ldy, 0, W_F32); /* w is in cache: no prefetch */
+}
+
 static void dequant_any(int type, const char *src, int64_t K, float *dst) {
     switch (type) {
     case Q4_0: dequant_panel(src, K, dst, 32, 1, 0, 1, 8); break;
@@ -179,7 +191,7 @@ static void dequant_any(int type, const char *src, int64_t K, float *dst) {
     }
 }
 
-/* the calling thread's tile (one per OpenMP thread) */
+/* the calling thread's tile or panel buffer (one per OpenMP thread) */
 static __thread grow_buffer tile_buf;
 
 /* R rows of x (x: their columns from this tile's first depth) times one fp32 tile [steps][PANEL] of a panel, the
@@ -258,15 +270,20 @@ int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *pac
             fused_panel(type, x, M, ldx, src, K, bias ? bias + col : 0, cols, y + col, ldy);
             continue;
         }
-        float *tile = grown(&tile_buf, TILE_K * PANEL);
-        if (!tile) {
+        float *buf = grown(&tile_buf, M > TILE_ROWS_MAX ? K * PANEL : TILE_K * PANEL);
+        if (!buf) {
             failed = 1;
+            continue;
+        }
+        if (M > TILE_ROWS_MAX) {
+            dequant_any(type, src, K, buf);
+            panel_f32(x, M, ldx, buf, K, bias ? bias + col : 0, cols, y + col, ldy);
             continue;
         }
         for (int64_t k0 = 0; k0 < K; k0 += TILE_K) {
             const int64_t depth = K - k0 < TILE_K ? K - k0 : TILE_K;
-            dequant_any(type, src + k0 / f.sub * sub_bytes, depth, tile);
-            tile_all_rows(x + k0, M, ldx, tile, depth, bias ? bias + col : 0, cols, y + col, ldy, k0 == 0,
+            dequant_any(type, src + k0 / f.sub * sub_bytes, depth, buf);
+            tile_all_rows(x + k0, M, ldx, buf, depth, bias ? bias + col : 0, cols, y + col, ldy, k0 == 0,
                           k0 + depth >= K);
         }
     }
