@@ -106,6 +106,16 @@ def test_the_weights_flag_picks_native_only_where_it_can(tmp_path):
         choose_weights(str(gguf), "int4", "float32", "cpu")
 
 
+def test_an_instruction_set_the_cpu_lacks_stops_the_start_in_words(tmp_path, monkeypatch):
+    from backends import ckernels
+
+    gguf = make_tiny_gguf(tmp_path / "q.gguf")
+    monkeypatch.setenv("ODMA_CPU_ISA", "avx2")
+    monkeypatch.setattr(ckernels, "cpu_flags", lambda: {"sse4_2"})
+    with pytest.raises(ConfigError, match="lacks avx2"):
+        choose_weights(str(gguf), "auto", "float32", "cpu")
+
+
 def test_engine_config_and_cli_keep_weights_and_dtype_consistent():
     from odma.engine.config import EngineConfig
     from odma.server.cli import build_parser, config_from_args

@@ -202,7 +202,7 @@ def choose_weights(spec: str | None, weights: str, dtype: str, device: str) -> s
 
 def native_unavailable(spec: str | None, dtype: str, device: str) -> str | None:
     """Why the GGUF's own blocks cannot be served here, or None when they can."""
-    from backends import cpu_quant
+    from backends import BackendError, cpu_quant
     from odma.models.gguf import quantized_types
 
     path = gguf_file(spec)
@@ -216,7 +216,10 @@ def native_unavailable(spec: str | None, dtype: str, device: str) -> str | None:
     if not kinds & {t.name for t in cpu_quant.BLOCK_TYPES.values()}:
         found = ", ".join(sorted(kinds)) or "only floats"
         return f"{path.name} holds no matrix in a block type the kernel reads ({found})"
-    kernel = cpu_quant.load()
+    try:
+        kernel = cpu_quant.load()
+    except BackendError as exc:  # ODMA_CPU_ISA names an instruction set this CPU cannot run
+        raise ConfigError(str(exc)) from None
     if kernel is None:
         return "no quantized-weights kernel here (it needs AVX-512, or AVX2 with FMA, and a C compiler)"
     if not kernel.serves():
