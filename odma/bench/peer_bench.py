@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                                                           "max_tokens": args.max_tokens, "seed_per_request": False},
         "guidellm_shape": args.shape, "memory_point": memory, "servers": {}, "stages": {s: {} for s in stages}, "started": time.strftime("%F %T"),
-        "odma_weights": args.odma_weights, "llamacpp": llamacpp,
+        "odma_weights": args.odma_weights, "odma_cpu_isa": os.environ.get("ODMA_CPU_ISA", "auto"), "llamacpp": llamacpp,
     }
     for system in systems:
         for spec in _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args):

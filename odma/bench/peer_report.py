@@ -76,7 +76,8 @@ def table(result: dict) -> str:
         peers.append(f"llama.cpp ({result['llamacpp'].get('version', '?')}, {result['llamacpp'].get('model')} GGUF)")
     kv_tokens = [f"{name} {s['kv_tokens']:,}" for name, s in servers.items() if s.get("kv_tokens") and "@" not in name]
     lines = [
-        f"odma-serve ({result.get('odma_weights', 'f32')} weights) vs {', '.join(peers) or '?'}, {m.get('cpu', '?')}, "
+        f"odma-serve ({result.get('odma_weights', 'f32')} weights) "
+        f"{'vs ' + ', '.join(peers) if peers else 'alone'}, {m.get('cpu', '?')}, "
         f"{m.get('cores', '?')} cores, {result.get('threads')} compute thread(s) each",
         f"KV {result.get('kv_bytes', 0) / 2**20:.0f} MiB each: odma {result.get('kv_bytes', 0) // per_token:,} tokens; "
         f"peers' KV tokens: {', '.join(kv_tokens) or '?'}; sampling {result.get('sampling')}",
