@@ -144,27 +144,35 @@ host = pytest.mark.skipif(not __import__("backends").get_backend("cpu").capabili
                           reason="no host virtual memory (Linux mmap) here")
 
 
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 @host
-def test_host_virtual_arena_commits_memory_only_where_mapped():
+def test_host_virtual_arena_holds_memory_only_where_blocks_write():
     from backends import KVLayout, create_virtual_arena, get_backend
 
     layout = KVLayout(layers=2, kv_heads=2, head_dim=16)
-    arena = create_virtual_arena(get_backend("cpu"), 1 << 20, layout, physical_bytes=64 * 4096)
+    arena = create_virtual_arena(get_backend("cpu"), 1 << 22, layout, physical_bytes=8192 * 4096)
     try:
-        assert arena.total_tokens == 1 << 20 and arena.physical_granules == 64
+        assert arena.total_tokens == 1 << 22 and arena.physical_granules == 8192  # 2 GiB of address space
         g = arena.granule_bytes
-        arena.map(10 * g, 4)
-        arena.storage[10 * g // 4:14 * g // 4].fill_(2.5)
-        assert arena.mapped_granules == 4
-        arena.map(14 * g, 2)  # the range grows behind the same data
-        assert float(arena.storage[10 * g // 4]) == 2.5
-        arena.unmap(10 * g, 6)
-        arena.map(10 * g, 1)  # unmapped memory comes back zeroed: nothing stale is read
-        assert float(arena.storage[10 * g // 4]) == 0.0
+        before = _resident_bytes()
+        arena.map(0, 8192)
+        arena.storage[: 8192 * g // 4].fill_(2.5)  # 32 MiB written
+        assert _resident_bytes() - before > 24 << 20
+        arena.unmap(0, 8190)  # the memory goes back; two granules stay
+        assert _resident_bytes() - before < 8 << 20
+        assert float(arena.storage[8190 * g // 4]) == 2.5
+        arena.map(0, 1)  # a granule mapped again holds zeros, not what a former block wrote
+        assert float(arena.storage[0]) == 0.0
         with pytest.raises(Exception, match="mapped already"):
-            arena.map(10 * g, 1)
+            arena.map(0, 1)
         with pytest.raises(Exception, match="free"):
-            arena.map(20 * g, 64)
+            arena.map(20 * g, 8190)  # 8,189 are free
     finally:
         arena.release()
 
