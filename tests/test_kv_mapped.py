@@ -214,3 +214,29 @@ def test_the_engine_on_mapped_memory_gives_the_copy_paths_tokens(tmp_path_factor
     unswapped = [s for s in seqs if not s.preemptions]
     assert unswapped and all(len(offsets[s.request_id]) == 1 for s in unswapped)  # grew where they were
     assert kv.free_granules == kv.mapper.physical_granules and kv.mapper.mapped_granules == 0
+
+
+@pytest.mark.parametrize("how", ["no virtual memory", "range refused"])
+def test_without_virtual_memory_blocks_grow_by_copy(tmp_path_factory, monkeypatch, caplog, how):
+    from backends import BackendError
+    from backends.cpu import CPUBackend
+    from odma.engine import SamplingParams
+    from odma.engine.testing import tiny_engine
+    from odma.models.tiny import make_tiny_model
+
+    if how == "no virtual memory":
+        monkeypatch.setattr(CPUBackend, "virtual_memory", lambda self: None)
+    else:
+        class Refusing:
+            granularity = 4096
+
+            def reserve(self, nbytes):
+                raise BackendError("address space exhausted")
+
+        monkeypatch.setattr(CPUBackend, "virtual_memory", lambda self: Refusing())
+    folder = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    engine = tiny_engine(folder, kv_budget="1MiB", kv_growth="map")
+    assert type(engine.workers[0].kv).__name__ == "ContiguousKV"
+    assert "blocks grow by copy migration" in caplog.text
+    seqs = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(seqs[0].output_ids) == 4

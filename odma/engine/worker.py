@@ -32,7 +32,7 @@ class DeviceWorker:
     @property
     def pool(self) -> KVPool | PagedKV | MappedKV:
         """The device's pool, for observability (stats) and tests; scheduling goes through `kv`. The paged
-        baseline's page bookkeeping answers `stats()` itself."""
+        baseline's pages and mapped memory answer `stats()` themselves."""
         return self.kv if isinstance(self.kv, (PagedKV, MappedKV)) else self.kv.pool
 
     @property
@@ -106,8 +106,9 @@ def _runner(model: CausalLM, backend: Any, total_tokens: int, kv_dtype: torch.dt
 def _build_mapped(config: EngineConfig, device: str, backend: Any, model: CausalLM, policy: ReservationPolicy,
                   kv_dtype: torch.dtype, budget: int) -> tuple[ModelRunner, MappedKV] | None:
     """Growth by mapping: a virtual arena with room for twice max_num_seqs worst-case blocks, backed by the budget's
-    memory in granules; None (copy migration, with a warning) where the backend has no virtual memory."""
-    from backends import KVLayout, create_virtual_arena
+    memory in granules; None (copy migration, with a warning) where the backend has no virtual memory or refuses the
+    range."""
+    from backends import BackendError, KVLayout, create_virtual_arena
 
     c = model.config
     layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
@@ -118,7 +119,11 @@ def _build_mapped(config: EngineConfig, device: str, backend: Any, model: Causal
     geometry = PlaneGeometry(c.num_layers, layout.bytes_per_token // (2 * c.num_layers), vm.granularity)
     longest = min(config.max_model_len or c.max_position_embeddings, budget // layout.bytes_per_token)
     virtual_tokens = 2 * config.max_num_seqs * geometry.layout_tokens(max(longest, 1))
-    arena = create_virtual_arena(backend, virtual_tokens, layout, budget)
+    try:
+        arena = create_virtual_arena(backend, virtual_tokens, layout, budget)
+    except BackendError as exc:
+        log.warning("%s: virtual memory refused (%s); blocks grow by copy migration", device, exc)
+        return None
     runner = _runner(model, backend, virtual_tokens, kv_dtype, config.attention, arena=arena)
     return runner, MappedKV(policy, geometry, arena, virtual_tokens)
 
