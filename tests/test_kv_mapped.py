@@ -240,3 +240,19 @@ def test_without_virtual_memory_blocks_grow_by_copy(tmp_path_factory, monkeypatc
     assert "blocks grow by copy migration" in caplog.text
     seqs = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(seqs[0].output_ids) == 4
+
+
+@host
+def test_auto_maps_where_the_granule_wastes_nothing(tmp_path_factory):
+    """The tiny model's 128-byte K rows fill a 4 KiB page in 32 tokens: with a 16-token pool unit that is coarser
+    than copy's, so auto copies; with a 32-token unit it maps. Ballooning always copies."""
+    from odma.engine.testing import tiny_engine
+    from odma.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    kinds = {align: type(tiny_engine(folder, kv_budget="1MiB", kv_growth="auto", align=align).workers[0].kv).__name__
+             for align in (16, 32)}
+    assert kinds == {16: "ContiguousKV", 32: "MappedKV"}
+    balloon = tiny_engine(folder, kv_budget="1MiB", kv_growth="auto", align=32, balloon=True,
+                          balloon_segment_tokens=64, max_prefill_tokens=64)
+    assert type(balloon.workers[0].kv).__name__ == "ContiguousKV"

@@ -57,7 +57,8 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         raise ConfigError(f"kv budget {config.kv_budget!r} holds {total_tokens} tokens of {bytes_per_token} B each")
     if config.policy == "paged":
         return _build_paged_worker(config, device, backend, model, kv_dtype, total_tokens, bytes_per_token)
-    mapped = _build_mapped(config, device, backend, model, policy, kv_dtype, budget) if config.kv_growth == "map" else None
+    wants_map = config.kv_growth == "map" or (config.kv_growth == "auto" and not config.balloon)
+    mapped = _build_mapped(config, device, backend, model, policy, kv_dtype, budget) if wants_map else None
     if mapped is not None:
         runner, kv = mapped
     else:
@@ -112,11 +113,17 @@ def _build_mapped(config: EngineConfig, device: str, backend: Any, model: Causal
 
     c = model.config
     layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+    auto = config.kv_growth == "auto"
     vm = backend.virtual_memory()
     if vm is None:
-        log.warning("%s: no virtual memory on this backend; blocks grow by copy migration", device)
+        (log.info if auto else log.warning)("%s: no virtual memory on this backend; blocks grow by copy migration", device)
         return None
     geometry = PlaneGeometry(c.num_layers, layout.bytes_per_token // (2 * c.num_layers), vm.granularity)
+    if auto and geometry.step_tokens > config.pool.align:
+        log.info("%s: blocks grow by copy migration: a %d-byte granule would grow each layer's K by %d tokens at a "
+                 "time (more than the pool's %d-token unit)", device, vm.granularity, geometry.step_tokens,
+                 config.pool.align)
+        return None
     longest = min(config.max_model_len or c.max_position_embeddings, budget // layout.bytes_per_token)
     virtual_tokens = 2 * config.max_num_seqs * geometry.layout_tokens(max(longest, 1))
     try:
