@@ -60,8 +60,9 @@ class EngineConfig:
     # needs the backend's virtual memory, CUDA's driver API or a Linux host's mmap; elsewhere copy, with a warning),
     # or "auto": map where the backend can and a layer's K grows by no more than pool.align tokens at a time (the
     # device's granule wastes nothing then: 4 KiB host pages), else copy (2 MiB GPU granules hold up to 2,048 tokens
-    # of a 7B model's layer beyond what a block uses)
-    kv_growth: str = "copy"
+    # of a 7B model's layer beyond what a block uses). Measured on a 2-core Xeon serving SmolLM2: map served NQ bursts
+    # at 1.07-1.26x copy's throughput where memory binds (64 MiB), 1.10x at 160 MiB, even at 1 GiB (docs/BENCHMARKS.md)
+    kv_growth: str = "auto"
     # bytes ("268435456", "256MiB", "2GB") or a share of device memory ("0.3", "30%"). 1 GiB: about what
     # transformers' batch of 48 holds for the same chat workload; on CPU a larger batch now pays (decode
     # attention is a kernel, the GEMMs get more efficient with rows), 256 MiB left the batch at ~18.
