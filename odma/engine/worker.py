@@ -98,8 +98,8 @@ def _runner(model: CausalLM, backend: Any, total_tokens: int, kv_dtype: torch.dt
     from backends import BackendError
 
     try:
-        return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=attention, page_tokens=page_tokens,
-                           arena=arena)
+        return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=attention,
+                           page_tokens=page_tokens, arena=arena)
     except BackendError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -116,7 +116,8 @@ def _build_mapped(config: EngineConfig, device: str, backend: Any, model: Causal
     auto = config.kv_growth == "auto"
     vm = backend.virtual_memory()
     if vm is None:
-        (log.info if auto else log.warning)("%s: no virtual memory on this backend; blocks grow by copy migration", device)
+        say = log.info if auto else log.warning
+        say("%s: no virtual memory on this backend; blocks grow by copy migration", device)
         return None
     geometry = PlaneGeometry(c.num_layers, layout.bytes_per_token // (2 * c.num_layers), vm.granularity)
     if auto and geometry.step_tokens > config.pool.align:
