@@ -82,7 +82,8 @@ class VirtualArena(Arena):
         self.vm.free_range(self.ptr, self.virtual_bytes)
 
 
-def create_virtual_arena(backend: Any, virtual_tokens: int, layout: KVLayout, physical_bytes: int) -> VirtualArena | None:
+def create_virtual_arena(backend: Any, virtual_tokens: int, layout: KVLayout,
+                         physical_bytes: int) -> VirtualArena | None:
     """An arena of `virtual_tokens` token slots of address space on `backend`'s device, backed by `physical_bytes` of
     memory (whole granules) that the KV manager maps where blocks grow; None where the backend has no virtual
     memory (`Backend.virtual_memory`)."""

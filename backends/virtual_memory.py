@@ -1,5 +1,5 @@
-"""What a backend's virtual memory offers (CUDA's driver API in cuda_vmm.py, a Linux host's mmap in host_vmm.py): reserve
-address space, make physical granules, map and unmap them behind the space, view it as a tensor."""
+"""What a backend's virtual memory offers (CUDA's driver API in cuda_vmm.py, a Linux host's mmap in host_vmm.py):
+reserve address space, make physical granules, map and unmap them behind the space, view it as a tensor."""
 
 from __future__ import annotations
 

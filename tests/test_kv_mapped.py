@@ -144,27 +144,35 @@ host = pytest.mark.skipif(not __import__("backends").get_backend("cpu").capabili
                           reason="no host virtual memory (Linux mmap) here")
 
 
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 @host
-def test_host_virtual_arena_commits_memory_only_where_mapped():
+def test_host_virtual_arena_holds_memory_only_where_blocks_write():
     from backends import KVLayout, create_virtual_arena, get_backend
 
     layout = KVLayout(layers=2, kv_heads=2, head_dim=16)
-    arena = create_virtual_arena(get_backend("cpu"), 1 << 20, layout, physical_bytes=64 * 4096)
+    arena = create_virtual_arena(get_backend("cpu"), 1 << 22, layout, physical_bytes=8192 * 4096)
     try:
-        assert arena.total_tokens == 1 << 20 and arena.physical_granules == 64
+        assert arena.total_tokens == 1 << 22 and arena.physical_granules == 8192  # 2 GiB of address space
         g = arena.granule_bytes
-        arena.map(10 * g, 4)
-        arena.storage[10 * g // 4:14 * g // 4].fill_(2.5)
-        assert arena.mapped_granules == 4
-        arena.map(14 * g, 2)  # the range grows behind the same data
-        assert float(arena.storage[10 * g // 4]) == 2.5
-        arena.unmap(10 * g, 6)
-        arena.map(10 * g, 1)  # unmapped memory comes back zeroed: nothing stale is read
-        assert float(arena.storage[10 * g // 4]) == 0.0
+        before = _resident_bytes()
+        arena.map(0, 8192)
+        arena.storage[: 8192 * g // 4].fill_(2.5)  # 32 MiB written
+        assert _resident_bytes() - before > 24 << 20
+        arena.unmap(0, 8190)  # the memory goes back; two granules stay
+        assert _resident_bytes() - before < 8 << 20
+        assert float(arena.storage[8190 * g // 4]) == 2.5
+        arena.map(0, 1)  # a granule mapped again holds zeros, not what a former block wrote
+        assert float(arena.storage[0]) == 0.0
         with pytest.raises(Exception, match="mapped already"):
-            arena.map(10 * g, 1)
+            arena.map(0, 1)
         with pytest.raises(Exception, match="free"):
-            arena.map(20 * g, 64)
+            arena.map(20 * g, 8190)  # 8,189 are free
     finally:
         arena.release()
 
@@ -206,3 +214,45 @@ def test_the_engine_on_mapped_memory_gives_the_copy_paths_tokens(tmp_path_factor
     unswapped = [s for s in seqs if not s.preemptions]
     assert unswapped and all(len(offsets[s.request_id]) == 1 for s in unswapped)  # grew where they were
     assert kv.free_granules == kv.mapper.physical_granules and kv.mapper.mapped_granules == 0
+
+
+@pytest.mark.parametrize("how", ["no virtual memory", "range refused"])
+def test_without_virtual_memory_blocks_grow_by_copy(tmp_path_factory, monkeypatch, caplog, how):
+    from backends import BackendError
+    from backends.cpu import CPUBackend
+    from odma.engine import SamplingParams
+    from odma.engine.testing import tiny_engine
+    from odma.models.tiny import make_tiny_model
+
+    if how == "no virtual memory":
+        monkeypatch.setattr(CPUBackend, "virtual_memory", lambda self: None)
+    else:
+        class Refusing:
+            granularity = 4096
+
+            def reserve(self, nbytes):
+                raise BackendError("address space exhausted")
+
+        monkeypatch.setattr(CPUBackend, "virtual_memory", lambda self: Refusing())
+    folder = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    engine = tiny_engine(folder, kv_budget="1MiB", kv_growth="map")
+    assert type(engine.workers[0].kv).__name__ == "ContiguousKV"
+    assert "blocks grow by copy migration" in caplog.text
+    seqs = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(seqs[0].output_ids) == 4
+
+
+@host
+def test_auto_maps_where_the_granule_wastes_nothing(tmp_path_factory):
+    """The tiny model's 128-byte K rows fill a 4 KiB page in 32 tokens: with a 16-token pool unit that is coarser
+    than copy's, so auto copies; with a 32-token unit it maps. Ballooning always copies."""
+    from odma.engine.testing import tiny_engine
+    from odma.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    kinds = {align: type(tiny_engine(folder, kv_budget="1MiB", kv_growth="auto", align=align).workers[0].kv).__name__
+             for align in (16, 32)}
+    assert kinds == {16: "ContiguousKV", 32: "MappedKV"}
+    balloon = tiny_engine(folder, kv_budget="1MiB", kv_growth="auto", align=32, balloon=True,
+                          balloon_segment_tokens=64, max_prefill_tokens=64)
+    assert type(balloon.workers[0].kv).__name__ == "ContiguousKV"

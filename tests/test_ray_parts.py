@@ -386,8 +386,7 @@ def test_odma_serve_ray_stops_on_a_burst_of_signals_and_gives_ctrl_c_back():
     deadlock in its own handler (it did, with a threading.Event), and a second Ctrl-C must reach the teardown."""
     code = ("import signal, sys\n"
             "from odma.serve_ray.app import wait_for_stop_signal\n"
-            "print('waiting', flush=True)\n"
-            "got = wait_for_stop_signal(poll_s=0.5)\n"
+            "got = wait_for_stop_signal(poll_s=0.5, on_ready=lambda: print('waiting', flush=True))\n"
             "print('stopped', got, signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -75,7 +75,8 @@ def _step(shapes: list[tuple[int, int]], *, kv_heads: int, group: int, dim: int,
 
         def reader(a: torch.Tensor, i: int) -> torch.Tensor:
             o, c, s = offsets[i], caps[i], slots[i]
-            return a[o * per_token:(o + c) * per_token].view(LAYERS, 2, c, kv_heads, dim)[1, :, : s.start + s.q_len].transpose(0, 1)
+            block = a[o * per_token:(o + c) * per_token].view(LAYERS, 2, c, kv_heads, dim)
+            return block[1, :, : s.start + s.q_len].transpose(0, 1)
     t = sum(q for _, q in shapes)
     q = torch.randn(t, kv_heads * group, dim, generator=gen).to(dtype)
     k = torch.randn(t, kv_heads, dim, generator=gen).to(dtype)
@@ -122,8 +123,11 @@ def _run(arena, slots, q, k, v, tuning: Tuning | None = None):
         shape = slots[0].kv.shape
         moved = [SimpleNamespace(kv=arena_d.view(shape), pages=s.pages, start=s.start, q_len=s.q_len) for s in slots]
     else:
-        moved = [SimpleNamespace(kv=arena_d[s.kv.storage_offset():s.kv.storage_offset() + s.kv.numel()].view(s.kv.shape),
-                                 pages=None, start=s.start, q_len=s.q_len) for s in slots]
+        moved = []
+        for s in slots:
+            at = s.kv.storage_offset()
+            moved.append(SimpleNamespace(kv=arena_d[at:at + s.kv.numel()].view(s.kv.shape), pages=None, start=s.start,
+                                         q_len=s.q_len))
     step = TritonAttention(DEVICE, tuning).plan_step(moved)
     out = step.attend(1, *dev[1:])
     return out.cpu(), arena_d.cpu(), step

@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt", type=int, default=4096, help="longer prompts are cut to this")
     p.add_argument("--kv-budget", default=None, help="KV budget of every policy (default 4GiB; tiny: 64KiB)")
     p.add_argument("--policies", default="static,odma,paged,odma-map",
-                   help="engine policies on the same KV budget; NAME-map: that policy growing by mapping (--kv-growth map)")
+                   help="engine policies on the same KV budget; NAME-map: that policy growing by mapping "
+                        "(--kv-growth map)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--out", default=None, help="also write the JSON here, rewritten after each part (a run cut short "
                                                "by a time limit keeps the parts it finished)")

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sjf-aging-rounds", type=int, default=None, help="every engine's sjf aging bound")
     p.add_argument("--probe", default=None, help="every engine's length probe (e.g. 'probe')")
     p.add_argument("--growth-hint", default=None, choices=["pred", "none"], help="every engine's growth hint")
-    p.add_argument("--kv-growth", default=None, choices=["copy", "map"], help="every engine's --kv-growth")
+    p.add_argument("--kv-growth", default=None, choices=["copy", "map", "auto"], help="every engine's --kv-growth")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--modes", default="single,odma,pow2", help=f"comma-separated, of {MODES}")
     p.add_argument("--rounds", type=int, default=1, help="repeat the modes this often (ratios per round)")

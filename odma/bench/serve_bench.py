@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the started server's batch cap (default 64, the server's default before it was 128, so that "
                         "the commands recorded in docs/BENCHMARKS.md reproduce; the server's own default is 128)")
     p.add_argument("--preempt", default="swap", choices=["wait", "recompute", "swap"])
-    p.add_argument("--kv-growth", default=None, choices=["copy", "map"],
+    p.add_argument("--kv-growth", default=None, choices=["copy", "map", "auto"],
                    help="the started server's --kv-growth (default: the server's, copy)")
     p.add_argument("--admission-demand", type=float, default=None,
                    help="the started server's --admission-demand (admission by the running set's predicted final KV)")

@@ -21,7 +21,7 @@ from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
 # the contiguous pool's reservation policies, and "paged": vLLM-style 16-token pages in this engine (the baseline the
 # contiguous pool is measured against: same model, kernels and scheduler; Triton attention only)
 POLICIES = (*POLICY_KINDS, "paged")
-KV_GROWTH = ("copy", "map")
+KV_GROWTH = ("copy", "map", "auto")
 PAGE_TOKENS = 16
 
 # what the realized-length log keeps of each prompt: the text, its SHA-256, or nothing
@@ -60,10 +60,14 @@ class EngineConfig:
     # arena when Triton imports), triton (every request through the Triton kernels; on CPU only under
     # TRITON_INTERPRET=1, for tests) or sdpa (torch's SDPA per request, the reference)
     attention: str = "auto"
-    # how a block grows past its reservation: "copy" (migrate to a larger block: allocate, copy, swap, free) or "map"
+    # how a block grows past its reservation: "copy" (migrate to a larger block: allocate, copy, swap, free), "map"
     # (each block is address space for its worst case and memory is mapped behind it as it grows: never copied;
-    # needs the backend's virtual memory, CUDA's driver API or a Linux host's mmap; elsewhere copy, with a warning)
-    kv_growth: str = "copy"
+    # needs the backend's virtual memory, CUDA's driver API or a Linux host's mmap; elsewhere copy, with a warning),
+    # or "auto": map where the backend can and a layer's K grows by no more than pool.align tokens at a time (the
+    # device's granule wastes nothing then: 4 KiB host pages), else copy (2 MiB GPU granules hold up to 2,048 tokens
+    # of a 7B model's layer beyond what a block uses). Measured on a 2-core Xeon serving SmolLM2: map served NQ bursts
+    # at 1.07-1.26x copy's throughput where memory binds (64 MiB), 1.10x at 160 MiB, even at 1 GiB (docs/BENCHMARKS.md)
+    kv_growth: str = "auto"
     # bytes ("268435456", "256MiB", "2GB") or a share of device memory ("0.3", "30%"). 1 GiB: about what
     # transformers' batch of 48 holds for the same chat workload; on CPU a larger batch now pays (decode
     # attention is a kernel, the GEMMs get more efficient with rows), 256 MiB left the batch at ~18.

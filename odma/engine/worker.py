@@ -32,7 +32,7 @@ class DeviceWorker:
     @property
     def pool(self) -> KVPool | PagedKV | MappedKV:
         """The device's pool, for observability (stats) and tests; scheduling goes through `kv`. The paged
-        baseline's page bookkeeping answers `stats()` itself."""
+        baseline's pages and mapped memory answer `stats()` themselves."""
         return self.kv if isinstance(self.kv, (PagedKV, MappedKV)) else self.kv.pool
 
     @property
@@ -57,7 +57,8 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         raise ConfigError(f"kv budget {config.kv_budget!r} holds {total_tokens} tokens of {bytes_per_token} B each")
     if config.policy == "paged":
         return _build_paged_worker(config, device, backend, model, kv_dtype, total_tokens, bytes_per_token)
-    mapped = _build_mapped(config, device, backend, model, policy, kv_dtype, budget) if config.kv_growth == "map" else None
+    wants_map = config.kv_growth == "map" or (config.kv_growth == "auto" and not config.balloon)
+    mapped = _build_mapped(config, device, backend, model, policy, kv_dtype, budget) if wants_map else None
     if mapped is not None:
         runner, kv = mapped
     else:
@@ -97,8 +98,8 @@ def _runner(model: CausalLM, backend: Any, total_tokens: int, kv_dtype: torch.dt
     from backends import BackendError
 
     try:
-        return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=attention, page_tokens=page_tokens,
-                           arena=arena)
+        return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=attention,
+                           page_tokens=page_tokens, arena=arena)
     except BackendError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -106,19 +107,31 @@ def _runner(model: CausalLM, backend: Any, total_tokens: int, kv_dtype: torch.dt
 def _build_mapped(config: EngineConfig, device: str, backend: Any, model: CausalLM, policy: ReservationPolicy,
                   kv_dtype: torch.dtype, budget: int) -> tuple[ModelRunner, MappedKV] | None:
     """Growth by mapping: a virtual arena with room for twice max_num_seqs worst-case blocks, backed by the budget's
-    memory in granules; None (copy migration, with a warning) where the backend has no virtual memory."""
-    from backends import KVLayout, create_virtual_arena
+    memory in granules; None (copy migration, with a warning) where the backend has no virtual memory or refuses the
+    range."""
+    from backends import BackendError, KVLayout, create_virtual_arena
 
     c = model.config
     layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+    auto = config.kv_growth == "auto"
     vm = backend.virtual_memory()
     if vm is None:
-        log.warning("%s: no virtual memory on this backend; blocks grow by copy migration", device)
+        say = log.info if auto else log.warning
+        say("%s: no virtual memory on this backend; blocks grow by copy migration", device)
         return None
     geometry = PlaneGeometry(c.num_layers, layout.bytes_per_token // (2 * c.num_layers), vm.granularity)
+    if auto and geometry.step_tokens > config.pool.align:
+        log.info("%s: blocks grow by copy migration: a %d-byte granule would grow each layer's K by %d tokens at a "
+                 "time (more than the pool's %d-token unit)", device, vm.granularity, geometry.step_tokens,
+                 config.pool.align)
+        return None
     longest = min(config.max_model_len or c.max_position_embeddings, budget // layout.bytes_per_token)
     virtual_tokens = 2 * config.max_num_seqs * geometry.layout_tokens(max(longest, 1))
-    arena = create_virtual_arena(backend, virtual_tokens, layout, budget)
+    try:
+        arena = create_virtual_arena(backend, virtual_tokens, layout, budget)
+    except BackendError as exc:
+        log.warning("%s: virtual memory refused (%s); blocks grow by copy migration", device, exc)
+        return None
     runner = _runner(model, backend, virtual_tokens, kv_dtype, config.attention, arena=arena)
     return runner, MappedKV(policy, geometry, arena, virtual_tokens)
 

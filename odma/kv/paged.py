@@ -131,7 +131,8 @@ class PagedKV(KVManager):
         free = self.free_pages * self.page_tokens
         return PoolStats(
             reservations=self.reservations, refusals=self.refusals + self.page_refusals, releases=self.releases,
-            total_tokens=self.total_tokens, bytes_per_token=self.bytes_per_token, main_tokens=self.total_tokens, large_tokens=0,
+            total_tokens=self.total_tokens, bytes_per_token=self.bytes_per_token, main_tokens=self.total_tokens,
+            large_tokens=0,
             live_blocks=len(self._pages), live_blocks_per_bucket={}, reserved_tokens=self.reserved_tokens,
             live_tokens=sum(self._lengths.values()), free_tokens=free, cached_tokens=0,
             largest_free_extent_tokens=free, largest_reservable_tokens=free, largest_range_tokens=self.total_tokens)

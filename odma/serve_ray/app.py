@@ -13,6 +13,7 @@ import shlex
 import signal
 import time
 from dataclasses import replace
+from typing import Callable
 
 from odma.engine import EngineConfig
 from odma.engine.length_log import read_realized_lengths
@@ -82,12 +83,15 @@ def build_application(config: EngineConfig, settings: RaySettings, *, served_nam
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def wait_for_stop_signal(poll_s: float = 0.2) -> int:
+def wait_for_stop_signal(poll_s: float = 0.2, on_ready: Callable[[], None] | None = None) -> int:
     """Until SIGINT or SIGTERM; returns the signal, with the default handlers back (a second Ctrl-C during the
     teardown interrupts it). The handler takes no lock: with a threading.Event, two signals in quick succession
-    (Ctrl-C that a wrapper such as `timeout` also forwards) re-entered Event.set in the main thread and deadlocked."""
+    (Ctrl-C that a wrapper such as `timeout` also forwards) re-entered Event.set in the main thread and deadlocked.
+    on_ready: called once the handlers are in place (from then on a signal ends the wait)."""
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum)) for sig in STOP_SIGNALS}
+    if on_ready is not None:
+        on_ready()
     try:
         while not received:
             time.sleep(poll_s)

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
     p.add_argument("--kv-growth", default=d.kv_growth, choices=KV_GROWTH,
                    help="copy: an outgrown block migrates (one sequential copy); map: every block is address space for "
-                        "its worst case and memory is mapped behind it as it grows (virtual memory: CUDA, Linux hosts)")
+                        "its worst case and memory is mapped behind it as it grows (virtual memory: CUDA, Linux hosts); "
+                        "auto: map where the device's granule wastes nothing (host pages), else copy")
     p.add_argument("--reserve-scale", type=float, default=d.pool.reserve_scale,
                    help="odma reserves for reserve_scale·L̂ and grows by migration past it (the replays chose this value)")
     p.add_argument("--growth-hint", default=d.pool.growth_hint, choices=GROWTH_HINTS,
