@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from odma.bench import peer_report
 from odma.bench.peer_servers import RunningServer, ServerSpec, command
 
@@ -61,3 +63,21 @@ def test_the_ratios_compare_odma_with_llamacpps_best_setting():
     assert r["guidellm_c16 vs llamacpp-u16"]["throughput"] == 1.5
     assert "nq" not in r  # no vLLM run: no odma ÷ vLLM ratio
     assert "| llamacpp-s64 | error: did not start |" in peer_report.table(result)
+
+
+def test_runs_made_one_at_a_time_merge_into_one_comparison_and_refuse_other_settings():
+    run = lambda tps: {"throughput_tps": tps, "ttft_p50_s": 1.0}  # noqa: E731
+    base = {"kv_bytes": 1 << 30, "threads": 1, "sampling": {"temperature": 0.7}, "machine": {"cpu": "x"},
+            "llamacpp": {"model": "q4_1"}}
+    first = {**base, "command": "a", "stages": {"nq": {"odma-native": run(120.0), "llamacpp-u16": run(30.0)}}}
+    second = {**base, "command": "b", "finished": "later", "stages": {"nq": {"llamacpp-s16": run(40.0)}}}
+    merged = peer_report.merge([first, second])
+    assert set(merged["stages"]["nq"]) == {"odma-native", "llamacpp-u16", "llamacpp-s16"}
+    assert merged["ratios"]["nq vs llamacpp-s16"]["throughput"] == 3.0 and merged["commands"] == ["a", "b"]
+    assert merged["finished"] == "later"
+    for change, word in (({"threads": 2}, "threads"), ({"machine": {"cpu": "y"}}, "cpu"),
+                         ({"llamacpp": {"model": "f32"}}, "llamacpp model")):
+        with pytest.raises(ValueError, match=word):
+            peer_report.merge([first, {**second, **change}])
+    with pytest.raises(ValueError, match="nq: llamacpp-u16, odma-native ran in more than one"):
+        peer_report.merge([first, {**second, "stages": first["stages"]}])

@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--odma-args", default="", help="extra odma-serve arguments (one string)")
     p.add_argument("--vllm-args", default="", help="extra vLLM api_server arguments (one string)")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny sizes for every stage")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="run no server: one table from earlier runs' folders (same settings, machine and models) "
+                        "written to --out")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -90,6 +93,8 @@ def run(args: argparse.Namespace) -> dict:
     from odma.engine.config import parse_kv_budget
     from odma.models import resolve_model
 
+    if args.merge:
+        return _merge(args.merge, Path(args.out or f"runs/peer-{time.strftime('%Y%m%d-%H%M%S')}"))
     # a plain `kill` of this process still stops the servers (their `with` blocks run)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
@@ -406,6 +411,29 @@ def _versions(peer_python: Path) -> dict:
         except (OSError, subprocess.SubprocessError, json.JSONDecodeError):
             pass
     return out
+
+
+def _merge(folders: list[str], out: Path) -> dict:
+    """Rows of runs made one at a time (a killed run keeps the servers it finished) as one result."""
+    from odma.bench import peer_report
+
+    results = []
+    for folder in folders:
+        path = Path(folder) / "PEER.json"
+        if not path.is_file():
+            raise SystemExit(f"odma-bench peer --merge: no {path}")
+        results.append(json.loads(path.read_text()))
+    try:
+        merged = peer_report.merge(results)
+    except ValueError as e:
+        raise SystemExit(f"odma-bench peer --merge: {e}") from None
+    merged["merged_from"] = [str(f) for f in folders]
+    out.mkdir(parents=True, exist_ok=True)
+    _save(merged, out)
+    (out / "PEER.txt").write_text(peer_report.table(merged))
+    peer_report.plot(merged, out / "PEER.png")
+    print(peer_report.table(merged), file=sys.stderr)
+    return {"out": str(out), "ratios": merged["ratios"]}
 
 
 def _save(result: dict, out: Path) -> None:

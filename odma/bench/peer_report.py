@@ -42,6 +42,41 @@ def ratios(result: dict) -> dict:
     return out
 
 
+# what must agree for rows of several runs to share one table
+SAME_SETTINGS = ("kv_bytes", "kv_bytes_per_token", "threads", "sampling", "guidellm_shape", "model_dir")
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from several runs of the same settings on one machine (each server once): the first run's
+    settings, every run's rows, each run's command, ratios recomputed. Runs that differ in a setting, in the CPU or
+    in the llama.cpp model, or that both ran a server on a workload, are refused with what differs."""
+    if not results:
+        raise ValueError("nothing to merge")
+    first = results[0]
+    for other in results[1:]:
+        keys = [k for k in SAME_SETTINGS if other.get(k) != first.get(k)]
+        keys += ["cpu"] * (other.get("machine", {}).get("cpu") != first.get("machine", {}).get("cpu"))
+        if first.get("llamacpp") and other.get("llamacpp") and \
+                first["llamacpp"].get("model") != other["llamacpp"].get("model"):
+            keys.append("llamacpp model")
+        if keys:
+            raise ValueError(f"runs differ in {', '.join(keys)}: not one comparison")
+    merged = {**first, "commands": [r.get("command") for r in results], "stages": {}, "servers": {}}
+    merged.pop("command", None)
+    for r in results:
+        merged["llamacpp"] = merged.get("llamacpp") or r.get("llamacpp")
+        merged["servers"].update(r.get("servers", {}))
+        for stage, runs in r.get("stages", {}).items():
+            have = merged["stages"].setdefault(stage, {})
+            twice = sorted(set(have) & set(runs))
+            if twice:
+                raise ValueError(f"{stage}: {', '.join(twice)} ran in more than one of the runs")
+            have.update(runs)
+    merged["finished"] = results[-1].get("finished", results[-1].get("started"))
+    merged["ratios"] = ratios(merged)
+    return merged
+
+
 def _best(runs: dict[str, dict | None], tput: str) -> tuple[str, dict] | None:
     """The run with the highest throughput (a peer at its best setting), or None."""
     ok = [(name, r) for name, r in runs.items() if r and "error" not in r and r.get(tput)]
