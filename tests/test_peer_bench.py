@@ -41,8 +41,9 @@ def test_odma_serves_either_the_fp32_folder_or_the_gguf_natively(tmp_path):
 
 def test_the_start_log_says_how_many_kv_tokens_llamacpp_took(tmp_path):
     log = tmp_path / "l.log"
+    capped = "llama_context: n_ctx_seq (23552) > n_ctx_train (8192)\nn_slots = 16, n_ctx_slot = 8192, kv_unified = 'true'"
     for text, tokens in (("n_slots = 16, n_ctx_slot = 1536, kv_unified = 'false'", 16 * 1536),
-                         ("n_slots = 128, n_ctx_slot = 23552, kv_unified = 'true'", 23552)):
+                         ("n_slots = 128, n_ctx_slot = 23552, kv_unified = 'true'", 23552), (capped, 23552)):
         log.write_text("load_model: initializing, " + text + "\n")
         facts = RunningServer(None, "", 0, log, 0.0).log_facts()
         assert facts["kv_tokens"] == tokens and facts["slots"] in (16, 128)

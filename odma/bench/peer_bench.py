@@ -416,13 +416,18 @@ def _versions(peer_python: Path) -> dict:
 def _merge(folders: list[str], out: Path) -> dict:
     """Rows of runs made one at a time (a killed run keeps the servers it finished) as one result."""
     from odma.bench import peer_report
+    from odma.bench.peer_servers import RunningServer
 
     results = []
     for folder in folders:
         path = Path(folder) / "PEER.json"
         if not path.is_file():
             raise SystemExit(f"odma-bench peer --merge: no {path}")
-        results.append(json.loads(path.read_text()))
+        result = json.loads(path.read_text())
+        for server in result.get("servers", {}).values():  # facts re-read by this version's parser
+            if server.get("log") and Path(server["log"]).is_file():
+                server.update(RunningServer(None, "", 0, Path(server["log"]), 0.0).log_facts())
+        results.append(result)
     try:
         merged = peer_report.merge(results)
     except ValueError as e:

@@ -72,7 +72,9 @@ def merge(results: list[dict]) -> dict:
             if twice:
                 raise ValueError(f"{stage}: {', '.join(twice)} ran in more than one of the runs")
             have.update(runs)
-    merged["finished"] = results[-1].get("finished", results[-1].get("started"))
+    merged.pop("finished", None)  # a run stopped after its last server has none
+    if results[-1].get("finished"):
+        merged["finished"] = results[-1]["finished"]
     merged["ratios"] = ratios(merged)
     return merged
 

@@ -78,8 +78,11 @@ class RunningServer:
         m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'", text)  # llama.cpp
         if m:
             slots, per_slot, unified = int(m.group(1)), int(m.group(2)), m.group(3) == "true"
+            # unified: one pool of n_ctx_seq cells (-c rounded up to 256); a slot's cap is the model's trained
+            # context where that is smaller, so n_ctx_slot alone understates the pool
+            pool = re.search(r"n_ctx_seq \((\d+)\)", text)
             facts.update(slots=slots, ctx_per_slot=per_slot, kv_unified=unified,
-                         kv_tokens=per_slot if unified else slots * per_slot)
+                         kv_tokens=(int(pool.group(1)) if pool else per_slot) if unified else slots * per_slot)
         return facts
 
 
