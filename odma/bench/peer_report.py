@@ -43,7 +43,7 @@ def ratios(result: dict) -> dict:
 
 
 # what must agree for rows of several runs to share one table
-SAME_SETTINGS = ("kv_bytes", "kv_bytes_per_token", "threads", "sampling", "guidellm_shape", "model_dir")
+SAME_SETTINGS = ("kv_bytes", "kv_bytes_per_token", "threads", "sampling", "guidellm_shape", "model_dir", "odma_cpu_isa")
 
 
 def merge(results: list[dict]) -> dict:
