@@ -416,7 +416,7 @@ def _versions(peer_python: Path) -> dict:
 def _merge(folders: list[str], out: Path) -> dict:
     """Rows of runs made one at a time (a killed run keeps the servers it finished) as one result."""
     from odma.bench import peer_report
-    from odma.bench.peer_servers import RunningServer
+    from odma.bench.peer_servers import log_facts
 
     results = []
     for folder in folders:
@@ -426,7 +426,7 @@ def _merge(folders: list[str], out: Path) -> dict:
         result = json.loads(path.read_text())
         for server in result.get("servers", {}).values():  # facts re-read by this version's parser
             if server.get("log") and Path(server["log"]).is_file():
-                server.update(RunningServer(None, "", 0, Path(server["log"]), 0.0).log_facts())
+                server.update(log_facts(Path(server["log"])))
         results.append(result)
     try:
         merged = peer_report.merge(results)

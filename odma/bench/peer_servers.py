@@ -63,27 +63,32 @@ class RunningServer:
     command: list[str] = field(default_factory=list)
 
     def log_facts(self) -> dict:
-        """What the server said about itself at start (vLLM: KV tokens and bound cores; odma: nothing needed)."""
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        facts: dict = {}
-        m = re.search(r"KV cache size: ([0-9,]+) tokens", text)
-        if m:
-            facts["kv_tokens"] = int(m.group(1).replace(",", ""))
-        m = re.search(r"core ids=\[([0-9, ]*)\]", text)
-        if m:
-            facts["compute_cores"] = [int(x) for x in m.group(1).split(",") if x.strip()]
-        m = re.search(r"reserved_cpus=\[([0-9, ]*)\]", text)
-        if m:
-            facts["reserved_cores"] = [int(x) for x in m.group(1).split(",") if x.strip()]
-        m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'", text)  # llama.cpp
-        if m:
-            slots, per_slot, unified = int(m.group(1)), int(m.group(2)), m.group(3) == "true"
-            # unified: one pool of n_ctx_seq cells (-c rounded up to 256); a slot's cap is the model's trained
-            # context where that is smaller, so n_ctx_slot alone understates the pool
-            pool = re.search(r"n_ctx_seq \((\d+)\)", text)
-            facts.update(slots=slots, ctx_per_slot=per_slot, kv_unified=unified,
-                         kv_tokens=(int(pool.group(1)) if pool else per_slot) if unified else slots * per_slot)
-        return facts
+        return log_facts(self.log_path)
+
+
+def log_facts(log_path: Path) -> dict:
+    """What a server said about itself at start (vLLM: KV tokens and bound cores; llama.cpp: its slots and KV pool;
+    odma: nothing needed)."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    facts: dict = {}
+    m = re.search(r"KV cache size: ([0-9,]+) tokens", text)
+    if m:
+        facts["kv_tokens"] = int(m.group(1).replace(",", ""))
+    m = re.search(r"core ids=\[([0-9, ]*)\]", text)
+    if m:
+        facts["compute_cores"] = [int(x) for x in m.group(1).split(",") if x.strip()]
+    m = re.search(r"reserved_cpus=\[([0-9, ]*)\]", text)
+    if m:
+        facts["reserved_cores"] = [int(x) for x in m.group(1).split(",") if x.strip()]
+    m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'", text)  # llama.cpp
+    if m:
+        slots, per_slot, unified = int(m.group(1)), int(m.group(2)), m.group(3) == "true"
+        # unified: one pool of n_ctx_seq cells (-c rounded up to 256); a slot's cap is the model's trained
+        # context where that is smaller, so n_ctx_slot alone understates the pool
+        pool = re.search(r"n_ctx_seq \((\d+)\)", text)
+        facts.update(slots=slots, ctx_per_slot=per_slot, kv_unified=unified,
+                     kv_tokens=(int(pool.group(1)) if pool else per_slot) if unified else slots * per_slot)
+    return facts
 
 
 def command(spec: ServerSpec, port: int) -> tuple[list[str], dict[str, str]]:
