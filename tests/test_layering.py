@@ -2,7 +2,8 @@
 
 Layers, lowest first: `backends` (devices; knows nothing of odma) · odma's core (errors, config, traces,
 tokenizer) · `odma.kv` (the memory room) and `odma.models` · `predictor` · `odma.engine` · `odma.analyze`,
-`training` · `odma.server` · `odma.serve_ray` (the same server on Ray Serve, built on odma.server) · `odma.bench`. A
+`training` · `odma.server` and `odma.vllm` (odma's scheduler inside vLLM) · `odma.serve_ray` (the same server on
+Ray Serve, built on odma.server) · `odma.bench`. A
 package may import only packages listed for it below; no package imports another's private (`_name`) members; and
 no chain of imports between modules leads back to where it started.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("odma", "predictor", "backends", "training")
-SUBPACKAGES = ("kv", "engine", "server", "serve_ray", "analyze", "bench", "models")
+SUBPACKAGES = ("kv", "engine", "server", "serve_ray", "analyze", "bench", "models", "vllm")
 ALLOWED = {
     "backends": set(),
     "odma.core": set(),
@@ -35,6 +36,7 @@ ALLOWED = {
     "odma.analyze": {"odma.core", "odma.kv", "predictor", "odma.engine"},  # it simulates the engine's scheduler
     "training": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine"},
     "odma.server": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor"},
+    "odma.vllm": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor"},
     "odma.serve_ray": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor", "odma.server"},
     "odma.bench": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine", "odma.analyze",
                    "odma.server", "odma.serve_ray"},

@@ -1,0 +1,129 @@
+"""vLLM's block pool steered into contiguous runs (odma.vllm.runs decides, this applies it to vLLM's objects).
+
+vLLM 0.32's allocator has no supported hook for which block ids a request gets, so the plugin adjusts the one
+pool object the scheduler built, before any block is handed out:
+- the pool's class becomes `RunBlockPool`, a subclass whose `get_new_blocks` takes the ids BlockRuns chooses
+  out of vLLM's free queue (the same bookkeeping vLLM does: reuse watchers, prefix-cache eviction, ref counts),
+  and whose free / touch / unpin keep the mirror in step;
+- the full-attention manager's `allocate_new_blocks`, `free` and `pop_blocks_for_free` are wrapped on that one
+  instance to say whose blocks are being allocated, and when a request lets go of its run.
+
+A move (copying a request's KV into a larger run) is not done: vLLM 0.32's model runner only appends to a running
+request's block table, so growth that cannot stay in place appends blocks and is counted.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+from odma.errors import ConfigError
+from odma.vllm.runs import BlockRuns
+
+
+class RunBlockPool(BlockPool):
+    odma_runs: BlockRuns
+    odma_owner: str | None
+    odma_claims: dict[str, int]
+
+    def get_new_blocks(self, num_blocks: int):
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        owner = self.odma_owner
+        runs = self.odma_runs
+        if owner is None:
+            ids = runs.take(num_blocks)
+        elif runs.pieces(owner) is None:
+            ids = runs.place(owner, num_blocks, self.odma_claims.get(owner, num_blocks))
+        else:
+            ids = runs.grow(owner, num_blocks)
+        blocks = [self.blocks[i] for i in ids]
+        queue = self.free_block_queue
+        for block in blocks:
+            queue.remove(block)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        for block in blocks:
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            assert block.ref_cnt == 0, f"block {block.block_id} handed out while in use"
+            block.ref_cnt += 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return blocks
+
+    def free_blocks(self, ordered_blocks) -> None:
+        ordered = list(ordered_blocks)
+        super().free_blocks(ordered)
+        freed = {b.block_id: None for b in ordered if b.ref_cnt == 0 and not b.is_null and b.pool in (None, self)}
+        self.odma_runs.give_back(list(freed))
+
+    def touch(self, blocks) -> None:
+        leaving = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
+        super().touch(blocks)
+        if leaving:
+            self.odma_runs.taken_elsewhere(leaving)
+
+    def unpin_blocks(self, blocks, on_reuse) -> None:
+        blocks = list(blocks)
+        super().unpin_blocks(blocks, on_reuse)
+        freed = {b.block_id: None for b in blocks if b.ref_cnt == 0 and not b.is_null}
+        self.odma_runs.give_back(list(freed))
+
+    def free_ids(self) -> set[int]:
+        """The ids in vLLM's own free queue (for checks)."""
+        ids = set()
+        block = self.free_block_queue.fake_free_list_head.next_free_block
+        tail = self.free_block_queue.fake_free_list_tail
+        while block is not None and block is not tail:
+            ids.add(block.block_id)
+            block = block.next_free_block
+        return ids
+
+
+def steer(kv_cache_manager) -> tuple[RunBlockPool, FullAttentionManager]:
+    """Turn the scheduler's (still empty) pool into a RunBlockPool. Refused, in words, for KV layouts the runs do
+    not cover: more than one KV cache group (hybrid models), or attention other than full attention."""
+    coordinator = kv_cache_manager.coordinator
+    managers = list(coordinator.single_type_managers)
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        kinds = ", ".join(type(m).__name__ for m in managers)
+        raise ConfigError(f"odma.vllm: contiguous runs need one full-attention KV cache group, this model has "
+                          f"[{kinds}]; start with --additional-config '{{\"odma\": {{\"runs\": false}}}}' to keep "
+                          f"only odma's order")
+    pool = kv_cache_manager.block_pool
+    if type(pool) is not BlockPool:
+        raise ConfigError(f"odma.vllm: the block pool is a {type(pool).__name__}, not vLLM's BlockPool")
+    if pool.get_num_free_blocks() != pool.num_gpu_blocks - 1:
+        raise ConfigError("odma.vllm: the block pool already handed out blocks; runs must start from an empty pool")
+    pool.__class__ = RunBlockPool
+    pool.odma_runs = BlockRuns(pool.num_gpu_blocks, reserved=(pool.null_block.block_id,))
+    pool.odma_owner = None
+    pool.odma_claims = {}
+    manager = managers[0]
+    allocate, free, pop = manager.allocate_new_blocks, manager.free, manager.pop_blocks_for_free
+
+    def allocate_new_blocks(request_id, num_tokens, num_tokens_main_model):
+        pool.odma_owner = request_id
+        try:
+            return allocate(request_id, num_tokens, num_tokens_main_model)
+        finally:
+            pool.odma_owner = None
+
+    def free_request(request_id):
+        try:
+            free(request_id)
+        finally:
+            pool.odma_runs.drop(request_id)
+            pool.odma_claims.pop(request_id, None)
+
+    def pop_blocks_for_free(request_id):
+        blocks = pop(request_id)
+        pool.odma_runs.drop(request_id)  # its blocks come back later through free_blocks
+        pool.odma_claims.pop(request_id, None)
+        return blocks
+
+    manager.allocate_new_blocks = allocate_new_blocks
+    manager.free = free_request
+    manager.pop_blocks_for_free = pop_blocks_for_free
+    return pool, manager

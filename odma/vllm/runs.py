@@ -1,0 +1,247 @@
+"""Contiguous block runs over a paged block pool: which block ids a request gets (no torch, no vLLM).
+
+A paged pool hands out any free block; here a request's blocks are steered into one run of consecutive ids:
+- placement: a new request's first blocks start a run inside a free extent that also holds its predicted size
+  (its claim), best fit among the extents (odma.kv.extents: segregated fit, O(1));
+- growth takes the next ids of its claim (in place); past the claim, the free ids right after it when nobody
+  else claimed them (in place, the claim extends); otherwise the blocks come from elsewhere (appended: the
+  request's KV is now more than one run, counted);
+- a claim is not a hold: its unused ids stay free and count as free, so admission and preemption see exactly
+  the pool a paged allocator would. Other requests take claimed ids only when no unclaimed id is left (stolen
+  from the end of the largest claim, so its owner keeps its nearest growth).
+
+The pool owns the truth about which blocks are free; this mirrors it (`give_back`, `taken_elsewhere`) and
+`check` compares the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from odma.kv.extents import ExtentMap
+
+
+@dataclass(slots=True)
+class Run:
+    start: int  # first id of the run the request grows from (its latest piece)
+    used: int  # ids [start, start + used) are the request's
+    end: int  # ids [start + used, end) are free, claimed for its growth
+    pieces: int = 1  # contiguous pieces its blocks form; 1: its KV is one run
+
+    @property
+    def tail(self) -> int:
+        return self.end - self.start - self.used
+
+
+@dataclass(slots=True)
+class RunStats:
+    placed: int = 0  # runs started
+    placed_whole: int = 0  # ... whose claim (the predicted size) fit in one free extent
+    grown_in_place: int = 0  # growths that took the next ids
+    appended: int = 0  # growths that took ids elsewhere (a new piece)
+    appended_under_pressure: int = 0  # ... while fewer than `pressure_share` of the pool's blocks were free
+    stolen: int = 0  # claimed free ids handed to another request (no unclaimed id was left)
+    finished: int = 0  # requests whose blocks were all returned
+    finished_one_run: int = 0  # ... that held one run to the end
+    finished_split_with_room: int = 0  # ... split although the pool was not under pressure at any append
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class _Owner:
+    run: Run
+    split_with_room: bool = False
+
+
+class BlockRuns:
+    """Runs over block ids [0, num_blocks); `reserved` ids are never free (vLLM's null block 0)."""
+
+    def __init__(self, num_blocks: int, reserved: tuple[int, ...] = (), pressure_share: float = 0.05) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.avail = ExtentMap()  # free and unclaimed
+        start = 0
+        for r in sorted(set(reserved)) + [num_blocks]:
+            self.avail.add_range(start, r - start)
+            start = r + 1
+        self.owners: dict[str, _Owner] = {}
+        self.claimed_free = 0  # free ids inside claims
+        self.pressure_share = pressure_share
+        self.stats = RunStats()
+
+    # -- what the pool asks --------------------------------------------------------------------------------
+
+    @property
+    def free(self) -> int:
+        return self.avail.free_units + self.claimed_free
+
+    def place(self, owner: str, n: int, claim: int) -> list[int]:
+        """`owner`'s first `n` blocks, starting a run that keeps room for `claim` blocks in all."""
+        self._need(n)
+        claim = max(claim, n)
+        start = self.avail.allocate(claim)
+        whole = start is not None
+        if start is None:
+            largest = self.avail.largest()
+            if largest >= n:
+                claim = largest
+                start = self.avail.allocate(claim)
+        self.stats.placed += 1
+        self.stats.placed_whole += whole
+        if start is None:  # no free extent holds even its first blocks: scattered from the start
+            ids = self._take(n)
+            pieces = _pieces(ids)
+            self.owners[owner] = _Owner(Run(ids[-1], 1, ids[-1] + 1, pieces), split_with_room=False)
+            return ids
+        self.claimed_free += claim - n
+        self.owners[owner] = _Owner(Run(start, n, start + claim))
+        return list(range(start, start + n))
+
+    def grow(self, owner: str, n: int) -> list[int]:
+        """`n` more blocks for `owner` (placed if it holds none yet)."""
+        o = self.owners.get(owner)
+        if o is None:
+            return self.place(owner, n, n)
+        self._need(n)
+        run = o.run
+        room = run.tail
+        if room < n and self.avail.take_front(run.end, n - room):  # the ids after its claim are free: extend
+            run.end += n - room
+            self.claimed_free += n - room
+            room = n
+        if room >= n:
+            first = run.start + run.used
+            run.used += n
+            self.claimed_free -= n
+            self.stats.grown_in_place += 1
+            return list(range(first, first + n))
+        # append: its claim's rest goes back, the blocks come from elsewhere
+        pressure = self.free < self.pressure_share * self.num_blocks
+        if room:
+            self.claimed_free -= room
+            run.end -= room
+            self.avail.free(run.end, room)
+        ids = self._take(n)
+        run.pieces += _pieces(ids)
+        run.start, run.used, run.end = ids[-1], 1, ids[-1] + 1
+        self.stats.appended += 1
+        self.stats.appended_under_pressure += pressure
+        o.split_with_room |= not pressure
+        return ids
+
+    def take(self, n: int) -> list[int]:
+        """`n` blocks for nobody in particular (a copy target, a block the pool hands out by itself)."""
+        self._need(n)
+        return self._take(n)
+
+    def give_back(self, ids: list[int]) -> None:
+        """These blocks are free again (their last holder let go)."""
+        for i in ids:
+            self.avail.free(i, 1)
+
+    def taken_elsewhere(self, ids: list[int]) -> None:
+        """The pool handed out these free blocks by itself (a prefix-cache hit on a freed block)."""
+        for i in ids:
+            if not self.avail.take(i, 1):
+                self._cut_claim_at(i)
+
+    def drop(self, owner: str) -> None:
+        """`owner` let go of all its blocks (finished, aborted, preempted): its claim's free ids return."""
+        o = self.owners.pop(owner, None)
+        if o is None:
+            return
+        run = o.run
+        if run.tail:
+            self.claimed_free -= run.tail
+            self.avail.free(run.start + run.used, run.tail)
+        self.stats.finished += 1
+        self.stats.finished_one_run += run.pieces == 1
+        self.stats.finished_split_with_room += o.split_with_room
+
+    def pieces(self, owner: str) -> int | None:
+        o = self.owners.get(owner)
+        return None if o is None else o.run.pieces
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    def _need(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"asked for {n} blocks")
+        if n > self.free:
+            raise ValueError(f"cannot get {n} free blocks ({self.free} free)")
+
+    def _take(self, n: int) -> list[int]:
+        """Unclaimed ids first (one extent when one fits: the smallest that does), then claimed ones."""
+        ids: list[int] = []
+        while len(ids) < n:
+            need = n - len(ids)
+            start = self.avail.allocate(need)
+            if start is not None:
+                ids.extend(range(start, start + need))
+                break
+            largest = self.avail.largest()
+            if not largest:
+                ids.extend(self._steal(need))
+                break
+            start = self.avail.allocate(largest)
+            ids.extend(range(start, start + largest))
+        return ids
+
+    def _steal(self, n: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < n:
+            victim = max((o.run for o in self.owners.values()), key=lambda r: r.tail, default=None)
+            if victim is None or not victim.tail:
+                raise ValueError(f"pool mirror out of step: {n - len(ids)} blocks short")
+            k = min(victim.tail, n - len(ids))
+            victim.end -= k
+            self.claimed_free -= k
+            ids.extend(range(victim.end, victim.end + k))
+            self.stats.stolen += k
+        return ids
+
+    def _cut_claim_at(self, i: int) -> None:
+        for o in self.owners.values():
+            run = o.run
+            if run.start + run.used <= i < run.end:
+                after = run.end - i - 1
+                self.claimed_free -= run.end - i
+                run.end = i
+                if after:
+                    self.avail.free(i + 1, after)
+                return
+        raise ValueError(f"block {i} was not free in the mirror")
+
+    # -- checks (tests) ------------------------------------------------------------------------------------
+
+    def free_ids(self) -> set[int]:
+        ids = {i for s, n in self.avail.extents() for i in range(s, s + n)}
+        for o in self.owners.values():
+            ids.update(range(o.run.start + o.run.used, o.run.end))
+        return ids
+
+    def check(self, pool_free: set[int] | None = None) -> None:
+        """Claims disjoint, inside the pool, not overlapping unclaimed free ids; counts agree; when the pool's
+        own free set is given, the mirror equals it."""
+        self.avail.check()
+        seen: set[int] = set()
+        tails = 0
+        for name, o in self.owners.items():
+            r = o.run
+            assert 0 <= r.start and r.used >= 1 and r.start + r.used <= r.end <= self.num_blocks, (name, r)
+            span = set(range(r.start, r.end))
+            assert not (span & seen), f"run of {name} overlaps another"
+            seen |= span
+            tails += r.tail
+        assert tails == self.claimed_free, (tails, self.claimed_free)
+        free = self.free_ids()
+        assert len(free) == self.free, (len(free), self.free)
+        if pool_free is not None:
+            assert free == pool_free, (sorted(free - pool_free)[:8], sorted(pool_free - free)[:8])
+
+
+def _pieces(ids: list[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:]))

@@ -1,0 +1,127 @@
+"""What odma knows about a vLLM request's length (no vLLM): the text predictor's L̂ and u at arrival, the
+output tokens its calibrated bucket reserves, and what finished requests teach (the bucket bounds re-derive
+from realized lengths; the running-median fallback follows them).
+
+vLLM's engine core sees token ids, not text: the prompt is decoded with the served model's tokenizer and, for a
+chat prompt, reduced to its last user turn (what the predictor was trained to read).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Sequence
+
+from odma.config import BucketConfig, PoolConfig
+from odma.engine.length_predictor import LoadedPredictor, RunningMedian, usable_prediction
+from odma.kv import KVRequest, build_policy
+
+log = logging.getLogger(__name__)
+
+# ChatML (SmolLM2, Qwen) and Llama-3 user turns
+_USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)(?:<\|im_end\|>|$)"
+                        r"|<\|start_header_id\|>user<\|end_header_id\|>\n\n(.*?)(?:<\|eot_id\|>|$)", re.S)
+
+
+def user_text(decoded: str) -> str:
+    """The last user turn of a chat-templated prompt, else the whole text."""
+    turns = _USER_TURN.findall(decoded)
+    if not turns:
+        return decoded
+    a, b = turns[-1]
+    return (a or b).strip()
+
+
+@dataclass(slots=True)
+class Tag:
+    predicted: float | None  # L̂ (output tokens); None: no usable prediction
+    uncertainty: float
+    reserved_output: int  # output tokens the run is sized for (the bucket's bound, at most max_tokens)
+
+
+@dataclass(slots=True)
+class PredictorStats:
+    tagged: int = 0
+    untagged: int = 0  # no usable prediction: sized for max_tokens
+    observed: int = 0  # finished requests with a realized length (stopped or length-capped)
+    abs_error_sum: float = 0.0  # |L̂ - realized| over observed requests with a prediction
+    under_reserved: int = 0  # realized > reserved output: the run had to grow past its claim
+    predict_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        predicted = self.observed - self.extra.get("observed_untagged", 0)
+        return {"tagged": self.tagged, "untagged": self.untagged, "observed": self.observed,
+                "mean_abs_error": self.abs_error_sum / predicted if predicted > 0 else None,
+                "under_reserved": self.under_reserved, "predict_s": round(self.predict_s, 3)}
+
+
+class LengthTags:
+    def __init__(self, predictor: LoadedPredictor, *, max_tokens_cap: int, generator: str,
+                 buckets: BucketConfig | None = None) -> None:
+        self.predictor = predictor
+        self.generator = generator
+        cal = getattr(predictor.predictor, "calibration", None)
+        cfg = buckets or BucketConfig()
+        if cal is not None:  # the predictor's calibration: how its L̂ and u become a reservation
+            cfg = BucketConfig(max_buckets=cfg.max_buckets, align=cal.align, window=cfg.window,
+                               min_samples=cfg.min_samples, refresh_every_n=cfg.refresh_every_n,
+                               refresh_every_s=cfg.refresh_every_s, method=cfg.method, large_bound=max_tokens_cap,
+                               alpha=cal.alpha, tau=cal.tau, ceiling=cal.ceiling, table=cal.table)
+        # dynamic bounds: geometric until enough requests finished, then re-derived from their realized lengths
+        self.policy = build_policy("odma", max_tokens=max_tokens_cap, buckets=cfg, pool=PoolConfig(reserve_scale=1.0))
+        self.stats = PredictorStats()
+
+    def tag(self, prompts: Sequence[str], prompt_tokens: Sequence[int], max_tokens: Sequence[int],
+            temperatures: Sequence[float]) -> list[Tag]:
+        """One batch: a failing predictor or an unusable answer leaves a request sized for its max_tokens."""
+        requests = [SimpleNamespace(prompt=p, prompt_tokens=n, temperature=t, generator=self.generator, depth=None,
+                                    system_prompt_id=None, prior_output_tokens=None, last_output_tokens=None)
+                    for p, n, t in zip(prompts, prompt_tokens, temperatures)]
+        start = time.perf_counter()
+        try:
+            preds = list(self.predictor.predictor.predict(requests)) if requests else []
+            if len(preds) != len(requests):
+                raise ValueError(f"{len(preds)} predictions for {len(requests)} requests")
+        except Exception:  # noqa: BLE001 - a failing predictor must not lose requests
+            log.exception("length predictor failed; these requests are sized for their max_tokens")
+            preds = [None] * len(requests)
+        self.stats.predict_s += time.perf_counter() - start
+        tags = []
+        for pred, prompt_len, cap in zip(preds, prompt_tokens, max_tokens):
+            checked = usable_prediction(pred) if pred is not None else None
+            if checked is None:
+                self.stats.untagged += 1
+                tags.append(Tag(None, 1.0, cap))
+                continue
+            length, u = checked
+            reserved = self.policy.initial(KVRequest("-", prompt_len, cap, length, u)).output_tokens
+            self.stats.tagged += 1
+            tags.append(Tag(length, u, min(cap, reserved)))
+        return tags
+
+    def observe(self, tag: Tag | None, realized: int) -> None:
+        """A request finished with `realized` output tokens."""
+        self.stats.observed += 1
+        if tag is None or tag.predicted is None:
+            self.stats.extra["observed_untagged"] = self.stats.extra.get("observed_untagged", 0) + 1
+        else:
+            self.stats.abs_error_sum += abs(tag.predicted - realized)
+            self.stats.under_reserved += realized > tag.reserved_output
+        self.policy.observe(realized)
+        if isinstance(self.predictor.predictor, RunningMedian):
+            self.predictor.predictor.observe(realized)
+        buckets = getattr(self.policy, "buckets", None)
+        if buckets is not None and buckets.refresh_due():
+            buckets.refresh()
+
+
+def remaining(tag: Tag | None, generated: int) -> float:
+    """Predicted output tokens still to come (inf without a prediction)."""
+    if tag is None or tag.predicted is None:
+        return math.inf
+    return max(0.0, tag.predicted - generated)

