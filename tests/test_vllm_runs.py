@@ -31,17 +31,25 @@ def test_run_grows_in_place_inside_its_claim_and_returns_the_claim_on_drop():
     assert runs.stats.finished_one_run == 1
 
 
+def test_a_new_run_starts_halfway_into_the_slack_after_a_live_run():
+    runs = BlockRuns(16)
+    assert runs.place("a", 1, claim=2) == [0]  # the pool's start: nobody before it
+    assert runs.place("b", 1, claim=2) == [8]  # a's claim ends at 2: b leaves a half of [2, 16)'s slack
+    assert runs.place("c", 1, claim=2) == [4]  # [2, 8) and [10, 16) tie: the lower, halfway after a
+    runs.check()
+
+
 def test_growth_past_the_claim_takes_the_next_free_ids_else_appends_a_piece():
     runs = BlockRuns(16)
-    a = runs.place("a", 1, claim=2)  # a best fit in [0, 16): a at 0-1
-    b = runs.place("b", 1, claim=2)  # b right after a's claim
-    assert a == [0] and b == [2]
+    assert runs.place("a", 1, claim=2) == [0]
     assert runs.grow("a", 1) == [1]
-    assert runs.grow("a", 1) == [4]  # ids 2-3 are b's claim: a appends a piece at the first free id
-    assert runs.pieces("a") == 2 and runs.stats.appended == 1
-    assert runs.grow("b", 1) == [3]  # b's claim is untouched
-    assert runs.grow("a", 1) == [5]  # a grows from its new piece: the next id is free and unclaimed, in place
-    assert runs.pieces("a") == 2 and runs.stats.grown_in_place == 3
+    assert runs.grow("a", 1) == [2]  # past its claim: id 2 is free and unclaimed, the run extends in place
+    runs.taken_elsewhere([3])  # the pool hands id 3 out by itself
+    appended = runs.grow("a", 1)
+    assert appended != [3] and runs.pieces("a") == 2
+    assert runs.stats.grown_in_place == 2 and runs.stats.appended == 1
+    assert runs.stats.appended_with_room == 1  # a free extent could have held all 4 blocks: a move would have helped
+    assert runs.grow("a", 1) == [appended[0] + 1]  # it grows from its new piece, in place
     runs.check()
 
 

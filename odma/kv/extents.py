@@ -142,6 +142,25 @@ class ExtentMap:
                 return True
         return False
 
+    def carve(self, extent_start: int, start: int, size: int) -> None:
+        """Remove [start, start+size) from the free extent that begins at `extent_start` (O(1); it must hold it)."""
+        n = self._by_start[extent_start]
+        if not (extent_start <= start and start + size <= extent_start + n and size > 0):
+            raise ValueError(f"[{start}, {start + size}) is not inside the free extent at {extent_start} of {n}")
+        self._remove(extent_start, n)
+        if start > extent_start:
+            self._insert(extent_start, start - extent_start)
+        if extent_start + n > start + size:
+            self._insert(start + size, extent_start + n - start - size)
+        self.free_units -= size
+
+    def largest_extent(self) -> tuple[int, int] | None:
+        """(start, size) of the largest free extent, the lowest start among equals; None when nothing is free."""
+        if not self._bitmap:
+            return None
+        c = self._bitmap.bit_length() - 1
+        return max(((s, self._by_start[s]) for s in self._bins[c]), key=lambda e: (e[1], -e[0]))
+
     def largest(self) -> int:
         if not self._bitmap:
             return 0

@@ -22,6 +22,9 @@ class PluginConfig:
     order: str = "adaptive"
     aging_rounds: int = 256  # admission rounds after which a waiting request goes before every younger one
     predictor: str = "default"  # odma's predictor spec ("default", "sklearn", "median", a folder)
+    # a run's claim: "predicted" (the smallest bucket >= L̂) or "calibrated" (the predictor's reservation table, sized
+    # for a 2 % miss rate): claims are soft, and the larger calibrated ones left fewer requests in one run
+    claim: str = "predicted"
     generator: str | None = None  # whose lengths the predictor should assume (default: the served model's name)
     stats_file: str | None = None  # a JSON file the metrics are written to (every stats_every_s and at shutdown)
     stats_every_s: float = 30.0
@@ -30,6 +33,8 @@ class PluginConfig:
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ConfigError(f"odma.vllm: order must be one of {ORDERS}, got {self.order!r}")
+        if self.claim not in ("predicted", "calibrated"):
+            raise ConfigError(f"odma.vllm: claim must be 'predicted' or 'calibrated', got {self.claim!r}")
         if not isinstance(self.aging_rounds, int) or self.aging_rounds < 1:
             raise ConfigError(f"odma.vllm: aging_rounds must be an integer >= 1, got {self.aging_rounds!r}")
         if not (self.stats_every_s > 0):

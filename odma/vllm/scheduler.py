@@ -33,7 +33,7 @@ from odma.vllm.config import PluginConfig
 from odma.vllm.order import ShortestFirstQueue
 from odma.vllm.tagging import LengthTags, Tag, remaining, user_text
 
-log = logging.getLogger("odma.vllm")
+log = logging.getLogger("vllm.odma")  # under vLLM's logger: its handlers and format
 
 # the vLLM releases whose scheduler and block-pool internals the plugin was written and tested against
 KNOWN_VLLM = ("0.32.",)
@@ -79,7 +79,8 @@ class _OdmaScheduling:
 
         loaded = load_engine_predictor(config.predictor)
         generator = config.generator or model_name(model_config.model)
-        self.odma_lengths = LengthTags(loaded, max_tokens_cap=self.max_model_len, generator=generator)
+        self.odma_lengths = LengthTags(loaded, max_tokens_cap=self.max_model_len, generator=generator,
+                                       calibrated=config.claim == "calibrated")
         self._odma_tokenizer = _load_tokenizer(model_config)
         self._odma_stats_at = time.monotonic()
         log.info("odma.vllm on vLLM %s: %s; predictor %s%s", vllm.__version__, json.dumps(config.as_dict()),

@@ -62,16 +62,21 @@ class PredictorStats:
 
 class LengthTags:
     def __init__(self, predictor: LoadedPredictor, *, max_tokens_cap: int, generator: str,
-                 buckets: BucketConfig | None = None) -> None:
+                 buckets: BucketConfig | None = None, calibrated: bool = False) -> None:
         self.predictor = predictor
         self.generator = generator
         cal = getattr(predictor.predictor, "calibration", None)
         cfg = buckets or BucketConfig()
         if cal is not None:  # the predictor's calibration: how its L̂ and u become a reservation
+            # calibrated: its reservation table (sized for a 2 % miss rate, for odma's hard reservations); else the
+            # smallest bucket >= L̂·(1 + α·u): a claim is soft, and claims near L̂ kept more requests in one run
+            # (scripts/vllm_runs_replay.py)
+            table = cal.table if calibrated else None
             cfg = BucketConfig(max_buckets=cfg.max_buckets, align=cal.align, window=cfg.window,
                                min_samples=cfg.min_samples, refresh_every_n=cfg.refresh_every_n,
                                refresh_every_s=cfg.refresh_every_s, method=cfg.method, large_bound=max_tokens_cap,
-                               alpha=cal.alpha, tau=cal.tau, ceiling=cal.ceiling, table=cal.table)
+                               alpha=0.0 if table is not None else cal.alpha, tau=cal.tau,
+                               ceiling=math.inf if table is not None else cal.ceiling, table=table)
         # dynamic bounds: geometric until enough requests finished, then re-derived from their realized lengths
         self.policy = build_policy("odma", max_tokens=max_tokens_cap, buckets=cfg, pool=PoolConfig(reserve_scale=1.0))
         self.stats = PredictorStats()
