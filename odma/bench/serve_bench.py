@@ -201,6 +201,7 @@ async def _replay(url: str, records: list, args) -> dict:
         "tpot_p50_s": _pct([d["tpot"] for d in done if d["tpot"] is not None], 0.5),
         "ttft_mean_s": statistics.fmean([d["ttft"] for d in done]) if done else None,
         "latency_mean_s": statistics.fmean([d["latency"] for d in done]) if done else None,
+        "latency_p99_s": _pct([d["latency"] for d in done], 0.99),
         # inter-token latency as guidellm counts it: a request's (latency - TTFT) / (tokens - 1), averaged
         "itl_mean_s": statistics.fmean(tp) if (tp := [d["tpot"] for d in done if d["tpot"] is not None]) else None,
         "completed": len(done),
