@@ -133,12 +133,7 @@ class ExtentMap:
         """Remove exactly [start, start+size) if it lies inside one free extent (for shrinking a pool)."""
         for s, n in self._by_start.items():
             if s <= start and start + size <= s + n:
-                self._remove(s, n)
-                if start > s:
-                    self._insert(s, start - s)
-                if s + n > start + size:
-                    self._insert(start + size, s + n - start - size)
-                self.free_units -= size
+                self.carve(s, start, size)
                 return True
         return False
 

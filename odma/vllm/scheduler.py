@@ -77,6 +77,9 @@ class _OdmaScheduling:
         from odma.engine.length_predictor import load_engine_predictor
         from odma.models.weights import model_name
 
+        # the predictor runs between vLLM's steps, on the scheduler's thread: one thread, so that no idle
+        # onnxruntime worker spins on the cores vLLM computes on
+        os.environ.setdefault("ODMA_PREDICTOR_THREADS", "1")
         loaded = load_engine_predictor(config.predictor)
         generator = config.generator or model_name(model_config.model)
         self.odma_lengths = LengthTags(loaded, max_tokens_cap=self.max_model_len, generator=generator,
