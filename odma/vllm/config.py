@@ -79,7 +79,7 @@ def _parse(name: str, raw: str, default: Any) -> Any:
             return float(raw)
         except ValueError:
             raise ConfigError(f"ODMA_VLLM_{name.upper()}={raw!r}: expected a number") from None
-    return raw or None if default is None else raw
+    return (raw or None) if default is None else raw
 
 
 def dumps(config: PluginConfig) -> str:

@@ -74,9 +74,7 @@ class ShortestFirstQueue:
 
     def pop_request(self) -> Any:
         request = self.peek_request()
-        if self._shallow():
-            pass
-        elif self._oldest() is not request:
+        if not self._shallow() and self._oldest() is not request:
             self.reordered += 1
         del self._entry[request]
         return request

@@ -110,17 +110,16 @@ def steer(kv_cache_manager) -> tuple[RunBlockPool, FullAttentionManager]:
         finally:
             pool.odma_owner = None
 
+    # a preempted request keeps its claim for when it is placed again; the scheduler drops it when the request ends
     def free_request(request_id):
         try:
             free(request_id)
         finally:
             pool.odma_runs.drop(request_id)
-            pool.odma_claims.pop(request_id, None)
 
     def pop_blocks_for_free(request_id):
         blocks = pop(request_id)
         pool.odma_runs.drop(request_id)  # its blocks come back later through free_blocks
-        pool.odma_claims.pop(request_id, None)
         return blocks
 
     manager.allocate_new_blocks = allocate_new_blocks

@@ -12,7 +12,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Sequence
 
@@ -48,13 +48,13 @@ class PredictorStats:
     tagged: int = 0
     untagged: int = 0  # no usable prediction: sized for max_tokens
     observed: int = 0  # finished requests with a realized length (stopped or length-capped)
+    observed_untagged: int = 0  # ... of which had no prediction
     abs_error_sum: float = 0.0  # |L̂ - realized| over observed requests with a prediction
     under_reserved: int = 0  # realized > reserved output: the run had to grow past its claim
     predict_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        predicted = self.observed - self.extra.get("observed_untagged", 0)
+        predicted = self.observed - self.observed_untagged
         return {"tagged": self.tagged, "untagged": self.untagged, "observed": self.observed,
                 "mean_abs_error": self.abs_error_sum / predicted if predicted > 0 else None,
                 "under_reserved": self.under_reserved, "predict_s": round(self.predict_s, 3)}
@@ -113,7 +113,7 @@ class LengthTags:
         """A request finished with `realized` output tokens."""
         self.stats.observed += 1
         if tag is None or tag.predicted is None:
-            self.stats.extra["observed_untagged"] = self.stats.extra.get("observed_untagged", 0) + 1
+            self.stats.observed_untagged += 1
         else:
             self.stats.abs_error_sum += abs(tag.predicted - realized)
             self.stats.under_reserved += realized > tag.reserved_output
