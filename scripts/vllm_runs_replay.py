@@ -3,9 +3,11 @@ a model: a burst of NQ chats with SmolLM2's realized lengths, vLLM's way of allo
 request grows, admission while a prompt's blocks are free and fewer than the running cap run, the newest request
 preempted when a growth finds no free block), the real text predictor's L̂ for each prompt.
 
-Compares the run placement (halving, best-fit) and the claim (predicted: the smallest bucket >= L̂; calibrated:
-the predictor's reservation table), at the pool of 1 GiB of fp32 SmolLM2 KV (181 blocks) and twice that, with the
-exact lengths as claims for the bound of a perfect predictor.
+Compares the run placement (halving, best-fit), the claim (predicted: the smallest bucket >= L̂; calibrated:
+the predictor's reservation table) and moves (a run that cannot grow in place copied whole to a place with room to
+double, as odma.vllm.pool does; off: it appends), at the pool of 1 GiB of fp32 SmolLM2 KV (181 blocks) and twice
+that, with the exact lengths as claims for the bound of a perfect predictor and the median length for every request
+as the trivial guess.
 
     .venv/bin/python scripts/vllm_runs_replay.py [--num 144] [--running 128] [--seed 0] [--json OUT]
 """
@@ -24,7 +26,7 @@ from odma.vllm.runs import BlockRuns
 from odma.vllm.tagging import LengthTags
 
 
-def replay(recs, claims, blocks: int, block_tokens: int, running_cap: int, placement: str) -> dict:
+def replay(recs, claims, blocks: int, block_tokens: int, running_cap: int, placement: str, moves: bool) -> dict:
     runs = BlockRuns(blocks + 1, reserved=(0,), placement=placement)  # id 0: vLLM's null block
     waiting, running, held = list(range(len(recs))), [], {}
     generated = [0] * len(recs)
@@ -53,12 +55,20 @@ def replay(recs, claims, blocks: int, block_tokens: int, running_cap: int, place
                     runs.drop(str(victim))
                     waiting.insert(0, victim)
                     preempted += 1
-                if i in held:
+                if i not in held:
+                    continue
+                moved = None
+                if moves and not runs.fits_in_place(str(i), 1):
+                    moved = runs.move(str(i), len(held[i]), 1, claim=2 * (len(held[i]) + 1))
+                if moved is not None:  # the old blocks come back once the copy ran (the end of the step in vLLM)
+                    runs.give_back(held[i])
+                    held[i] = moved
+                else:
                     held[i] += runs.grow(str(i), 1)
     s = runs.stats
     return {"one_run_share": round(s.finished_one_run / s.finished, 3),
             "split_with_room": round(s.finished_split_with_room / s.finished, 3), "appended": s.appended,
-            "stolen": s.stolen, "preempted": preempted}
+            "moved": s.moved, "moved_blocks": s.moved_blocks, "stolen": s.stolen, "preempted": preempted}
 
 
 def main(argv=None) -> int:
@@ -84,15 +94,18 @@ def main(argv=None) -> int:
                        [0.7] * len(recs))
         claims[mode] = [math.ceil((p + t.reserved_output) / args.block_tokens) for (p, _), t in zip(recs, out)]
     claims["exact lengths"] = [math.ceil((p + n) / args.block_tokens) for p, n in recs]
+    median = sorted(n for _, n in recs)[len(recs) // 2]  # the trivial guess: every request the median length
+    claims["constant (median)"] = [math.ceil((p + median) / args.block_tokens) for p, _ in recs]
     result = {"command": " ".join(["scripts/vllm_runs_replay.py", *(argv or sys.argv[1:])]), "predictor": loaded.name,
               "rows": []}
     for blocks in (int(b) for b in args.blocks.split(",")):
-        for placement in BlockRuns.PLACEMENTS:
-            for mode, c in claims.items():
-                row = {"blocks": blocks, "placement": placement, "claim": mode,
-                       **replay(recs, c, blocks, args.block_tokens, args.running, placement)}
-                result["rows"].append(row)
-                print(json.dumps(row))
+        for moves in (False, True):
+            for placement in BlockRuns.PLACEMENTS:
+                for mode, c in claims.items():
+                    row = {"blocks": blocks, "moves": moves, "placement": placement, "claim": mode,
+                           **replay(recs, c, blocks, args.block_tokens, args.running, placement, moves)}
+                    result["rows"].append(row)
+                    print(json.dumps(row))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

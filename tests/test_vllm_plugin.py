@@ -88,6 +88,21 @@ def test_runs_hold_under_pressure_and_are_freed_on_finish_and_abort(checks):
     assert tight["free_blocks"] == tight["num_blocks"] - 1 == tight["mirror_free"]
 
 
+def test_runs_that_cannot_grow_in_place_move_and_outputs_stay_those_of_stock_vllm(checks):
+    moves = checks["moves"]
+    runs = moves["stats"]["runs"]
+    assert runs["moves"] and runs["placement"] == "best-fit"  # the default placement where runs move
+    assert runs["moved"] > 0 and runs["moved_blocks"] > 0  # KV really was copied to new runs
+    assert runs["appended"] == 0 and runs["one_run_share"] == 1.0, runs  # memory never full: every request one run
+    # the copied KV is what attention read: greedy tokens equal stock vLLM's, in both rounds (the second served
+    # partly from the prefix cache, whose entries moved with the blocks)
+    assert moves["plugin"] == moves["stock"]
+    assert moves["plugin_cached_tokens"][1] > 0 and moves["stock_cached_tokens"][1] > 0
+    assert moves["stats"]["finished"]["preemptions"] == 0
+    # the stats file was written when the engine went idle: it counts every request, not a 30-second-old snapshot
+    assert moves["stats_file"]["runs"]["finished"] == runs["finished"] == 2 * len(moves["stock"][0])
+
+
 def test_refusals_are_in_words(checks):
     assert "tested with vLLM 0.32.x" in checks["unknown_version"] and "0.31.2" in checks["unknown_version"]
     assert "order must be one of" in checks["bad_setting"]

@@ -53,6 +53,39 @@ def test_growth_past_the_claim_takes_the_next_free_ids_else_appends_a_piece():
     runs.check()
 
 
+def test_a_run_that_cannot_grow_in_place_moves_whole_to_a_larger_place():
+    runs = BlockRuns(32)
+    assert runs.place("a", 2, claim=2) == [0, 1]
+    runs.taken_elsewhere([2])  # its neighbour is taken: no growth in place
+    assert not runs.fits_in_place("a", 1)
+    ids = runs.move("a", held=2, n=1, claim=6)
+    assert ids == list(range(ids[0], ids[0] + 3)) and 2 not in ids  # one run: 2 copy targets and the new block
+    assert runs.pieces("a") == 1 and runs.stats.moved == 1 and runs.stats.moved_blocks == 2
+    assert runs.fits_in_place("a", 3)  # it moved with room: its claim of 6 holds 3 more
+    runs.give_back([0, 1])  # the old ids come back once the copy ran
+    runs.check(set(range(32)) - {2} - set(ids))
+    runs.give_back(ids)
+    runs.drop("a")
+    assert runs.stats.finished_one_run == 1
+
+
+def test_a_move_is_refused_when_no_extent_holds_the_run_or_the_pool_is_nearly_full():
+    runs = BlockRuns(10)
+    runs.place("a", 3, claim=3)  # 0-2
+    runs.taken_elsewhere([3, 6])  # free: [4, 6) and [7, 10)
+    assert runs.move("a", held=3, n=1, claim=8) is None  # no free extent holds 4 blocks
+    runs.check(set(range(4, 10)) - {6})
+    runs = BlockRuns(10)
+    runs.place("a", 2, claim=2)  # 0-1
+    runs.taken_elsewhere([2])
+    assert runs.move("a", held=2, n=1, claim=3) is not None  # 7 free: 3 for the run and 2 spare for the old copy
+    runs = BlockRuns(6)
+    runs.place("a", 2, claim=2)  # 0-1
+    runs.taken_elsewhere([2])
+    assert runs.move("a", held=2, n=1, claim=3) is None  # 3 free: the run fits but both copies would fill the pool
+    assert runs.pieces("a") == 1 and runs.stats.moved == 0
+
+
 def test_claims_are_stolen_only_when_no_unclaimed_block_is_left_largest_claim_end_first():
     runs = BlockRuns(10)
     runs.place("a", 1, claim=6)  # 0-5
@@ -86,10 +119,21 @@ def test_runs_mirror_a_pool_through_random_traffic():
             owner, k = f"r{rng.randrange(30)}", rng.randint(1, 4)
             if k > len(free):
                 continue
-            ids = runs.grow(owner, k) if owner in held else runs.place(owner, k, rng.randint(1, 10))
-            assert len(ids) == k and set(ids) <= free
-            free -= set(ids)
-            held.setdefault(owner, []).extend(ids)
+            moved = None
+            if owner in held and owner in runs.owners and not runs.fits_in_place(owner, k) and rng.random() < 0.5:
+                moved = runs.move(owner, len(held[owner]), k, 2 * (len(held[owner]) + k))
+            if moved is not None:  # copied over, then the old ids come back
+                assert len(moved) == len(held[owner]) + k and set(moved) <= free and runs.pieces(owner) == 1
+                free -= set(moved)
+                runs.check(free)
+                runs.give_back(held[owner])
+                free |= set(held[owner])
+                held[owner] = moved
+            else:
+                ids = runs.grow(owner, k) if owner in held else runs.place(owner, k, rng.randint(1, 10))
+                assert len(ids) == k and set(ids) <= free
+                free -= set(ids)
+                held.setdefault(owner, []).extend(ids)
         elif op < 0.5 and free:
             i = rng.choice(sorted(free))
             runs.taken_elsewhere([i])
@@ -104,6 +148,7 @@ def test_runs_mirror_a_pool_through_random_traffic():
                 runs.drop(owner)
         runs.check(free)
     assert runs.stats.placed > 1000 and 0 < runs.stats.finished_one_run < runs.stats.finished
+    assert runs.stats.moved >= 5  # moves interleaved with everything else
 
 
 # -- order -----------------------------------------------------------------------------------------------
@@ -189,6 +234,10 @@ def test_plugin_config_reads_additional_config_and_env_and_refuses_in_words():
         PluginConfig.from_sources({}, env={"ODMA_VLLM_AGING_ROUNDS": "soon"})
     with pytest.raises(ConfigError, match="aging_rounds"):
         PluginConfig.from_sources({"odma": {"aging_rounds": 0}}, env={})
+    cfg = PluginConfig.from_sources({"odma": {"placement": "best-fit"}}, env={"ODMA_VLLM_MOVES": "0"})
+    assert cfg.placement == "best-fit" and not cfg.moves
+    with pytest.raises(ConfigError, match="placement must be one of"):
+        PluginConfig.from_sources({"odma": {"placement": "first-fit"}}, env={})
 
 
 # -- tags ------------------------------------------------------------------------------------------------

@@ -57,11 +57,13 @@ def chat_prompts(llm) -> list[str]:
             for p in PROMPTS]
 
 
-def greedy(llm, prompts):
+def greedy(llm, prompts, max_tokens=MAX_TOKENS, cached: list | None = None):
     from vllm import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=False) for m in MAX_TOKENS]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=False) for m in max_tokens]
     outs = llm.generate(prompts, params, use_tqdm=False)
+    if cached is not None:  # prompt tokens served from the prefix cache
+        cached.append(sum(o.num_cached_tokens or 0 for o in outs))
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -88,7 +90,7 @@ def stepwise(llm, prompts, max_tokens, abort_every: int = 0) -> dict:
             "stats": sched.odma_stats()}
 
 
-def run(model: str) -> dict:
+def run(model: str, work_dir: str) -> dict:
     result: dict = {}
     prompts = None
 
@@ -118,7 +120,26 @@ def run(model: str) -> dict:
     result["tight_abort"] = stepwise(llm, prompts, [min(400, 3 * m + 100) for m in MAX_TOKENS], abort_every=3)
     del llm
 
-    # 4. refusals in words
+    # 4. moves: outputs longer than the predictor's claims in a pool where runs grow into each other, so runs move
+    # (the worker copies their KV and replaces their block tables); two rounds of the same prompts, the second
+    # hitting the prefix cache whose entries followed the moved blocks: tokens equal stock vLLM's
+    long = [min(400, 3 * m + 100) for m in MAX_TOKENS]
+    moves: dict = {}
+    stats_file = os.path.join(work_dir, "odma-vllm-stats.json")  # written when the engine goes idle, not only every hour
+    plugin = {"order": "fcfs", "check_every_step": True, "stats_file": stats_file, "stats_every_s": 3600.0}
+    for name, odma in (("stock", None), ("plugin", plugin)):
+        llm = make_llm(model, 130 * BLOCK_BYTES, odma, max_num_seqs=12)
+        cached: list = []
+        moves[name] = [greedy(llm, prompts, long, cached), greedy(llm, prompts, long, cached)]
+        moves[f"{name}_cached_tokens"] = cached
+        if odma is not None:
+            moves["stats"] = scheduler_of(llm).odma_stats()
+            with open(stats_file) as f:
+                moves["stats_file"] = json.load(f)
+        del llm
+    result["moves"] = moves
+
+    # 5. refusals in words
     from odma.errors import ConfigError
     from odma.vllm.scheduler import require_known_vllm
 
@@ -141,7 +162,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     try:
-        result = run(args.model)
+        result = run(args.model, os.path.dirname(os.path.abspath(args.out)))
     except Exception:  # noqa: BLE001 - the test reads the traceback from the file
         result = {"error": traceback.format_exc()}
     with open(args.out, "w") as f:

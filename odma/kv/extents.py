@@ -129,6 +129,10 @@ class ExtentMap:
         self.free_units -= size
         return True
 
+    def size_at(self, start: int) -> int:
+        """Size of the free extent that begins at `start` (0 when none does)."""
+        return self._by_start.get(start, 0)
+
     def take(self, start: int, size: int) -> bool:
         """Remove exactly [start, start+size) if it lies inside one free extent (for shrinking a pool)."""
         for s, n in self._by_start.items():

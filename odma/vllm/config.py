@@ -11,12 +11,20 @@ from typing import Any, Mapping
 
 from odma.errors import ConfigError
 from odma.vllm.order import ORDERS
+from odma.vllm.runs import PLACEMENTS
 
 
 @dataclass(frozen=True, slots=True)
 class PluginConfig:
     # contiguous block runs sized by the predicted length (off: vLLM's own block choice)
     runs: bool = True
+    # a run that cannot grow in place moves whole (its KV copied) to a place with room, instead of appending blocks
+    # elsewhere; only with vLLM's plain scheduler (async scheduling appends)
+    moves: bool = True
+    # where a new run starts: "best-fit" (the smallest free extent that holds its claim), "halving" (in the largest
+    # free extent, halfway into the slack after a live run), or "auto": best-fit where runs move, halving where they
+    # cannot (its slack lets more runs outgrow their claims in place; with moves, best-fit kept more runs whole)
+    placement: str = "auto"
     # the waiting queue: fcfs (vLLM's own), sjf (shortest predicted remaining first, with aging), or adaptive (sjf
     # only while more requests wait than the running cap; arrival order below it)
     order: str = "adaptive"
@@ -33,6 +41,8 @@ class PluginConfig:
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ConfigError(f"odma.vllm: order must be one of {ORDERS}, got {self.order!r}")
+        if self.placement not in ("auto", *PLACEMENTS):
+            raise ConfigError(f"odma.vllm: placement must be one of {('auto', *PLACEMENTS)}, got {self.placement!r}")
         if self.claim not in ("predicted", "calibrated"):
             raise ConfigError(f"odma.vllm: claim must be 'predicted' or 'calibrated', got {self.claim!r}")
         if not isinstance(self.aging_rounds, int) or self.aging_rounds < 1:

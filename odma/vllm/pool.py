@@ -8,12 +8,17 @@ pool object the scheduler built, before any block is handed out:
 - the full-attention manager's `allocate_new_blocks`, `free` and `pop_blocks_for_free` are wrapped on that one
   instance to say whose blocks are being allocated, and when a request lets go of its run.
 
-A move (copying a request's KV into a larger run) is not done: vLLM 0.32's model runner only appends to a running
-request's block table, so growth that cannot stay in place appends blocks and is counted.
+A run that cannot grow in place moves (`move_run`), through two things vLLM 0.32 itself has: the block copies a
+scheduler step carries to the worker (`kv_cache_block_copies`, the path of vLLM's prefix copy-on-write: both ends
+stay referenced until the step that copies has run) and the block-table replacement the worker does for a request
+resumed after preemption (`resumed_req_ids`: the scheduler marks the moved request resumed with its whole new
+block list, `announce_moves`). Under async scheduling the worker would rebuild a resumed request from tokens the
+scheduler does not have yet, so there growth that cannot stay in place appends blocks, counted.
 """
 
 from __future__ import annotations
 
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
@@ -25,6 +30,8 @@ class RunBlockPool(BlockPool):
     odma_runs: BlockRuns
     odma_owner: str | None
     odma_claims: dict[str, int]
+    odma_moves: bool  # move runs that cannot grow in place (plain scheduler only)
+    odma_moved: list[str]  # requests moved during this step, for announce_moves
 
     def get_new_blocks(self, num_blocks: int):
         if num_blocks > self.get_num_free_blocks():
@@ -37,6 +44,11 @@ class RunBlockPool(BlockPool):
             ids = runs.place(owner, num_blocks, self.odma_claims.get(owner, num_blocks))
         else:
             ids = runs.grow(owner, num_blocks)
+        return self.hand_out(ids)
+
+    def hand_out(self, ids: list[int]):
+        """These free blocks, out of vLLM's free queue with vLLM's own bookkeeping (reuse watchers, prefix-cache
+        eviction, ref counts, metrics)."""
         blocks = [self.blocks[i] for i in ids]
         queue = self.free_block_queue
         for block in blocks:
@@ -81,7 +93,56 @@ class RunBlockPool(BlockPool):
         return ids
 
 
-def steer(kv_cache_manager) -> tuple[RunBlockPool, FullAttentionManager]:
+def move_run(pool: RunBlockPool, manager: FullAttentionManager, request_id: str, num_tokens: int):
+    """Give `request_id` room for `num_tokens` by moving its whole KV into a new run, when its run cannot grow in
+    place and a free extent holds the new one: the new blocks past its old ones (what vLLM's allocation returns),
+    or None to let the allocation go on as usual.
+
+    The copy rides on vLLM's copy-on-write path: each (old, new) pair goes into the manager's pending copies, the
+    new block takes an extra reference and the old one keeps the request's; the scheduler hands the pairs to the
+    worker with this step and drops both extra references once that step's copy has run, which returns the old
+    blocks to the pool (and to the runs' mirror, through free_blocks)."""
+    held = manager.req_to_blocks.get(request_id)
+    runs = pool.odma_runs
+    if not held or runs.pieces(request_id) is None or request_id in getattr(manager, "_partial_hit_reqs", ()):
+        return None
+    n = cdiv(num_tokens, manager.block_size) - len(held)
+    if n <= 0 or runs.fits_in_place(request_id, n) or any(b.is_null for b in held):
+        return None
+    total = len(held) + n
+    ids = runs.move(request_id, len(held), n, claim=2 * total)  # room to double: a copy per doubling at most
+    if ids is None:
+        return None
+    blocks = pool.hand_out(ids)
+    for old, new in zip(held, blocks):
+        if old.block_hash is not None:  # the prefix cache follows the live copy
+            pool.move_block_hashes(old, new)
+        manager._pending_cow_copies.append((old, new))
+        new.ref_cnt += 1
+    held[:] = blocks
+    grown = blocks[total - n:]
+    if manager.records_new_block_ids:  # copy targets are overwritten whole; only the new blocks need zeroing
+        manager.new_block_ids.extend(b.block_id for b in grown)
+    pool.odma_moved.append(request_id)
+    return grown
+
+
+def announce_moves(pool: RunBlockPool, kv_cache_manager, output) -> None:
+    """Tell the worker the moved requests' whole new block lists: a request listed as resumed gets its block table
+    replaced instead of appended to (its tokens and sampling state stay cached in the worker). A request moved and
+    then preempted in the same step is not scheduled; its blocks are gone with it."""
+    moved, pool.odma_moved = pool.odma_moved, []
+    cached = output.scheduled_cached_reqs
+    index = {rid: i for i, rid in enumerate(cached.req_ids)}
+    for rid in moved:
+        i = index.get(rid)
+        if i is not None:
+            cached.new_block_ids[i] = kv_cache_manager.get_block_ids(rid)
+            cached.resumed_req_ids.add(rid)
+
+
+def steer(kv_cache_manager, moves: bool = False,
+          placement: str = "halving") -> tuple[RunBlockPool, FullAttentionManager]:
     """Turn the scheduler's (still empty) pool into a RunBlockPool. Refused, in words, for KV layouts the runs do
     not cover: more than one KV cache group (hybrid models), or attention other than full attention."""
     coordinator = kv_cache_manager.coordinator
@@ -97,13 +158,19 @@ def steer(kv_cache_manager) -> tuple[RunBlockPool, FullAttentionManager]:
     if pool.get_num_free_blocks() != pool.num_gpu_blocks - 1:
         raise ConfigError("odma.vllm: the block pool already handed out blocks; runs must start from an empty pool")
     pool.__class__ = RunBlockPool
-    pool.odma_runs = BlockRuns(pool.num_gpu_blocks, reserved=(pool.null_block.block_id,))
+    pool.odma_runs = BlockRuns(pool.num_gpu_blocks, reserved=(pool.null_block.block_id,), placement=placement)
     pool.odma_owner = None
     pool.odma_claims = {}
+    pool.odma_moves = moves
+    pool.odma_moved = []
     manager = managers[0]
     allocate, free, pop = manager.allocate_new_blocks, manager.free, manager.pop_blocks_for_free
 
     def allocate_new_blocks(request_id, num_tokens, num_tokens_main_model):
+        if pool.odma_moves:
+            moved = move_run(pool, manager, request_id, num_tokens)
+            if moved is not None:
+                return moved
         pool.odma_owner = request_id
         try:
             return allocate(request_id, num_tokens, num_tokens_main_model)

@@ -6,8 +6,10 @@ A paged pool hands out any free block; here a request's blocks are steered into 
   extent's slack, so both have room to outgrow a low prediction in place (a best-fit packing left no such room:
   more requests split in a replay of 144 NQ chats on vLLM's pool);
 - growth takes the next ids of its claim (in place); past the claim, the free ids right after it when nobody
-  else claimed them (in place, the claim extends); otherwise the blocks come from elsewhere (appended: the
-  request's KV is now more than one run, counted);
+  else claimed them (in place, the claim extends); otherwise, where the caller can copy blocks, the whole run
+  moves to a new place with room to double (`move`: the caller copies the KV and hands the old ids back once the
+  copy ran); otherwise the blocks come from elsewhere (appended: the request's KV is now more than one run,
+  counted);
 - a claim is not a hold: its unused ids stay free and count as free, so admission and preemption see exactly
   the pool a paged allocator would. Other requests take claimed ids only when no unclaimed id is left (stolen
   from the end of the largest claim, so its owner keeps its nearest growth).
@@ -40,6 +42,8 @@ class RunStats:
     placed: int = 0  # runs started
     placed_whole: int = 0  # ... whose claim (the predicted size) fit in one free extent
     grown_in_place: int = 0  # growths that took the next ids
+    moved: int = 0  # growths that moved the whole run to a larger place (its KV copied)
+    moved_blocks: int = 0  # ... blocks copied by those moves
     appended: int = 0  # growths that took ids elsewhere (a new piece)
     appended_with_room: int = 0  # ... while a free unclaimed extent could have held the whole run (a move would
     # have kept it one run); the rest happened with no such extent anywhere: the pool was too full for one run
@@ -58,10 +62,13 @@ class _Owner:
     split_with_room: bool = False
 
 
+PLACEMENTS = ("halving", "best-fit")
+
+
 class BlockRuns:
     """Runs over block ids [0, num_blocks); `reserved` ids are never free (vLLM's null block 0)."""
 
-    PLACEMENTS = ("halving", "best-fit")
+    PLACEMENTS = PLACEMENTS
 
     def __init__(self, num_blocks: int, reserved: tuple[int, ...] = (), placement: str = "halving") -> None:
         if num_blocks < 1:
@@ -89,31 +96,43 @@ class BlockRuns:
     def place(self, owner: str, n: int, claim: int) -> list[int]:
         """`owner`'s first `n` blocks, starting a run that keeps room for `claim` blocks in all."""
         self._need(n)
-        claim = max(claim, n)
         self.stats.placed += 1
-        if self.placement == "best-fit":  # the smallest extent that holds the claim, from its start
-            start = self.avail.allocate(claim)
-            if start is not None:
-                self.stats.placed_whole += 1
-                self.claimed_free += claim - n
-                self._track(owner, Run(start, n, start + claim))
-                return list(range(start, start + n))
-        extent = self.avail.largest_extent()
-        if extent is None or extent[1] < n:  # no free extent holds even its first blocks: scattered from the start
+        ids, whole = self._open_run(owner, n, max(claim, n))
+        self.stats.placed_whole += whole
+        if ids is None:  # no free extent holds even its first blocks: scattered from the start
             ids = self._take(n)
             self._track(owner, Run(ids[-1], 1, ids[-1] + 1, _pieces(ids)))
-            return ids
-        at, size = extent
-        if size >= claim and self.placement == "halving":
-            self.stats.placed_whole += 1
-            # a live run ends right before: leave it half the slack to outgrow its own claim in place
-            start = at + (size - claim) // 2 if at in self._run_ending_at else at
-        else:
-            claim, start = size, at
-        self.avail.carve(at, start, claim)
-        self.claimed_free += claim - n
-        self._track(owner, Run(start, n, start + claim))
-        return list(range(start, start + n))
+        return ids
+
+    def fits_in_place(self, owner: str, n: int) -> bool:
+        """Whether `n` more blocks for `owner` would extend its run in place (inside its claim or right after)."""
+        o = self.owners.get(owner)
+        if o is None:
+            return False
+        run = o.run
+        return run.tail >= n or self.avail.size_at(run.end) >= n - run.tail
+
+    def move(self, owner: str, held: int, n: int, claim: int) -> list[int] | None:
+        """A new run for `owner`'s `held` blocks and `n` more, with room for `claim` in all, in a free unclaimed
+        extent: its ids, the first `held` of them the copy targets (the caller copies the KV over and gives the old
+        ids back once the copy ran). None when no extent holds the run, or when the pool, which holds both copies
+        until then, would keep fewer than `held` unclaimed free blocks beside it."""
+        o = self.owners[owner]
+        total = held + n
+        if self.avail.largest() < total or self.avail.free_units < total + held:
+            return None
+        run = o.run
+        if run.tail:  # its claim's free rest goes back first: the new run may take it
+            self.claimed_free -= run.tail
+            self.avail.free(run.start + run.used, run.tail)
+        if self._run_ending_at.get(run.end) == owner:
+            del self._run_ending_at[run.end]
+        del self.owners[owner]
+        ids, _ = self._open_run(owner, total, max(claim, total))
+        assert ids is not None
+        self.stats.moved += 1
+        self.stats.moved_blocks += held
+        return ids
 
     def grow(self, owner: str, n: int) -> list[int]:
         """`n` more blocks for `owner` (placed if it holds none yet)."""
@@ -182,6 +201,30 @@ class BlockRuns:
         return None if o is None else o.run.pieces
 
     # -- internals -----------------------------------------------------------------------------------------
+
+    def _open_run(self, owner: str, n: int, claim: int) -> tuple[list[int] | None, bool]:
+        """Start `owner`'s run of `n` ids with room for `claim` in all: its ids (None when no free extent holds
+        `n`), and whether the whole claim fit."""
+        if self.placement == "best-fit":  # the smallest extent that holds the claim, from its start
+            start = self.avail.allocate(claim)
+            if start is not None:
+                self.claimed_free += claim - n
+                self._track(owner, Run(start, n, start + claim))
+                return list(range(start, start + n)), True
+        extent = self.avail.largest_extent()
+        if extent is None or extent[1] < n:
+            return None, False
+        at, size = extent
+        whole = size >= claim
+        if whole and self.placement == "halving":
+            # a live run ends right before: leave it half the slack to outgrow its own claim in place
+            start = at + (size - claim) // 2 if at in self._run_ending_at else at
+        else:
+            claim, start = size, at
+        self.avail.carve(at, start, claim)
+        self.claimed_free += claim - n
+        self._track(owner, Run(start, n, start + claim))
+        return list(range(start, start + n)), whole
 
     def _track(self, owner: str, run: Run) -> None:
         self.owners[owner] = _Owner(run)

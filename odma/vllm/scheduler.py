@@ -3,10 +3,11 @@
 On top of vLLM's own scheduler (everything it does stays: chunked prefill, preemption, prefix caching, async
 scheduling):
 - every new request is tagged by odma's length predictor, all arrivals since the last step in one batch;
-- its KV blocks are one run of consecutive ids sized by its calibrated bucket (odma.vllm.pool, odma.vllm.runs);
+- its KV blocks are one run of consecutive ids sized by its predicted bucket (odma.vllm.pool, odma.vllm.runs); a
+  run that cannot grow in place moves whole, its KV copied by the worker;
 - the waiting queue is served shortest predicted first with aging, or adaptively (odma.vllm.order);
 - finished requests teach the bucket bounds their realized lengths;
-- the metrics (share of requests whose KV stayed one run, growths in place / appended, predictor error) go to
+- the metrics (share of requests whose KV stayed one run, growths in place / moved / appended, predictor error) go to
   the log and, when asked, to a JSON file.
 
 vLLM picks the async or the plain scheduler from its config; `Scheduler` builds the matching one.
@@ -31,6 +32,7 @@ from vllm.v1.request import RequestStatus
 from odma.errors import ConfigError
 from odma.vllm.config import PluginConfig
 from odma.vllm.order import ShortestFirstQueue
+from odma.vllm.pool import announce_moves, steer
 from odma.vllm.tagging import LengthTags, Tag, remaining, user_text
 
 log = logging.getLogger("vllm.odma")  # under vLLM's logger: its handlers and format
@@ -65,9 +67,11 @@ class _OdmaScheduling:
         model_config = self.vllm_config.model_config
         self.odma_pool = None
         if config.runs:
-            from odma.vllm.pool import steer
-
-            self.odma_pool, self._odma_manager = steer(self.kv_cache_manager)
+            moves = config.moves and not self.scheduler_config.async_scheduling
+            if config.moves and not moves:
+                log.info("odma.vllm: async scheduling: runs that cannot grow in place append blocks (no moves)")
+            placement = config.placement if config.placement != "auto" else "best-fit" if moves else "halving"
+            self.odma_pool, self._odma_manager = steer(self.kv_cache_manager, moves=moves, placement=placement)
         if config.order != "fcfs":
             if self.policy == SchedulingPolicy.PRIORITY:
                 raise ConfigError("odma.vllm: order 'sjf'/'adaptive' replaces vLLM's priority queue; use "
@@ -101,14 +105,22 @@ class _OdmaScheduling:
         self._odma_tag_new()
         waiting_before = len(self.waiting)
         output = super().schedule(*args, **kwargs)
+        if self.odma_pool is not None and self.odma_pool.odma_moved:
+            announce_moves(self.odma_pool, self.kv_cache_manager, output)
         if isinstance(self.waiting, ShortestFirstQueue) and output.scheduled_new_reqs \
                 and waiting_before > len(output.scheduled_new_reqs):
             self.waiting.new_round()
         if self.odma_config.check_every_step:
             self.odma_check()
-        if self.odma_config.stats_file and time.monotonic() - self._odma_stats_at >= self.odma_config.stats_every_s:
-            self.odma_write_stats()
         return output
+
+    def update_from_output(self, *args, **kwargs):
+        outputs = super().update_from_output(*args, **kwargs)
+        # every stats_every_s, and when the last request has finished (an idle engine schedules nothing more)
+        if self.odma_config.stats_file and (time.monotonic() - self._odma_stats_at >= self.odma_config.stats_every_s
+                                            or not (self.running or self.waiting)):
+            self.odma_write_stats()
+        return outputs
 
     def _free_request(self, request, *args, **kwargs):
         rid = request.request_id
@@ -175,7 +187,8 @@ class _OdmaScheduling:
         if self.odma_pool is not None:
             runs = self.odma_pool.odma_runs.stats
             done = runs.finished
-            out["runs"] = {**runs.as_dict(), "num_blocks": self.odma_pool.num_gpu_blocks - 1,
+            out["runs"] = {**runs.as_dict(), "placement": self.odma_pool.odma_runs.placement,
+                           "moves": self.odma_pool.odma_moves, "num_blocks": self.odma_pool.num_gpu_blocks - 1,
                            "block_tokens": self.block_size,
                            "one_run_share": runs.finished_one_run / done if done else None,
                            "one_run_share_with_room": (done - runs.finished_split_with_room) / done if done else None}
