@@ -3,9 +3,14 @@ thread, so cProfile sees both): 16 prompts x 128 greedy tokens on SmolLM2 fp32, 
 
     PEER_PYTHON scripts/vllm_plugin_overhead.py stock|plugin [MODEL_DIR]
 """
-import os, sys, time, cProfile, pstats
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM, SamplingParams
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported: the engine in this process
+from vllm import LLM, SamplingParams  # noqa: E402
 plugin = sys.argv[1] == "plugin"
 MODEL = sys.argv[2] if len(sys.argv) > 2 else os.path.expanduser("~/.cache/odma/models/SmolLM2-135M-Instruct.Q4_1")
 kw = dict(model=MODEL, dtype="float32", max_model_len=2048,
@@ -23,5 +28,6 @@ for _ in range(2):
     llm.generate(prompts, sp, use_tqdm=False)
 pr.disable()
 print(sys.argv[1], "time", round(time.perf_counter() - t, 2))
-st = pstats.Stats(pr); st.sort_stats("cumulative")
+st = pstats.Stats(pr)
+st.sort_stats("cumulative")
 st.print_stats(r"odma|scheduler.py:.*\(schedule\)|update_from_output|execute_model", 25)

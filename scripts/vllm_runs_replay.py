@@ -22,7 +22,7 @@ import sys
 
 from odma.engine.length_predictor import load_engine_predictor
 from odma.traces import load_trace
-from odma.vllm.runs import BlockRuns
+from odma.vllm.runs import PLACEMENTS, BlockRuns
 from odma.vllm.tagging import LengthTags
 
 
@@ -59,7 +59,7 @@ def replay(recs, claims, blocks: int, block_tokens: int, running_cap: int, place
                     continue
                 moved = None
                 if moves and not runs.fits_in_place(str(i), 1):
-                    moved = runs.move(str(i), len(held[i]), 1, claim=2 * (len(held[i]) + 1))
+                    moved = runs.move(str(i), len(held[i]), 1)
                 if moved is not None:  # the old blocks come back once the copy ran (the end of the step in vLLM)
                     runs.give_back(held[i])
                     held[i] = moved
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
               "rows": []}
     for blocks in (int(b) for b in args.blocks.split(",")):
         for moves in (False, True):
-            for placement in BlockRuns.PLACEMENTS:
+            for placement in PLACEMENTS:
                 for mode, c in claims.items():
                     row = {"blocks": blocks, "moves": moves, "placement": placement, "claim": mode,
                            **replay(recs, c, blocks, args.block_tokens, args.running, placement, moves)}

@@ -103,14 +103,14 @@ def move_run(pool: RunBlockPool, manager: FullAttentionManager, request_id: str,
     worker with this step and drops both extra references once that step's copy has run, which returns the old
     blocks to the pool (and to the runs' mirror, through free_blocks)."""
     held = manager.req_to_blocks.get(request_id)
+    n = cdiv(num_tokens, manager.block_size) - len(held) if held else 0
+    if n <= 0:  # most steps: nothing to allocate, or a first allocation (placed, not moved)
+        return None
     runs = pool.odma_runs
-    if not held or runs.pieces(request_id) is None or request_id in getattr(manager, "_partial_hit_reqs", ()):
+    if runs.pieces(request_id) is None or runs.fits_in_place(request_id, n) \
+            or request_id in getattr(manager, "_partial_hit_reqs", ()) or any(b.is_null for b in held):
         return None
-    n = cdiv(num_tokens, manager.block_size) - len(held)
-    if n <= 0 or runs.fits_in_place(request_id, n) or any(b.is_null for b in held):
-        return None
-    total = len(held) + n
-    ids = runs.move(request_id, len(held), n, claim=2 * total)  # room to double: a copy per doubling at most
+    ids = runs.move(request_id, len(held), n)
     if ids is None:
         return None
     blocks = pool.hand_out(ids)
@@ -120,7 +120,7 @@ def move_run(pool: RunBlockPool, manager: FullAttentionManager, request_id: str,
         manager._pending_cow_copies.append((old, new))
         new.ref_cnt += 1
     held[:] = blocks
-    grown = blocks[total - n:]
+    grown = blocks[len(blocks) - n:]
     if manager.records_new_block_ids:  # copy targets are overwritten whole; only the new blocks need zeroing
         manager.new_block_ids.extend(b.block_id for b in grown)
     pool.odma_moved.append(request_id)

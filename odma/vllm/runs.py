@@ -1,10 +1,11 @@
 """Contiguous block runs over a paged block pool: which block ids a request gets (no torch, no vLLM).
 
 A paged pool hands out any free block; here a request's blocks are steered into one run of consecutive ids:
-- placement: a new request's first blocks start a run inside the largest free extent, which must also hold its
-  predicted size (its claim). When a live run ends right before that extent, the new run starts halfway into the
-  extent's slack, so both have room to outgrow a low prediction in place (a best-fit packing left no such room:
-  more requests split in a replay of 144 NQ chats on vLLM's pool);
+- placement: a new request's first blocks start a run in a free extent that also holds its predicted size (its
+  claim). "best-fit" takes the smallest such extent, leaving the large ones whole for runs that move; "halving"
+  takes the largest and, when a live run ends right before it, starts halfway into its slack, so both have room
+  to outgrow a low prediction in place (where runs cannot move, this kept more requests one run in a replay of
+  144 NQ chats on vLLM's pool; with moves, best fit did);
 - growth takes the next ids of its claim (in place); past the claim, the free ids right after it when nobody
   else claimed them (in place, the claim extends); otherwise, where the caller can copy blocks, the whole run
   moves to a new place with room to double (`move`: the caller copies the KV and hands the old ids back once the
@@ -68,13 +69,11 @@ PLACEMENTS = ("halving", "best-fit")
 class BlockRuns:
     """Runs over block ids [0, num_blocks); `reserved` ids are never free (vLLM's null block 0)."""
 
-    PLACEMENTS = PLACEMENTS
-
     def __init__(self, num_blocks: int, reserved: tuple[int, ...] = (), placement: str = "halving") -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if placement not in self.PLACEMENTS:
-            raise ValueError(f"placement must be one of {self.PLACEMENTS}, got {placement!r}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.placement = placement
         self.num_blocks = num_blocks
         self.avail = ExtentMap()  # free and unclaimed
@@ -112,23 +111,17 @@ class BlockRuns:
         run = o.run
         return run.tail >= n or self.avail.size_at(run.end) >= n - run.tail
 
-    def move(self, owner: str, held: int, n: int, claim: int) -> list[int] | None:
-        """A new run for `owner`'s `held` blocks and `n` more, with room for `claim` in all, in a free unclaimed
-        extent: its ids, the first `held` of them the copy targets (the caller copies the KV over and gives the old
-        ids back once the copy ran). None when no extent holds the run, or when the pool, which holds both copies
-        until then, would keep fewer than `held` unclaimed free blocks beside it."""
-        o = self.owners[owner]
+    def move(self, owner: str, held: int, n: int, claim: int | None = None) -> list[int] | None:
+        """A new run for `owner`'s `held` blocks and `n` more, with room for `claim` in all (default: room to
+        double, so a run is copied at most once per doubling), in a free unclaimed extent: its ids, the first `held`
+        of them the copy targets (the caller copies the KV over and gives the old ids back once the copy ran). None
+        when no extent holds the run, or when the pool, which holds both copies until then, would keep fewer than
+        `held` unclaimed free blocks beside it."""
         total = held + n
         if self.avail.largest() < total or self.avail.free_units < total + held:
             return None
-        run = o.run
-        if run.tail:  # its claim's free rest goes back first: the new run may take it
-            self.claimed_free -= run.tail
-            self.avail.free(run.start + run.used, run.tail)
-        if self._run_ending_at.get(run.end) == owner:
-            del self._run_ending_at[run.end]
-        del self.owners[owner]
-        ids, _ = self._open_run(owner, total, max(claim, total))
+        self._release(owner)  # its claim's free rest goes back first: the new run may take it
+        ids, _ = self._open_run(owner, total, max(claim or 2 * total, total))
         assert ids is not None
         self.stats.moved += 1
         self.stats.moved_blocks += held
@@ -184,16 +177,11 @@ class BlockRuns:
 
     def drop(self, owner: str) -> None:
         """`owner` let go of all its blocks (finished, aborted, preempted): its claim's free ids return."""
-        o = self.owners.pop(owner, None)
-        if o is None:
+        if owner not in self.owners:
             return
-        run = o.run
-        self._run_ending_at.pop(run.end, None)
-        if run.tail:
-            self.claimed_free -= run.tail
-            self.avail.free(run.start + run.used, run.tail)
+        o = self._release(owner)
         self.stats.finished += 1
-        self.stats.finished_one_run += run.pieces == 1
+        self.stats.finished_one_run += o.run.pieces == 1
         self.stats.finished_split_with_room += o.split_with_room
 
     def pieces(self, owner: str) -> int | None:
@@ -225,6 +213,17 @@ class BlockRuns:
         self.claimed_free += claim - n
         self._track(owner, Run(start, n, start + claim))
         return list(range(start, start + n)), whole
+
+    def _release(self, owner: str) -> _Owner:
+        """Forget `owner`'s run; the free ids of its claim become unclaimed (the ids it holds stay held)."""
+        o = self.owners.pop(owner)
+        run = o.run
+        if self._run_ending_at.get(run.end) == owner:
+            del self._run_ending_at[run.end]
+        if run.tail:
+            self.claimed_free -= run.tail
+            self.avail.free(run.start + run.used, run.tail)
+        return o
 
     def _track(self, owner: str, run: Run) -> None:
         self.owners[owner] = _Owner(run)
