@@ -53,3 +53,40 @@ class NoisyOraclePredictor(Predictor):
             noise = float(np.random.default_rng(seed).normal(0.0, self.sigma)) if self.sigma else 0.0
             out.append(Prediction(max(_realized(r), 1) * math.exp(noise), 1.0 - math.exp(-abs(noise))))
         return out
+
+
+class PromptOraclePredictor(Predictor):
+    """L̂ = the mean realized length of the OTHER answers to the same prompt in the batch, u = 0: a predictor that
+    knows each prompt's length distribution (its sampling noise included) but not which draw this request will
+    be — the ceiling of any prompt-time predictor. From K answers per prompt the leave-one-out mean of K−1 draws
+    slightly underestimates that ceiling; `with_own` (spec `prompt-oracle:with-own`) averages all K, this draw
+    included, and slightly overestimates it. Needs several answers per prompt in one `predict` call (a
+    multi-sample trace); a prompt answered once gets the mean of every other answer in the batch."""
+
+    def __init__(self, with_own: bool = False) -> None:
+        self.with_own = with_own
+        self.name = "prompt-oracle:with-own" if with_own else "prompt-oracle"
+
+    @classmethod
+    def from_spec(cls, arg: str) -> "PromptOraclePredictor":
+        if arg not in ("", "with-own"):
+            raise PredictorError(f"prompt-oracle takes nothing or ':with-own', got {arg!r}")
+        return cls(with_own=arg == "with-own")
+
+    def predict(self, requests: Sequence[Any]) -> list[Prediction]:
+        lengths = [_realized(r) for r in requests]
+        groups: dict[str, list[int]] = {}
+        for r, n in zip(requests, lengths):
+            groups.setdefault(str(getattr(r, "prompt", "")), []).append(n)
+        total, count = sum(lengths), len(lengths)
+        own = 0 if self.with_own else 1  # how many of the group's draws are left out: this one, or none
+        out = []
+        for r, n in zip(requests, lengths):
+            same = groups[str(getattr(r, "prompt", ""))]
+            if len(same) - own > 0:
+                out.append(Prediction((sum(same) - own * n) / (len(same) - own), 0.0))
+            elif count > 1:
+                out.append(Prediction((total - n) / (count - 1), 0.0))
+            else:
+                raise PredictorError("prompt-oracle needs more than one request in a batch")
+        return out

@@ -21,11 +21,14 @@ KINDS: dict[str, str] = {
 NAMES: dict[str, str] = {
     "default": "predictor.default:load_default",
     "sklearn": "predictor.default:load_default_sklearn",
+    "smollm2": "predictor.default:load_default_smollm2",  # the text predictor also trained on SmolLM2's own answers
     "probe": "predictor.default:load_default_probe",  # SmolLM2's own hidden states (the default served model)
     "oracle": "predictor.oracle:OraclePredictor",
+    "prompt-oracle": "predictor.oracle:PromptOraclePredictor",  # experiments on multi-sample traces only
 }
 NAMES_WITH_ARGUMENT: dict[str, str] = {
     "noisy-oracle": "predictor.oracle:NoisyOraclePredictor.from_spec",
+    "prompt-oracle": "predictor.oracle:PromptOraclePredictor.from_spec",  # prompt-oracle:with-own
 }
 
 
@@ -49,7 +52,7 @@ def load_predictor(spec: str) -> Predictor:
 
 def load_predictor_folder(folder: Path) -> Predictor:
     if not folder.is_dir():
-        raise PredictorError(f"unknown predictor {str(folder)!r}: use default, sklearn, probe, oracle, noisy-oracle:SIGMA or a folder")
+        raise PredictorError(f"unknown predictor {str(folder)!r}: use default, smollm2, sklearn, probe, oracle, prompt-oracle, noisy-oracle:SIGMA or a folder")
     manifest = Manifest.load(folder)
     if manifest.kind not in KINDS:
         raise PredictorError(f"{folder}: unknown predictor kind {manifest.kind!r}")

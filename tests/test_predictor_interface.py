@@ -32,6 +32,24 @@ def test_oracle_and_noisy_oracle():
         OraclePredictor().predict([SimpleNamespace(prompt="x", output_tokens=None)])
 
 
+def test_prompt_oracle_predicts_each_answer_by_the_other_answers_to_its_prompt():
+    lengths = {"a": [10, 20, 60], "b": [100, 300], "c": [7]}
+    reqs = [SimpleNamespace(request_id=f"{p}{i}", prompt=p, output_tokens=n)
+            for p, ns in lengths.items() for i, n in enumerate(ns)]
+    got = [p.length for p in load_predictor("prompt-oracle").predict(reqs)]
+    # a: (20+60)/2, (10+60)/2, (10+20)/2; b: the other one; c, answered once: the mean of every other answer
+    assert got == [40.0, 35.0, 15.0, 300.0, 100.0, 490 / 5]
+    assert all(p.uncertainty == 0.0 for p in load_predictor("prompt-oracle").predict(reqs))
+    with_own = [p.length for p in load_predictor("prompt-oracle:with-own").predict(reqs)]
+    assert with_own == [30.0, 30.0, 30.0, 200.0, 200.0, 7.0]  # every draw of the prompt, this one included
+    with pytest.raises(PredictorError, match="more than one"):
+        load_predictor("prompt-oracle").predict(reqs[:1])
+    with pytest.raises(PredictorError, match="with-own"):
+        load_predictor("prompt-oracle:median")
+    with pytest.raises(PredictorError, match="realized"):
+        load_predictor("prompt-oracle").predict([SimpleNamespace(prompt="x", output_tokens=None)] * 2)
+
+
 @pytest.mark.parametrize("spec", ["noisy-oracle:abc", "/no/such/folder", "not-a-predictor"])
 def test_bad_specs_raise_predictor_error(spec):
     with pytest.raises(PredictorError):
@@ -88,7 +106,7 @@ def test_committed_default_predictors_load_offline():
     # the encoder itself, not load_default's logged fallback to sklearn: its graph is rebuilt on this machine and
     # must pass the probe check here (an int8-only check refused it on AVX2 CPUs, and serving fell back silently)
     assert load_default_encoder().manifest.kind == "encoder"
-    for spec in ("sklearn", "default"):
+    for spec in ("sklearn", "default", "smollm2"):
         p = load_predictor(spec)
         out = p.predict([SimpleNamespace(prompt="Write a long essay about the sea.", prompt_tokens=20)])
         assert len(out) == 1 and out[0].length > 0 and 0 <= out[0].uncertainty <= 1

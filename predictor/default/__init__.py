@@ -17,6 +17,9 @@ from predictor.registry import load_predictor_folder
 HERE = Path(__file__).resolve().parent
 ENCODER_DIR = HERE / "encoder"
 SKLEARN_DIR = HERE / "sklearn"
+# the same text predictor trained with SmolLM2's own answers beside the other traces (the default served model's
+# lengths, not only other generators'): `load_predictor("smollm2")`
+SMOLLM2_DIR = HERE / "smollm2"
 PROBE_DIR = HERE / "probe"  # SmolLM2's own hidden states (predictor/probe), selected by `load_predictor("probe")`
 
 log = logging.getLogger(__name__)
@@ -28,6 +31,10 @@ def load_default_encoder() -> Predictor:
 
 def load_default_sklearn() -> Predictor:
     return load_predictor_folder(SKLEARN_DIR)
+
+
+def load_default_smollm2() -> Predictor:
+    return load_predictor_folder(SMOLLM2_DIR)
 
 
 def load_default_probe() -> Predictor:
