@@ -159,6 +159,28 @@ def test_sjf_aging_bounds_the_wait_of_a_long_request_under_a_stream_of_short_one
             assert waited <= aging + 1
 
 
+def test_sjf_aging_counts_against_the_newest_arrival_so_a_burst_stays_shortest_first():
+    """Twelve requests at once, one admitted per round, aging after 3 rounds: requests that arrived together age
+    together, so the burst is served shortest first (aging by the clock turned it into arrival order from the
+    fourth round on); once a newer request waits behind them, the rest, 8 rounds older, go first in arrival
+    order."""
+    lengths = [25, 3, 17, 9, 30, 1, 21, 13, 5, 27, 11, 7]
+    sched = _scheduler(max_num_seqs=1, order="sjf", aging_rounds=3)
+    for i, n in enumerate(lengths):
+        sched.add(_tagged(i, n))
+    served = []
+    for _ in range(8):
+        served += _admitted(sched)
+        sched.finish(next(s for s in sched.running), "stop")
+    by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    assert served == [f"r{i}" for i in by_length[:8]]
+    sched.add(_tagged(99, 1))  # newer and shorter than all of them, yet served after them
+    for _ in range(5):
+        served += _admitted(sched)
+        sched.finish(next(s for s in sched.running), "stop")
+    assert served[8:] == [*(f"r{i}" for i in sorted(by_length[8:])), "r99"]  # 25, 30, 21, 27 by arrival
+
+
 def test_sjf_preempts_the_request_with_the_most_predicted_work_left():
     # 48 slots: three 16-slot blocks; when r1 must grow, the victim is the one predicted longest (not the newest)
     sched = _scheduler(max_num_seqs=3, order="sjf", preempt="recompute")

@@ -192,6 +192,20 @@ def test_aging_puts_a_long_waiter_before_every_younger_request_in_arrival_order(
     assert _drain(q) == ["long1", "long2", "fresh"]
 
 
+def test_a_burst_ages_together_and_stays_shortest_first_until_a_newer_request_waits_behind_it():
+    q = ShortestFirstQueue(lambda r: r.predicted, aging_rounds=3)
+    lengths = {"a": 50, "b": 5, "c": 40, "d": 1, "e": 30, "f": 20, "g": 10}
+    for name, p in lengths.items():
+        q.add_request(_req(name, p))
+    served = []
+    for _ in range(4):  # 4 rounds > aging_rounds: aged by the clock, this would be arrival order by now
+        served.append(q.pop_request().name)
+        q.new_round()
+    assert served == ["d", "b", "g", "f"]
+    q.add_request(_req("fresh", 2))  # the burst's rest arrived 4 rounds before it: aged, in arrival order
+    assert _drain(q) == ["a", "c", "e", "fresh"]
+
+
 def test_a_put_back_request_keeps_its_age_and_removed_ones_never_come_back():
     q = ShortestFirstQueue(lambda r: r.predicted, aging_rounds=2)
     old = _req("old", 500)

@@ -51,7 +51,7 @@ def _add_experiment_args(p: argparse.ArgumentParser, with_trace: bool = True) ->
     p.add_argument("--schedule", choices=ORDERS, default=None,
                    help="the engine scheduler's order of service: fcfs, or sjf (shortest predicted remaining first, "
                         "with aging); implies --scheduler engine")
-    p.add_argument("--sjf-aging-rounds", type=int, default=256, help="sjf: rounds after which a request goes first")
+    p.add_argument("--sjf-aging-rounds", type=int, default=256, help="sjf: rounds waited beyond the newest waiting request after which a request goes first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

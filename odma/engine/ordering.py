@@ -7,9 +7,11 @@ overtake, and which running request is preempted when memory runs out.
 - `sjf`: shortest predicted remaining output first (the predictor's L̂ less what a request has generated, or the
   refined estimate of its remaining length when the engine has one), so short requests do not queue behind
   long ones; the running request with the most predicted work left is preempted. Aging bounds every wait: a
-  request that has waited `aging_rounds` admission rounds goes before every request that has not, in arrival
-  order, and once it is first it holds the queue after `max_skips` more rounds (nobody overtakes it), like the
-  head of a FCFS queue.
+  request that has waited `aging_rounds` admission rounds longer than the newest waiting request goes before
+  every request that has not, in arrival order, and once it is first it holds the queue after `max_skips` more
+  rounds (nobody overtakes it), like the head of a FCFS queue. Age is counted against the newest arrival, not
+  the clock: requests that arrived together age together, so a burst keeps its shortest-first order to the end
+  (counted by the clock, the whole burst would turn into arrival order at once `aging_rounds` into it).
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class ShortestFirst(Fcfs):
 
     def _order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
         # aged requests first, in arrival (queue) order; then by predicted remaining work; ties in queue order
-        return sorted(waiting, key=lambda s: (0, 0.0) if s.waited_steps >= self.aging_rounds
+        waiting = list(waiting)
+        newest = min((s.waited_steps for s in waiting), default=0)
+        return sorted(waiting, key=lambda s: (0, 0.0) if s.waited_steps - newest >= self.aging_rounds
                       else (1, predicted_remaining(s)))
 
     def candidates(self, waiting: deque[Sequence], freed_buckets: Counter) -> list[Sequence]:

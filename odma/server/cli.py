@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default=d.schedule, choices=ORDERS,
                    help="order of service: fcfs, or sjf (shortest predicted remaining output first, with aging)")
     p.add_argument("--sjf-aging-rounds", type=int, default=d.sjf_aging_rounds,
-                   help="sjf: a request waiting this many admission rounds goes before every younger one")
+                   help="sjf: a request that has waited this many admission rounds longer than the newest waiting one goes first")
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                    help="prompt tokens prefilled per engine step (one longer prompt always passes); a smaller cap "
                         "staggers streams that arrive together")

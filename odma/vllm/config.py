@@ -28,7 +28,9 @@ class PluginConfig:
     # the waiting queue: fcfs (vLLM's own), sjf (shortest predicted remaining first, with aging), or adaptive (sjf
     # only while more requests wait than the running cap; arrival order below it)
     order: str = "adaptive"
-    aging_rounds: int = 256  # admission rounds after which a waiting request goes before every younger one
+    # a waiting request that arrived this many admission rounds before the newest waiting one goes before every
+    # younger one (odma/vllm/order.py)
+    aging_rounds: int = 256
     predictor: str = "default"  # odma's predictor spec ("default", "sklearn", "median", a folder)
     # a run's claim: "predicted" (the smallest bucket >= L̂) or "calibrated" (the predictor's reservation table, sized
     # for a 2 % miss rate): claims are soft, and the larger calibrated ones left fewer requests in one run

@@ -2,7 +2,10 @@
 the operations vLLM's scheduler calls (peek, pop, prepend, remove).
 
 - `sjf`: the least predicted remaining output first (ties in arrival order). Aging bounds every wait: a request
-  that has waited `aging_rounds` admission rounds goes before every request that has not, in arrival order.
+  that arrived `aging_rounds` admission rounds before the newest waiting request goes before every request that
+  did not, in arrival order. Age is counted against the newest arrival, not the clock: requests that arrived
+  together age together, so a burst keeps its shortest-first order to the end (counted by the clock, the whole
+  burst would turn into arrival order at once `aging_rounds` into it).
 - `adaptive`: sjf only while more requests wait than `depth` (the running cap); a shallow queue is served in
   arrival order, because everyone in it starts within about one service time anyway and reordering it buys
   little mean latency for its cost in fairness.
@@ -63,14 +66,12 @@ class ShortestFirstQueue:
         if not (remaining >= 0):  # NaN or negative: treat as unknown
             remaining = math.inf
         heapq.heappush(self._heap, (remaining, born[1], entry, request))
-        if self.round - born[0] >= self.aging_rounds:
-            self._age(born[1], entry, request)
+        # a put-back request may be older than the youngest queued one: keep _young in arrival order (whether it
+        # is aged is decided at the next peek, against the newest request waiting then)
+        if self._young and self._young[-1][0] > born[0]:
+            self._young = deque(sorted([*self._young, (born[0], entry, request)], key=lambda t: t[0]))
         else:
-            # a put-back request may be older than the youngest queued one: keep _young in arrival order
-            if self._young and self._young[-1][0] > born[0]:
-                self._young = deque(sorted([*self._young, (born[0], entry, request)], key=lambda t: t[0]))
-            else:
-                self._young.append((born[0], entry, request))
+            self._young.append((born[0], entry, request))
 
     def pop_request(self) -> Any:
         request = self.peek_request()
@@ -161,10 +162,12 @@ class ShortestFirstQueue:
 
     def _promote(self) -> None:
         young = self._young
-        while young and self.round - young[0][0] >= self.aging_rounds:
+        # stale ends (requests popped or removed since) go, so that young[-1] is the newest waiting request
+        while young and self._entry.get(young[-1][2]) != young[-1][1]:
+            young.pop()
+        while young and young[-1][0] - young[0][0] >= self.aging_rounds:
             born_round, entry, request = young.popleft()
             if self._entry.get(request) == entry:
                 self._age(self._born[request][1], entry, request)
-        # drop stale heads so the deque does not grow with removed requests
         while young and self._entry.get(young[0][2]) != young[0][1]:
             young.popleft()
