@@ -6,8 +6,9 @@ give that distribution: `prompt-oracle` predicts each answer by the mean length 
 slight overestimate).
 
 For each prompt family, a burst of N answers at once (tiled from the family's multi-sample answers) goes through
-the serving engine's scheduler on the served model's CPU profile, fcfs and sjf with aging, for each predictor;
-the table gives sjf ÷ fcfs mean latency and each predictor's share of the oracle's mean-latency gain. The trivial
+the serving engine's scheduler on the served model's CPU profile, fcfs and sjf with aging, for each predictor (its
+reservations in both, so only the order differs); the table gives sjf ÷ fcfs and each predictor's share of the
+oracle's mean-latency gain. The trivial
 baseline is fcfs itself (sjf on a constant guess is fcfs: ties keep arrival order).
 
     .venv/bin/python scripts/sjf_prompt_ceiling.py [--predictors default,smollm2,probe,prompt-oracle] [--split test]
@@ -81,14 +82,14 @@ def main() -> None:
         trace = multi_sample_trace(family, args.min_samples, args.split)
         prompts = len({r.prompt for r in trace.records})
         out = result["families"][family] = {"answers": len(trace.records), "prompts": prompts}
-        fcfs = out["fcfs"] = replay(trace, args, "oracle", "fcfs")  # fcfs never reads a prediction
         oracle_gain = None
         for name in predictors:
-            sjf = out[name] = replay(trace, args, name, "sjf")
+            # each predictor's sjf against fcfs with its own reservations: only the order differs
+            fcfs, sjf = replay(trace, args, name, "fcfs"), replay(trace, args, name, "sjf")
             gain = 1 - sjf["latency_mean_s"] / fcfs["latency_mean_s"]
             oracle_gain = gain if name == "oracle" else oracle_gain
             share = gain / oracle_gain if oracle_gain else float("nan")
-            out[name]["share_of_oracle_gain"] = share
+            out[name] = {"fcfs": fcfs, "sjf": sjf, "share_of_oracle_gain": share}
             ratios = [sjf[k] / fcfs[k] for k in ("latency_mean_s", "ttft_p50_s", "latency_p99_s", "throughput_tps")]
             lines.append(f"| {family} | {prompts} × {len(trace.records) / prompts:.1f} | {name} | {fcfs['latency_mean_s']:.1f} | "
                          + " | ".join(f"{r:.2f}" for r in ratios) + f" | {share:.0%} |")
