@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import defaultdict
 from typing import Any, Sequence
 
 import numpy as np
@@ -75,16 +76,18 @@ class PromptOraclePredictor(Predictor):
 
     def predict(self, requests: Sequence[Any]) -> list[Prediction]:
         lengths = [_realized(r) for r in requests]
-        groups: dict[str, list[int]] = {}
-        for r, n in zip(requests, lengths):
-            groups.setdefault(str(getattr(r, "prompt", "")), []).append(n)
+        prompts = [str(getattr(r, "prompt", "")) for r in requests]
+        sums: dict[str, int] = defaultdict(int)
+        counts: dict[str, int] = defaultdict(int)
+        for prompt, n in zip(prompts, lengths):
+            sums[prompt] += n
+            counts[prompt] += 1
         total, count = sum(lengths), len(lengths)
-        own = 0 if self.with_own else 1  # how many of the group's draws are left out: this one, or none
+        own = 0 if self.with_own else 1  # how many of the prompt's draws are left out: this one, or none
         out = []
-        for r, n in zip(requests, lengths):
-            same = groups[str(getattr(r, "prompt", ""))]
-            if len(same) - own > 0:
-                out.append(Prediction((sum(same) - own * n) / (len(same) - own), 0.0))
+        for prompt, n in zip(prompts, lengths):
+            if counts[prompt] - own > 0:
+                out.append(Prediction((sums[prompt] - own * n) / (counts[prompt] - own), 0.0))
             elif count > 1:
                 out.append(Prediction((total - n) / (count - 1), 0.0))
             else:

@@ -24,11 +24,11 @@ NAMES: dict[str, str] = {
     "smollm2": "predictor.default:load_default_smollm2",  # the text predictor also trained on SmolLM2's own answers
     "probe": "predictor.default:load_default_probe",  # SmolLM2's own hidden states (the default served model)
     "oracle": "predictor.oracle:OraclePredictor",
-    "prompt-oracle": "predictor.oracle:PromptOraclePredictor",  # experiments on multi-sample traces only
 }
 NAMES_WITH_ARGUMENT: dict[str, str] = {
     "noisy-oracle": "predictor.oracle:NoisyOraclePredictor.from_spec",
-    "prompt-oracle": "predictor.oracle:PromptOraclePredictor.from_spec",  # prompt-oracle:with-own
+    # experiments on multi-sample traces only: prompt-oracle, prompt-oracle:with-own
+    "prompt-oracle": "predictor.oracle:PromptOraclePredictor.from_spec",
 }
 
 

@@ -36,16 +36,13 @@ FAMILIES = {  # smollm2-answers `type` values per prompt family
 KEYS = ("latency_mean_s", "ttft_p50_s", "latency_p99_s", "throughput_tps", "completed", "makespan_s")
 
 
-def multi_sample_trace(family: str, min_samples: int, split: str) -> Trace:
-    answers = load_trace("smollm2-answers")
-    if split != "all":  # the same prompt-hash split the predictors were trained on
-        answers = getattr(split_trace(answers), split)
+def multi_sample_trace(answers: Trace, family: str, min_samples: int) -> Trace:
     by_prompt = defaultdict(list)
     for record in answers.records:
         if record.type in FAMILIES[family]:
             by_prompt[record.prompt].append(record)
     records = [r for group in by_prompt.values() if len(group) >= min_samples for r in group]
-    return Trace(f"smollm2-answers/{family}:{split}", records, answers.tokenizer, dict(answers.meta))
+    return Trace(f"{answers.name}/{family}", records, answers.tokenizer, dict(answers.meta))
 
 
 def replay(trace: Trace, args, predictor: str, order: str) -> dict:
@@ -78,8 +75,11 @@ def main() -> None:
     result = {"args": vars(args), "families": {}}
     lines = ["| family | prompts × answers | predictor | fcfs mean latency s | sjf ÷ fcfs: mean latency | TTFT p50 | "
              "p99 latency | tok/s | share of the oracle's mean gain |", "|---|---|---|---|---|---|---|---|---|"]
+    answers = load_trace("smollm2-answers")
+    if args.split != "all":  # the same prompt-hash split the predictors were trained on
+        answers = getattr(split_trace(answers), args.split)
     for family in args.families.split(","):
-        trace = multi_sample_trace(family, args.min_samples, args.split)
+        trace = multi_sample_trace(answers, family, args.min_samples)
         prompts = len({r.prompt for r in trace.records})
         out = result["families"][family] = {"answers": len(trace.records), "prompts": prompts}
         oracle_gain = None

@@ -76,7 +76,8 @@ class EngineConfig:
     # the same throughput, for a higher ITL (docs/BENCHMARKS.md, "Serving defaults, measured")
     max_num_seqs: int = 128
     # the order of service (odma.engine.ordering): "fcfs", or "sjf" (shortest predicted remaining output first,
-    # with aging: a request that has waited sjf_aging_rounds admission rounds longer than another goes before it)
+    # with aging: a request that has waited sjf_aging_rounds admission rounds longer than the newest waiting one
+    # goes before every younger one)
     schedule: str = "fcfs"
     sjf_aging_rounds: int = 256
     max_prefill_tokens: int = 2048  # prompt tokens per step (one long prompt always passes)
