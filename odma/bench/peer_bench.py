@@ -284,7 +284,8 @@ def _replay_stage(srv, recs: list, rate: float, args) -> dict:
     from odma.bench.serve_bench import _replay
 
     ns = Namespace(model=SERVED_NAME, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                   timeout=args.stage_timeout, rate=rate, seed=args.seed, send_seed=False)
+                   timeout=args.stage_timeout, rate=rate, seed=args.seed, send_seed=False,
+                   per_request_lengths=True)
     load = os.getloadavg()[0]
     try:
         res = asyncio.run(asyncio.wait_for(_replay(srv.url, recs, ns), args.stage_timeout))

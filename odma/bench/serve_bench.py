@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default=None, choices=["hf"], help="run transformers generate instead of a server")
     p.add_argument("--hf-batch", type=int, default=48)
     p.add_argument("--out", default=None, help="also write the result JSON here")
+    p.add_argument("--per-request-lengths", action="store_true",
+                   help="add each request's id and realized length, in the order sent (`output_tokens`; what "
+                        "scripts/run_oracle_bound.py replays for the run's own oracle bound)")
 
 
 def _pick(trace_spec: str, num: int, seed: int) -> list:
@@ -89,7 +92,7 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-async def _one(client, url: str, rec, args, start_at: float, t0: float, out: dict) -> None:
+async def _one(client, url: str, rec, args, start_at: float, t0: float, out: dict, index: int | None = None) -> None:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     body = {"model": args.model, "messages": [{"role": "user", "content": rec.prompt}], "max_tokens": args.max_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "stream": True,
@@ -127,7 +130,7 @@ async def _one(client, url: str, rec, args, start_at: float, t0: float, out: dic
         return
     first = first or end
     out["done"].append({"ttft": first - sent, "tpot": (end - first) / (tokens - 1) if tokens > 1 else None,
-                        "latency": end - sent, "tokens": tokens, "end": end, "finish": finish})
+                        "latency": end - sent, "tokens": tokens, "end": end, "finish": finish, "index": index})
 
 
 async def _poll(client, url: str, stop: asyncio.Event, peak: dict) -> None:
@@ -187,14 +190,15 @@ async def _replay(url: str, records: list, args) -> dict:
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll(client, url, stop, peak))
         t0 = time.perf_counter()
-        await asyncio.gather(*(_one(client, url, r, args, a, t0, out) for r, a in zip(records, arrivals)))
+        await asyncio.gather(*(_one(client, url, r, args, a, t0, out, i)
+                               for i, (r, a) in enumerate(zip(records, arrivals))))
         makespan = time.perf_counter() - t0
         stop.set()
         await poller
         counters = _server_counters((await client.get(url + "/metrics")).text)
     done = out["done"]
     tokens = sum(d["tokens"] for d in done)
-    return {
+    result = {
         "throughput_tps": tokens / makespan if makespan > 0 else 0.0,
         "ttft_p50_s": _pct([d["ttft"] for d in done], 0.5),
         "ttft_p99_s": _pct([d["ttft"] for d in done], 0.99),
@@ -220,6 +224,13 @@ async def _replay(url: str, records: list, args) -> dict:
         "server": counters,
         "error_samples": out["errors"][:5],
     }
+    if getattr(args, "per_request_lengths", False):
+        # each request's id and realized length in the order sent (None: it failed), for the run's own oracle bound
+        realized: list[list] = [[r.request_id, None] for r in records]
+        for d in done:
+            realized[d["index"]][1] = d["tokens"]
+        result["output_tokens"] = realized
+    return result
 
 
 def _hf_baseline(records: list, args) -> dict:
