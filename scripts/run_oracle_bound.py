@@ -88,9 +88,12 @@ def main() -> None:
     args = p.parse_args()
     result = json.loads(Path(args.result).read_text())
     run = stage_result(result, args.stage, args.system)
-    max_new = int((result.get("sampling") or {}).get("max_tokens") or result.get("max_tokens") or 512)
+    max_new = (result.get("sampling") or {}).get("max_tokens") or result.get("max_tokens")
+    if not max_new:
+        raise SystemExit("the result names no max_tokens (`sampling.max_tokens` or `max_tokens`): the replay needs the "
+                         "length cap the run was served with")
     served = realized_trace(run, load_trace(args.trace))
-    out = bound(served, args.predictor, args.max_batch, max_new, args.profile)
+    out = bound(served, args.predictor, args.max_batch, int(max_new), args.profile)
     out["measured"] = args.measured
     line = f"{out['requests']} requests as served: the oracle's sjf {-out['oracle_gain']:+.1%} mean latency"
     if out["predictor_gain"] is not None:

