@@ -47,26 +47,30 @@ def test_a_virtual_arena_holds_data_only_where_mapped(backend):
     bpt = LAYOUT.bytes_per_token
     unit = g // math.gcd(g, bpt)  # the fewest tokens that fill whole granules
     per = unit * bpt // g  # granules per unit
-    arena = create_virtual_arena(backend, 64 * unit, LAYOUT, physical_bytes=3 * per * g)
+    arena = create_virtual_arena(backend, 64 * unit, LAYOUT, physical_bytes=(3 * per + 1) * g)
     try:
-        assert arena.physical_granules == 3 * per and arena.nbytes == 3 * per * g
-        block = Block(offset=0, capacity=unit, bucket=0)
-        arena.map(0, per)
+        # one granule guards the range's start (mapped for the arena's life): blocks map the other 3 units
+        assert arena.physical_granules == 3 * per and arena.nbytes == (3 * per + 1) * g
+        block = Block(offset=unit, capacity=unit, bucket=0)
+        at = per * g  # block's first byte: the first whole unit after the guard
+        arena.map(at, per)
         values = _fill(arena, block, 1.0)
-        arena.map(per * g, per)  # grow behind it: the data stays where it is
+        arena.map(at + per * g, per)  # grow behind it: the data stays where it is
         e = LAYOUT.elements_per_token
-        assert torch.equal(arena.storage[: unit * e].view_as(values), values)
+        assert torch.equal(arena.storage[unit * e: 2 * unit * e].view_as(values), values)
         far = Block(offset=32 * unit, capacity=unit, bucket=1)
         arena.map(32 * per * g, per)
         arena.copy(block, far, unit // 2)
         assert torch.equal(arena.view(far)[:, :, : unit // 2], values[:, :, : unit // 2])
         with pytest.raises(BackendError):
             arena.map(40 * per * g, 1)  # every physical granule is in use
-        arena.unmap(0, 2 * per)
+        with pytest.raises(BackendError):
+            arena.map(0, 1)  # the guard's granule is never a block's
+        arena.unmap(at, 2 * per)
         arena.unmap(32 * per * g, per)
         assert arena.mapped_granules == 0
         with pytest.raises(BackendError):
-            arena.unmap(0, 1)  # not mapped
+            arena.unmap(at, 1)  # not mapped
     finally:
         arena.release()
 

@@ -16,6 +16,8 @@ from odma.kv import ExactPolicy, KVRequest, MappedKV, PlaneGeometry
 class RecordingMapper:
     """Maps nothing; records which granules are mapped and refuses double maps, stray unmaps and overdraws."""
 
+    guard_bytes = 0
+
     def __init__(self, granule_bytes: int, physical_granules: int) -> None:
         self.granule_bytes, self.physical_granules = granule_bytes, physical_granules
         self.mapped: set[int] = set()
@@ -156,25 +158,147 @@ def test_host_virtual_arena_holds_memory_only_where_blocks_write():
     from backends import KVLayout, create_virtual_arena, get_backend
 
     layout = KVLayout(layers=2, kv_heads=2, head_dim=16)
-    arena = create_virtual_arena(get_backend("cpu"), 1 << 22, layout, physical_bytes=8192 * 4096)
+    arena = create_virtual_arena(get_backend("cpu"), 1 << 22, layout, physical_bytes=8193 * 4096)
     try:
-        assert arena.total_tokens == 1 << 22 and arena.physical_granules == 8192  # 2 GiB of address space
+        # 2 GiB of address space; one granule of the 8,193 guards the range's start
+        assert arena.total_tokens == 1 << 22 and arena.physical_granules == 8192
         g = arena.granule_bytes
+        assert arena.guard_bytes == g
         before = _resident_bytes()
-        arena.map(0, 8192)
-        arena.storage[: 8192 * g // 4].fill_(2.5)  # 32 MiB written
+        arena.map(g, 8192)
+        arena.storage[g // 4: 8193 * g // 4].fill_(2.5)  # 32 MiB written
         assert _resident_bytes() - before > 24 << 20
-        arena.unmap(0, 8190)  # the memory goes back; two granules stay
+        arena.unmap(g, 8190)  # the memory goes back; two granules stay
         assert _resident_bytes() - before < 8 << 20
-        assert float(arena.storage[8190 * g // 4]) == 2.5
-        arena.map(0, 1)  # a granule mapped again holds zeros, not what a former block wrote
-        assert float(arena.storage[0]) == 0.0
+        assert float(arena.storage[8191 * g // 4]) == 2.5
+        arena.map(g, 1)  # a granule mapped again holds zeros, not what a former block wrote
+        assert float(arena.storage[g // 4]) == 0.0
         with pytest.raises(Exception, match="mapped already"):
-            arena.map(0, 1)
+            arena.map(g, 1)
         with pytest.raises(Exception, match="free"):
             arena.map(20 * g, 8190)  # 8,189 are free
+        with pytest.raises(Exception, match="guard"):
+            arena.map(0, 1)  # the guard is never a block's
     finally:
         arena.release()
+
+
+class CudaLikeVM:
+    """Host memory behind the VirtualMemory calls, refusing as CUDA does: viewing a range as a tensor asks about its
+    first address (torch's pointer query), which must be mapped; every handle and range is counted so that a leak
+    shows. `fail` names a call that raises as the driver or torch would."""
+
+    def __init__(self, granularity: int = 4096, fail: str | None = None) -> None:
+        from backends.host_vmm import HostVMM
+
+        self.host = HostVMM()
+        self.granularity = granularity
+        self.fail = fail
+        self.mapped: set[int] = set()  # addresses of mapped granules
+        self.handles = self.ranges = 0
+
+    def granules(self, nbytes):
+        return -(-nbytes // self.granularity)
+
+    def create(self, n):
+        self.handles += n
+        return list(range(n))
+
+    def release(self, handles):
+        self.handles -= len(handles)
+
+    def reserve(self, nbytes):
+        self.ranges += 1
+        return self.host.reserve(nbytes)
+
+    def free_range(self, ptr, nbytes):
+        self.ranges -= 1
+        self.host.free_range(ptr, nbytes)
+
+    def map(self, ptr, handles):
+        if self.fail == "map":
+            raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY")
+        new = {ptr + i * self.granularity for i in range(len(handles))}
+        assert not new & self.mapped, "mapped twice"
+        self.mapped |= new
+
+    def unmap(self, ptr, n):
+        gone = {ptr + i * self.granularity for i in range(n)}
+        assert gone <= self.mapped, "unmapping what is not mapped"
+        self.mapped -= gone
+
+    def is_mapped(self, address: int) -> bool:
+        return address - address % self.granularity in self.mapped
+
+    def tensor(self, ptr, nbytes, dtype):
+        if self.fail == "tensor" or not self.is_mapped(ptr):
+            raise RuntimeError("The specified pointer resides on host memory and is not registered with any CUDA "
+                               "device.")
+        return self.host.tensor(ptr, nbytes, dtype)
+
+
+@host
+def test_the_range_start_is_mapped_before_torch_or_a_kernel_looks_at_it():
+    from backends import KVLayout, VirtualArena
+
+    vm = CudaLikeVM()
+    arena = VirtualArena(vm, 4096, KVLayout(layers=2, kv_heads=2, head_dim=16), physical_granules=64)
+    assert vm.is_mapped(arena.storage.data_ptr())  # what a kernel's pointer argument is
+    arena.map(8 * 4096, 4)
+    arena.unmap(8 * 4096, 4)
+    assert vm.is_mapped(arena.storage.data_ptr())  # no block holds memory: the guard still does
+    arena.release()
+    assert vm.handles == vm.ranges == 0 and not vm.mapped
+
+
+@host
+@pytest.mark.parametrize("fail", ["tensor", "map"])
+def test_a_refused_range_gives_everything_back_and_the_engine_copies(tmp_path_factory, monkeypatch, caplog, fail):
+    from backends import BackendError, KVLayout, VirtualArena
+    from backends.cpu import CPUBackend
+    from odma.engine import SamplingParams
+    from odma.engine.testing import tiny_engine
+    from odma.models.tiny import make_tiny_model
+
+    vm = CudaLikeVM(fail=fail)
+    with pytest.raises(BackendError, match="CUDA|tensor"):
+        VirtualArena(vm, 4096, KVLayout(layers=2, kv_heads=2, head_dim=16), physical_granules=64)
+    assert vm.handles == vm.ranges == 0 and not vm.mapped
+    monkeypatch.setattr(CPUBackend, "virtual_memory", lambda self: vm)
+    folder = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    engine = tiny_engine(folder, kv_budget="1MiB", kv_growth="map")
+    assert type(engine.workers[0].kv).__name__ == "ContiguousKV"
+    assert "virtual memory refused" in caplog.text and "copy migration" in caplog.text
+    assert vm.handles == vm.ranges == 0
+    seqs = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(seqs[0].output_ids) == 4
+
+
+@host
+def test_the_engine_on_a_cuda_like_driver_keeps_its_kernel_pointer_mapped(tmp_path_factory, monkeypatch):
+    from backends.cpu import CPUBackend
+    from odma.engine import SamplingParams
+    from odma.engine.testing import tiny_engine
+    from odma.models.tiny import make_tiny_model
+
+    vm = CudaLikeVM()
+    monkeypatch.setattr(CPUBackend, "virtual_memory", lambda self: vm)
+    folder = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(10, 40)), [3]]
+    reference = [s.output_ids for s in tiny_engine(folder, kv_budget="1MiB").generate(prompts, greedy)]
+    engine = tiny_engine(folder, kv_budget="64KiB", kv_growth="map", policy="s3", s3_buckets=16, predicted=1)
+    kv = engine.workers[0].kv
+    assert type(kv).__name__ == "MappedKV"
+    storage = engine.workers[0].runner.arena.storage
+    seqs = [engine.add_request(p, greedy) for p in prompts]
+    while engine.has_work():
+        assert vm.is_mapped(storage.data_ptr())
+        engine.step()
+        kv.check()
+    assert [s.output_ids for s in seqs] == reference
+    assert kv.counters()["growths_by_mapping"] > 0
+    assert vm.mapped == {storage.data_ptr()}  # only the guard once every block is released
 
 
 @host

@@ -62,7 +62,7 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
     if mapped is not None:
         runner, kv = mapped
     else:
-        runner = _runner(model, backend, total_tokens, kv_dtype, config.attention)
+        runner = _runner(config, model, backend, total_tokens, kv_dtype)
         # static blocks never grow and never use the large bucket: give it the whole budget as one region
         large_share = 0.0 if config.policy == "static" else config.pool.large_share
         pool = KVPool(total_tokens, policy, large_share=large_share, align=config.pool.align,
@@ -89,17 +89,21 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
 
 def attention_name(runner: ModelRunner) -> str:
     kind = type(runner.attention).__name__
-    return {"DecodeAttention": "the CPU decode kernel (SDPA for prefills)", "TritonAttention": "Triton kernels",
+    name = {"DecodeAttention": "the CPU decode kernel (SDPA for prefills)", "TritonAttention": "Triton kernels",
             "NoneType": "SDPA per request"}.get(kind, kind)
+    if runner.graphs is not None:
+        name += f", decode batches {'captured as graphs' if runner.graphs.mode == 'capture' else 'static'}"
+    return name
 
 
-def _runner(model: CausalLM, backend: Any, total_tokens: int, kv_dtype: torch.dtype, attention: str,
+def _runner(config: EngineConfig, model: CausalLM, backend: Any, total_tokens: int, kv_dtype: torch.dtype,
             page_tokens: int | None = None, arena: Any = None) -> ModelRunner:
     from backends import BackendError
 
     try:
-        return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=attention,
-                           page_tokens=page_tokens, arena=arena)
+        return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=config.attention,
+                           page_tokens=page_tokens, arena=arena, max_positions=config.max_model_len,
+                           decode_graphs=config.decode_graphs, max_batch=config.max_num_seqs)
     except BackendError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -126,14 +130,21 @@ def _build_mapped(config: EngineConfig, device: str, backend: Any, model: Causal
                  config.pool.align)
         return None
     longest = min(config.max_model_len or c.max_position_embeddings, budget // layout.bytes_per_token)
-    virtual_tokens = 2 * config.max_num_seqs * geometry.layout_tokens(max(longest, 1))
+    guard_tokens = geometry.layout_tokens(-(-vm.granularity // layout.bytes_per_token))  # the range's guard granule
+    virtual_tokens = guard_tokens + 2 * config.max_num_seqs * geometry.layout_tokens(max(longest, 1))
     try:
         arena = create_virtual_arena(backend, virtual_tokens, layout, budget)
-    except BackendError as exc:
+    except BackendError as exc:  # the driver or torch refused the range: nothing is held, copy migration works
         log.warning("%s: virtual memory refused (%s); blocks grow by copy migration", device, exc)
         return None
-    runner = _runner(model, backend, virtual_tokens, kv_dtype, config.attention, arena=arena)
-    return runner, MappedKV(policy, geometry, arena, virtual_tokens)
+    try:
+        kv = MappedKV(policy, geometry, arena, virtual_tokens)
+    except ConfigError as exc:
+        arena.release()
+        log.warning("%s: virtual memory unusable (%s); blocks grow by copy migration", device, exc)
+        return None
+    runner = _runner(config, model, backend, virtual_tokens, kv_dtype, arena=arena)
+    return runner, kv
 
 
 def _build_paged_worker(config: EngineConfig, device: str, backend: Any, model: CausalLM, kv_dtype: torch.dtype,
@@ -142,7 +153,7 @@ def _build_paged_worker(config: EngineConfig, device: str, backend: Any, model: 
     memory), read through page tables by the same Triton kernels. Preempted requests are recomputed, as vLLM does by
     default (pages are not swapped); no prefix copies (a copy needs a contiguous source)."""
     pages = total_tokens // PAGE_TOKENS
-    runner = _runner(model, backend, pages * PAGE_TOKENS, kv_dtype, config.attention, page_tokens=PAGE_TOKENS)
+    runner = _runner(config, model, backend, pages * PAGE_TOKENS, kv_dtype, page_tokens=PAGE_TOKENS)
     kv = PagedKV(pages * PAGE_TOKENS, page_tokens=PAGE_TOKENS, bytes_per_token=bytes_per_token)
     preempt = "recompute" if config.preempt == "swap" else config.preempt
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,

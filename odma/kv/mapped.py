@@ -34,10 +34,12 @@ from odma.kv.pool import PoolStats
 
 
 class Mapper(Protocol):
-    """The arena side: back or free whole granules at a byte offset of the reserved range."""
+    """The arena side: back or free whole granules at a byte offset of the reserved range. The range's first
+    `guard_bytes` are not for blocks (a virtual arena keeps its first granule mapped as a guard)."""
 
     granule_bytes: int
     physical_granules: int
+    guard_bytes: int
 
     def map(self, byte_offset: int, n: int) -> None: ...
     def unmap(self, byte_offset: int, n: int) -> None: ...
@@ -108,9 +110,12 @@ class MappedKV(KVManager):
         if mapper.granule_bytes != geometry.granule_bytes:
             raise ConfigError("the mapper's granule and the geometry's differ")
         unit = geometry.unit_tokens
+        first = -(-mapper.guard_bytes // (unit * geometry.bytes_per_token))  # whole units after the guard
+        if virtual_tokens // unit <= first:
+            raise ConfigError(f"{virtual_tokens} tokens of address space leave no room after the guard")
         self._space = ExtentMap()
-        self._space.add_range(0, virtual_tokens // unit)
-        self.virtual_tokens = virtual_tokens // unit * unit
+        self._space.add_range(first, virtual_tokens // unit - first)
+        self.virtual_tokens = (virtual_tokens // unit - first) * unit  # what blocks can use
         self.free_granules = mapper.physical_granules
         self._live: dict[str, _Live] = {}
         self.reservations = self.refusals = self.space_refusals = self.map_failures = 0
