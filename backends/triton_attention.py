@@ -1,10 +1,16 @@
 """Attention of a whole packed step in a fixed number of launches per layer, over contiguous blocks or pages.
 
-`TritonAttention.plan_step(slots)` runs once per step: it turns each request's block (a view into the arena) or page
-list into small index tensors, moved to the device in one copy. `TritonStep.attend(layer, q, k, v)` then does,
-per layer, at most four launches whatever the batch: the K/V write of every packed token, split-K decode
+`TritonAttention.plan_step(slots)` runs once per step: the host puts five integers per request (where its block
+is, where this step's tokens go) and the page tables into one tensor, moved to the device in one copy; every other
+index the kernels need (each token's request and position, which requests decode, the prefill tiles, each
+request's last row) is derived from it there, so planning never waits for the device. `TritonStep.attend(layer,
+q, k, v)` then does, per layer, at most four launches whatever the batch: the K/V write of every packed token
+(rotating q and k on the way when the step was planned with the model's rotary frequencies), split-K decode
 attention for the requests feeding one token (plus the reduction of the splits), and varlen causal attention for
 the prefill chunks. The model's loop over requests is gone on this path.
+
+`TritonAttention.static_decode(max_batch, ...)` is the same step over buffers that never move, for decode steps
+captured once as a graph and replayed (odma/engine/decode_graphs.py): the host refills them, the launches stay.
 
 The kernels (`triton_kernels.py`) run compiled on a GPU, and on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1), which is how CI checks them. `available(device)` says whether they can run.
@@ -23,21 +29,44 @@ from backends.errors import BackendError
 
 LOG2E = 1.4426950408889634
 DEFAULT_PROGRAMS = 264  # decode programs to aim for: two per streaming multiprocessor of an H100/H200
+VECTOR_BYTES = 16  # the widest load a thread issues (ld.global.v4.b32, cp.async 16)
+FIELDS = 5  # per request: base, layer stride, K-to-V stride, tokens cached, tokens fed
+# which Triton backends compile for which torch device type (Triton's active driver names its backend)
+TRITON_BACKENDS = {"cuda": ("cuda", "hip"), "mlu": ("mlu",)}
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def available(device: torch.device) -> str | None:
-    """None when the Triton path can run on `device`; otherwise why not (for a log line or an error)."""
+def available(device) -> str | None:
+    """None when the Triton path can run on `device` (a torch.device, or anything with its `type`); otherwise why
+    not (for a log line or an error). On an accelerator, Triton's active backend must be the device's: stock
+    Triton on a Cambricon host compiles for no MLU, so its kernels could not launch there."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
-    if device.type == "cpu" and not interpreting():
+    if device.type == "cpu":
+        if interpreting():
+            return None
         return "Triton compiles for accelerators only; on CPU it runs only under TRITON_INTERPRET=1 (for tests)"
+    wanted = TRITON_BACKENDS.get(device.type, (device.type,))
+    active = active_backend()
+    if active not in wanted:
+        return (f"Triton's active backend is {active or 'none'}, not one that compiles for {device.type} "
+                f"({', '.join(wanted)})")
     return None
+
+
+def active_backend() -> str | None:
+    """The backend Triton compiles for on this machine (cuda, hip, mlu...), None where it finds no device."""
+    try:
+        from triton.runtime import driver
+
+        return driver.active.get_current_target().backend
+    except Exception:  # noqa: BLE001 - no driver, no device: Triton raises various errors
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +86,32 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def alignment(divisor: int, element_size: int) -> int:
+    """The ALIGN hint the kernels may be given: the largest power of two dividing `divisor` (the gcd of every row
+    offset, in elements), at most one vector's worth of elements. The host computes it from the offsets it
+    hands over, so the hint is never a promise it has not checked."""
+    widest = max(1, VECTOR_BYTES // element_size)
+    if divisor == 0:
+        return widest
+    return min(widest, divisor & -divisor)
+
+
+INTERPRETED_PROGRAMS = 8  # Triton's interpreter runs programs one after another: splitting only slows it
+
+
 def device_programs(device: torch.device) -> int:
     """Decode programs that keep `device` busy: twice its multiprocessors (a guess where they are unknown)."""
     if device.type == "cuda":
         return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "cpu":
+        return INTERPRETED_PROGRAMS
     return DEFAULT_PROGRAMS
 
 
 class TritonAttention:
     """The step-level attention of one backend (one per model runner)."""
+
+    fuses_rotary = True  # plan_step takes the model's rotary frequencies and rotates q and k in the K/V write
 
     def __init__(self, device: torch.device, tuning: Tuning | None = None) -> None:
         why = available(device)
@@ -77,10 +123,12 @@ class TritonAttention:
         self.device = device
         self.tuning = tuning or Tuning(programs=device_programs(device))
 
-    def plan_step(self, slots: Sequence) -> TritonStep:
+    def plan_step(self, slots: Sequence, rotary: torch.Tensor | None = None) -> TritonStep:
         """`slots`: the step's requests in packed order, each with `kv` (its block view [layers, 2, capacity,
         kv_heads, head_dim], or for a paged request the arena viewed as pages [pages, layers, 2, PAGE, kv_heads,
-        head_dim]), `pages` (None, or the request's page ids in order), `start` (tokens cached) and `q_len`."""
+        head_dim]), `pages` (None, or the request's page ids in order), `start` (tokens cached) and `q_len`.
+        rotary: the model's rotary table [positions, head_dim] (cos, then sin, float32; `Rotary.table`): attend()
+        then takes q and k before their rotary embedding and applies it itself."""
         if not slots:
             raise BackendError("an attention step needs at least one request")
         paged = slots[0].pages is not None
@@ -90,47 +138,51 @@ class TritonAttention:
         storage = _flat_storage(kv0)
         layers, _, _, kv_heads, head_dim = kv0.shape[-5:]
         row = kv_heads * head_dim
-        n = len(slots)
-        starts = [s.start for s in slots]
-        q_lens = [s.q_len for s in slots]
-        lens = [a + b for a, b in zip(starts, q_lens)]
         if paged:
-            addr = _paged_addresses(slots, lens, layers, row)
+            fields, table, page, page_elems = _paged_fields(slots, layers, row)
         else:
-            addr = _block_addresses(slots, lens, storage, kv_heads, head_dim)
-        base, lstride, half, table, page, page_elems = addr
-        width = len(table[0])
+            fields, table, page, page_elems = _block_fields(slots, storage, kv_heads, head_dim)
         t = self.tuning
         blocks = _tiles(t, kv0.element_size())
-        decode = [i for i, q in enumerate(q_lens) if q == 1]
-        prefill = [i for i, q in enumerate(q_lens) if q > 1]
-        q_rows = [0] * n
-        for i in range(1, n):
-            q_rows[i] = q_rows[i - 1] + q_lens[i - 1]
-        tiles = [(i, m) for i in prefill for m in range(0, q_lens[i], blocks[1])]
-        # one host tensor, one copy to the device; the views below slice it
-        per_req = torch.tensor([base, lstride, half, lens, starts, q_lens, q_rows], dtype=torch.int64)
-        tok_req = torch.repeat_interleave(torch.arange(n), torch.tensor(q_lens))
-        tok_pos = torch.arange(int(sum(q_lens))) - torch.tensor(q_rows).repeat_interleave(torch.tensor(q_lens))
-        tok_pos += torch.tensor(starts).repeat_interleave(torch.tensor(q_lens))
-        dec = torch.tensor([decode, [q_rows[i] for i in decode]], dtype=torch.int64).view(2, -1)
-        til = torch.tensor([[a for a, _ in tiles], [b for _, b in tiles]], dtype=torch.int64).view(2, -1)
-        host = torch.cat([per_req.flatten(), tok_req, tok_pos, dec.flatten(), til.flatten(),
-                          torch.tensor(table, dtype=torch.int64).flatten()])
+        n = len(slots)
+        q_lens = fields[4::FIELDS]
+        n_tokens = sum(q_lens)
+        n_decode = q_lens.count(1)
+        n_tiles = sum(-(-q // blocks[1]) for q in q_lens if q > 1)
+        longest = max((c + 1 for c, q in zip(fields[3::FIELDS], q_lens) if q == 1), default=0)
+        divisor = math.gcd(row, head_dim, page_elems, *fields[0::FIELDS], *fields[1::FIELDS], *fields[2::FIELDS])
+        width = len(table) // n
+        # field-major on the host (each field a contiguous row: the kernels index them by request)
+        host = torch.cat([torch.tensor(fields, dtype=torch.int64).view(n, FIELDS).t().flatten(),
+                          torch.tensor(table, dtype=torch.int64)])
         dev = host.to(self.device, non_blocking=True)
-        views = torch.split(dev, [7 * n, len(tok_req), len(tok_pos), dec.numel(), til.numel(), n * width])
-        req = views[0].view(7, n)
+        base, lstride, half, starts, q_len = dev[:FIELDS * n].view(FIELDS, n)
+        lens = starts + q_len
+        ends = torch.cumsum(q_len, 0)
+        q_rows = ends - q_len
+        arange = torch.arange(max(n, n_tokens, n_tiles), device=self.device)
+        tok_req = torch.repeat_interleave(arange[:n], q_len, output_size=n_tokens)
+        tok_pos = arange[:n_tokens] - q_rows[tok_req] + starts[tok_req]
+        dec_req = torch.argsort((q_len != 1).to(torch.int32), stable=True)[:n_decode]  # decoding requests first
+        tiles = torch.where(q_len > 1, (q_len + blocks[1] - 1) // blocks[1], 0)
+        tile_req = torch.repeat_interleave(arange[:n], tiles, output_size=n_tiles)
+        tile_m = (arange[:n_tiles] - (torch.cumsum(tiles, 0) - tiles)[tile_req]) * blocks[1]
         step = TritonStep(
             kernels=self.kernels, storage=storage, row=row, head_dim=head_dim, page=page, page_elems=page_elems,
-            table=views[5].view(n, width), table_stride=width, base=req[0], lstride=req[1], half=req[2],
-            lens=req[3], starts=req[4], q_lens=req[5], q_rows=req[6], tok_req=views[1], tok_pos=views[2],
-            n_tokens=len(tok_req), dec_req=views[3].view(2, -1)[0], dec_row=views[3].view(2, -1)[1],
-            n_decode=len(decode), tile_req=views[4].view(2, -1)[0], tile_m=views[4].view(2, -1)[1],
-            n_tiles=len(tiles), tuning=t, blocks=blocks, upcast=interpreting() and kv0.dtype == torch.bfloat16,
-            picked=frozenset(range(n)),
-        )
-        step.choose_splits(max((lens[i] for i in decode), default=0), kv_heads)
+            table=dev[FIELDS * n:].view(n, width), table_stride=width, base=base, lstride=lstride, half=half,
+            lens=lens, starts=starts, q_lens=q_len, q_rows=q_rows, tok_req=tok_req, tok_pos=tok_pos,
+            n_tokens=n_tokens, dec_req=dec_req, dec_row=q_rows[dec_req], n_decode=n_decode, tile_req=tile_req,
+            tile_m=tile_m, n_tiles=n_tiles, tuning=t, blocks=blocks,
+            upcast=interpreting() and kv0.dtype == torch.bfloat16, picked=frozenset(range(n)),
+            align=alignment(divisor, kv0.element_size()), rotary=rotary, last=ends - 1)
+        step.choose_splits(longest, kv_heads)
         return step
+
+    def static_decode(self, max_batch: int, storage: torch.Tensor, kv_heads: int, head_dim: int, *,
+                      page: int = 0, page_elems: int = 0, table_width: int = 1,
+                      rotary: torch.Tensor | None = None) -> StaticDecode:
+        """Decode steps of up to max_batch requests over buffers that never move (what a captured graph reads)."""
+        return StaticDecode(self, max_batch, storage, kv_heads, head_dim, page, page_elems, table_width, rotary)
 
 
 @dataclass(slots=True)
@@ -166,47 +218,65 @@ class TritonStep:
     blocks: tuple[int, int, int]  # decode key tile, prefill query tile, prefill key tile (`_tiles`)
     upcast: bool
     picked: frozenset[int]
+    align: int  # every row offset is a multiple of this many elements (the kernels' ALIGN hint)
+    rotary: torch.Tensor | None  # the model's rotary table (Rotary.table): attend() rotates q and k itself
+    last: torch.Tensor | None  # each request's last packed row (None: every row is one, a decode-only batch)
     rows: None = None
-    split_tokens: int = 0
+    split_min: int = 0
     n_splits: int = 1
-    partials: tuple[torch.Tensor, torch.Tensor] | None = None
+    longest: int = 0  # the longest decoding context (eager plans; what split_tokens reports)
 
     @property
     def kv_dtype(self) -> torch.dtype:
         return self.storage.dtype
 
+    @property
+    def rotates(self) -> bool:
+        return self.rotary is not None
+
+    @property
+    def split_tokens(self) -> int:
+        """The split length of the longest decoding request (shorter ones cut theirs shorter), as the kernel
+        computes it."""
+        tile = self.blocks[0]
+        return max(self.split_min, -(-(-(-self.longest // self.n_splits)) // tile) * tile)
+
     def choose_splits(self, longest: int, kv_heads: int) -> None:
         """Decode splits: enough programs to fill the device (a batch of 1 at 16K still does), never a split
-        shorter than one tile; every request uses the same split length, shorter ones leave splits empty."""
+        shorter than one tile or `Tuning.split_tokens`; each request cuts its own context into n_splits (the
+        kernel), so shorter ones get shorter splits, never more programs."""
         t = self.tuning
+        self.longest = longest
         if not self.n_decode:
             return
         tile = self.blocks[0]
         if t.split_tokens is not None:
-            size = max(t.split_tokens, 1)
+            self.split_min = max(t.split_tokens, 1)
+            wanted = -(-longest // self.split_min)
         else:
-            want = max(1, math.ceil(t.programs / (self.n_decode * kv_heads)))
-            size = max(tile, -(-longest // want))
-            size = -(-size // tile) * tile
-        self.n_splits = max(1, -(-longest // size))
-        if self.n_splits > t.max_splits:
-            self.n_splits = t.max_splits
-            size = -(-longest // t.max_splits)
-        self.split_tokens = size
+            self.split_min = tile
+            wanted = min(math.ceil(t.programs / (self.n_decode * kv_heads)), -(-longest // tile))
+        self.n_splits = max(1, min(wanted, t.max_splits))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, heads, dim], k/v [T, kv_heads, dim] of every packed token: writes k, v into each request's block
-        at its positions and returns the attention output [T, heads, dim] (q's dtype)."""
+        """q [T, heads, dim], k/v [T, kv_heads, dim] of every packed token (before their rotary embedding when the
+        step rotates): writes k, v into each request's block at its positions and returns the attention output
+        [T, heads, dim] in the cache's dtype."""
         kern, t = self.kernels, self.tuning
         heads, dim = q.shape[1], q.shape[2]
-        if q.stride(2) != 1 or q.stride(1) != dim:
-            q = q.contiguous()
-        k2, v2 = _rows2d(k), _rows2d(v)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        kv_dtype = self.storage.dtype
+        q2, k2, v2 = _rows2d(q), _rows2d(k), _rows2d(v)
+        if self.rotates:
+            q_att = torch.empty(q.shape, dtype=kv_dtype, device=q.device)
+        else:
+            q_att = _rows2d(q.to(kv_dtype)).view(q.shape)
+        out = torch.empty(q.shape, dtype=kv_dtype, device=q.device)
         addr = (self.base, self.lstride, self.half, self.table, self.table_stride, self.page_elems)
         kern.kv_write_kernel[(triton_cdiv(self.n_tokens, t.write_block_t),)](
-            self.storage, k2, v2, k2.stride(0), v2.stride(0), self.tok_req, self.tok_pos, self.n_tokens,
-            *addr, layer, ROW=self.row, BLOCK_T=t.write_block_t, BLOCK_R=_pow2(self.row), PAGE=self.page)
+            self.storage, q2, k2, v2, q_att, q2.stride(0), k2.stride(0), v2.stride(0), q_att.stride(0),
+            self.rotary if self.rotates else self.lens, self.tok_req, self.tok_pos, self.n_tokens, *addr, layer,
+            HEADS=heads, D=dim, HALF_B=_pow2(max(1, dim // 2)), ROW=self.row, BLOCK_T=t.write_block_t,
+            BLOCK_R=_pow2(self.row), PAGE=self.page, ALIGN=self.align, ROTARY=self.rotates)
         group = heads // (self.row // dim)
         scale = dim ** -0.5 * LOG2E
         block_d = _pow2(dim)
@@ -219,52 +289,145 @@ class TritonStep:
             else:
                 acc = lse = out  # unused
             kern.decode_kernel[(self.n_decode, self.row // dim, self.n_splits)](
-                self.storage, q, out, acc, lse, q.stride(0), out.stride(0), self.dec_req, self.dec_row, self.lens,
-                self.base, self.lstride, self.half, self.table, self.table_stride, self.page_elems, layer, scale,
-                self.split_tokens, self.n_splits, HEADS=heads, GROUP=group, D=dim, ROW=self.row,
-                BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, PAGE=self.page,
-                SPLIT=split, UPCAST=self.upcast)
+                self.storage, q_att, out, acc, lse, q_att.stride(0), out.stride(0), self.dec_req, self.dec_row,
+                self.lens, *addr[:5], self.page_elems, layer, scale, self.split_min, self.n_splits, HEADS=heads,
+                GROUP=group, D=dim, ROW=self.row, BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+                PAGE=self.page, SPLIT=split, UPCAST=self.upcast, ALIGN=self.align)
             if split:
                 kern.reduce_kernel[(self.n_decode, heads)](
                     out, acc, lse, self.dec_row, out.stride(0), self.n_splits, HEADS=heads, D=dim, BLOCK_D=block_d)
         if self.n_tiles:
             kern.prefill_kernel[(self.n_tiles, heads)](
-                self.storage, q, out, q.stride(0), out.stride(0), self.tile_req, self.tile_m, self.q_rows,
-                self.q_lens, self.starts, self.base, self.lstride, self.half, self.table, self.table_stride,
-                self.page_elems, layer, scale, GROUP=group, D=dim, ROW=self.row, BLOCK_M=block_m,
-                BLOCK_N=block_pn, BLOCK_D=block_d, PAGE=self.page, UPCAST=self.upcast)
+                self.storage, q_att, out, q_att.stride(0), out.stride(0), self.tile_req, self.tile_m, self.q_rows,
+                self.q_lens, self.starts, *addr[:5], self.page_elems, layer, scale, GROUP=group, D=dim,
+                ROW=self.row, BLOCK_M=block_m, BLOCK_N=block_pn, BLOCK_D=block_d, PAGE=self.page,
+                UPCAST=self.upcast, ALIGN=self.align)
         return out
 
 
-def _block_addresses(slots: Sequence, lens: list[int], storage: torch.Tensor, kv_heads: int, head_dim: int):
-    """Contiguous blocks: each one's element offset in `storage` and its per-layer and K-to-V strides."""
+class StaticDecode:
+    """Decode steps of 1..max_batch requests over device buffers allocated once: `fill` writes a step's requests
+    into them (one copy from the host), `step(bucket)` is the plan of a batch padded to `bucket` requests, made once
+    per bucket and valid for every later fill. Padding requests have no context (position -1: the write kernel
+    skips them, attention returns zeros for them), so a captured bucket serves any batch up to its size.
+
+    Buffers, int64 [FIELDS, max_batch]: each request's base, layer stride, K-to-V stride, position of the token fed
+    (also its K/V row), context length after the step; the page table [max_batch, table_width] (paged only); the
+    token ids fed [max_batch]."""
+
+    def __init__(self, attention: TritonAttention, max_batch: int, storage: torch.Tensor, kv_heads: int,
+                 head_dim: int, page: int, page_elems: int, table_width: int, rotary: torch.Tensor | None) -> None:
+        if max_batch < 1:
+            raise BackendError("a static decode batch needs room for at least one request")
+        self.attention, self.max_batch, self.storage = attention, max_batch, storage
+        self.kv_heads, self.head_dim, self.row = kv_heads, head_dim, kv_heads * head_dim
+        self.page, self.page_elems, self.table_width, self.rotary = page, page_elems, max(1, table_width), rotary
+        device = attention.device
+        b, width = max_batch, self.table_width if page else 0
+        # one flat buffer on each side, one copy a step: fields [FIELDS, b], token ids [b], page table [b, width]
+        size = (FIELDS + 1) * b + b * width
+        pin = device.type == "cuda"
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self._dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.fields = self._dev[:FIELDS * b].view(FIELDS, b)
+        self.token_ids = self._dev[FIELDS * b:(FIELDS + 1) * b]
+        self.table = self._dev[(FIELDS + 1) * b:].view(b, width) if page else self._dev[:b].view(b, 1)
+        self.rows = torch.arange(b, device=device)  # request i is packed row i, decoding
+        self.ones = torch.ones(b, dtype=torch.int64, device=device)
+        self._steps: dict[int, TritonStep] = {}
+        # every row offset is a multiple of the layout's strides; each fill checks its blocks' offsets too
+        self.divisor = math.gcd(self.row, head_dim, page_elems)
+        self.align = alignment(self.divisor, storage.element_size())
+
+    def fill(self, token_ids: Sequence[int], addresses: Sequence[tuple[int, int, int]], positions: Sequence[int],
+             pages: Sequence[Sequence[int]] | None = None) -> int:
+        """Write a step's requests (token fed, block address (base, layer stride, K-to-V stride) in elements of the
+        storage, position of the token) into the buffers, one copy to the device; returns the batch size. Rows past
+        it become padding (none given: all of them, what a capture records)."""
+        n, b = len(token_ids), self.max_batch
+        if not 0 <= n <= b or len(addresses) != n or len(positions) != n:
+            raise BackendError(f"a static decode step takes up to {b} requests with one address and position each, "
+                               f"got {n}")
+        cols = torch.tensor([(*a, p, p + 1, tok) for a, p, tok in zip(addresses, positions, token_ids)],
+                            dtype=torch.int64).view(n, FIELDS + 1)
+        if math.gcd(self.divisor, *cols[:, :3].flatten().tolist()) % self.align:
+            raise BackendError("a block is not aligned as the captured kernels assume")
+        host = self._host
+        fields = host[:FIELDS * b].view(FIELDS, b)
+        fields.zero_()
+        fields[3].fill_(-1)  # padding: no token to write, no context
+        fields[:, :n] = cols[:, :FIELDS].t()
+        host[FIELDS * b:FIELDS * b + n] = cols[:, FIELDS]
+        if self.page:
+            if pages is None or len(pages) != n:
+                raise BackendError("a paged static decode step needs every request's pages")
+            table = host[(FIELDS + 1) * b:].view(b, self.table_width)
+            table.zero_()
+            for i, ids in enumerate(pages):
+                if len(ids) > self.table_width:
+                    raise BackendError(f"{len(ids)} pages do not fit a {self.table_width}-page table")
+                table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        self._dev.copy_(host, non_blocking=True)
+        return n
+
+    def step(self, bucket: int) -> TritonStep:
+        """The plan of a decode step of `bucket` rows (the first `bucket` of the buffers)."""
+        step = self._steps.get(bucket)
+        if step is not None:
+            return step
+        if not 0 < bucket <= self.max_batch:
+            raise BackendError(f"bucket {bucket} outside 1..{self.max_batch}")
+        att, f, rows = self.attention, self.fields, self.rows[:bucket]
+        t = att.tuning
+        blocks = _tiles(t, self.storage.element_size())
+        step = TritonStep(
+            kernels=att.kernels, storage=self.storage, row=self.row, head_dim=self.head_dim, page=self.page,
+            page_elems=self.page_elems, table=self.table[:bucket], table_stride=self.table_width,
+            base=f[0, :bucket], lstride=f[1, :bucket], half=f[2, :bucket], lens=f[4, :bucket], starts=f[3, :bucket],
+            q_lens=self.ones[:bucket], q_rows=rows, tok_req=rows,
+            tok_pos=f[3, :bucket], n_tokens=bucket, dec_req=rows, dec_row=rows, n_decode=bucket, tile_req=rows[:0],
+            tile_m=rows[:0], n_tiles=0, tuning=t, blocks=blocks,
+            upcast=interpreting() and self.storage.dtype == torch.bfloat16, picked=frozenset(range(bucket)),
+            align=self.align, rotary=self.rotary, last=None)
+        # the splits are fixed per bucket (a graph replays its launches): enough programs to fill the device at
+        # this batch; each request cuts its own context into them
+        step.split_min = blocks[0]
+        step.n_splits = max(1, min(t.max_splits, math.ceil(t.programs / (bucket * self.kv_heads))))
+        self._steps[bucket] = step
+        return step
+
+
+def _block_fields(slots: Sequence, storage: torch.Tensor, kv_heads: int, head_dim: int):
+    """Contiguous blocks: per request its element offset in `storage`, its per-layer and K-to-V strides, tokens
+    cached and fed (flat, FIELDS per request); a one-column dummy table."""
     kv0, elem = slots[0].kv, storage.element_size()
-    base, lstride, half = [], [], []
-    for s, need in zip(slots, lens):
+    fields: list[int] = []
+    for s in slots:
         kv = s.kv
         if kv.dtype != kv0.dtype or tuple(kv.shape[-2:]) != (kv_heads, head_dim) or not _rows_contiguous(kv):
             raise BackendError("blocks of one step must share dtype and head shape, rows contiguous")
-        if need > kv.shape[2]:
-            raise BackendError(f"a block of {kv.shape[2]} tokens cannot hold {need} tokens")
+        if s.start + s.q_len > kv.shape[2]:
+            raise BackendError(f"a block of {kv.shape[2]} tokens cannot hold {s.start + s.q_len} tokens")
         offset = kv.data_ptr() - storage.data_ptr()  # blocks of other segments: relative to the first
         if offset % elem:
             raise BackendError("a block is not aligned to its elements")
-        base.append(offset // elem)
-        lstride.append(kv.stride(0))
-        half.append(kv.stride(1))
-    return base, lstride, half, [[0]] * len(slots), 0, 0
+        fields += (offset // elem, kv.stride(0), kv.stride(1), s.start, s.q_len)
+    return fields, [0] * len(slots), 0, 0
 
 
-def _paged_addresses(slots: Sequence, lens: list[int], layers: int, row: int):
-    """Pages (blocks of PAGE tokens): every request's page table, padded to the longest, and the page's strides."""
+def _paged_fields(slots: Sequence, layers: int, row: int):
+    """Pages (blocks of PAGE tokens): the page's strides for every request, and every request's page table padded
+    to the longest."""
     page = slots[0].kv.shape[-3]
     width = max(max(len(s.pages) for s in slots), 1)
-    for s, need in zip(slots, lens):
-        if len(s.pages) * page < need:
-            raise BackendError(f"{len(s.pages)} pages of {page} tokens cannot hold {need} tokens")
-    n = len(slots)
-    table = [list(s.pages) + [0] * (width - len(s.pages)) for s in slots]
-    return [0] * n, [2 * page * row] * n, [page * row] * n, table, page, page * layers * 2 * row
+    fields: list[int] = []
+    table: list[int] = []
+    for s in slots:
+        if len(s.pages) * page < s.start + s.q_len:
+            raise BackendError(f"{len(s.pages)} pages of {page} tokens cannot hold {s.start + s.q_len} tokens")
+        fields += (0, 2 * page * row, page * row, s.start, s.q_len)
+        table += list(s.pages) + [0] * (width - len(s.pages))
+    return fields, table, page, page * layers * 2 * row
 
 
 def _tiles(t: Tuning, element_size: int) -> tuple[int, int, int]:
@@ -280,7 +443,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
-    """[T, kv_heads, dim] with each token's heads packed → [T, kv_heads * dim] (a view when it can be)."""
+    """[T, heads, dim] with each token's heads packed → [T, heads * dim] (a view when it can be)."""
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))

@@ -167,6 +167,20 @@ def test_head_dim_128_and_the_automatic_split(paged, dtype):
     assert torch.equal(arena_after, expected)
 
 
+@pytest.mark.parametrize("paged,dtype", [(False, torch.float32), (False, torch.bfloat16), (True, torch.bfloat16)],
+                         ids=["contiguous-fp32", "contiguous-bf16", "paged-bf16"])
+def test_long_contexts_and_prefills_of_several_tiles_in_one_ragged_step(paged, dtype):
+    """Decodes at 4K and 16K contexts, split as the device's program count has it (no split length forced), beside
+    a short decode, a 150-token prompt (3 to 5 query tiles) and a 70-token chunk after 100 cached tokens."""
+    shapes = [(4095, 1), (16383, 1), (5, 1), (0, 150), (100, 70)]
+    case = _step(shapes, kv_heads=2, group=3, dim=64, dtype=dtype, paged=paged)
+    ref, expected = _reference(*case)
+    out, arena_after, step = _run(*case[:5])
+    assert step.n_splits > 1 and step.n_tiles >= 3 + 2  # natural splits; the prompt and the chunk tiled
+    _check(out, ref, dtype)
+    assert torch.equal(arena_after, expected)
+
+
 def test_one_request_at_a_long_context_fills_the_device_with_splits():
     """A batch of 1: the split count follows the program target, capped, and every split's share is combined."""
     case = _step([(299, 1)], kv_heads=1, group=2, dim=64, dtype=torch.float32, paged=False)
