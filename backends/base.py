@@ -145,6 +145,15 @@ class Arena:
         """The migration copy (`copy_kv`)."""
         copy_kv(self.view, src, dst, n_tokens)
 
+    def kv_address(self, block: Block) -> tuple[int, int, int]:
+        """Where `view(block)` lies, in elements of `storage`: its first element, the elements between its layers
+        and from a layer's K to its V (what kernels indexing the storage need; arithmetic, no view made)."""
+        lay = self.layout
+        if block.offset < 0 or block.end > self.total_tokens:
+            raise BackendError(f"block {block} lies outside the arena of {self.total_tokens} tokens")
+        row = lay.kv_heads * lay.head_dim
+        return block.offset * lay.elements_per_token, 2 * block.capacity * row, block.capacity * row
+
     def release(self) -> None:
         """Drop the storage (the arena can no longer view anything); the backend decides where bytes go."""
         self.storage = self.storage.new_empty(0)
@@ -229,6 +238,18 @@ class Backend(ABC):
 
     def virtual_memory(self) -> VirtualMemory | None:
         """Reserve address space and map memory behind it granule by granule (None: this backend cannot)."""
+        return None
+
+    def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any] | None:
+        """Record `fn` (device work on buffers that never move) once and return a replay that reruns its launches
+        without the host issuing them again, returning what `fn` returned (overwritten by the next replay). None
+        where the backend has no graphs. `fn` runs (twice, to compile and warm whatever it launches) before it is
+        recorded, so it must be idempotent."""
+        return None
+
+    def timing_events(self) -> tuple[Any, Any] | None:
+        """Two events that can time device work between them (`start.elapsed_time(end)`, milliseconds, after
+        `end.synchronize()`); None where work is synchronous and the host's clock tells."""
         return None
 
     # -- arenas and segments -------------------------------------------------------------------------

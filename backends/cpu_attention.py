@@ -40,6 +40,9 @@ class DecodeBatch:
     lens: torch.Tensor  # int64 [B]: context length including this step's token
     shares: list[tuple[int, int]]  # [lo, hi) ranges of the B requests, one per worker thread
 
+    rotates = False  # the model rotates q and k before the kernel sees them
+    kv_dtype = torch.float32  # the kernel reads fp32 blocks only
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.kernel(self, layer, q, k, v)
 

@@ -25,6 +25,7 @@ class TorchDeviceBackend(Backend):
         self._mod = module
         self._device = torch.device(kind, index)
         self._vmm = self._open_vmm(kind, index)
+        self._graph_pool: Any = None
         self.capabilities = Capabilities(
             supports_vmm=self._vmm is not None,
             supports_streams=True,
@@ -47,6 +48,34 @@ class TorchDeviceBackend(Backend):
 
     def virtual_memory(self) -> Any:
         return self._vmm
+
+    def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any] | None:
+        """CUDA graphs (torch.cuda.CUDAGraph), all captures sharing one memory pool as vLLM's do; None elsewhere
+        (torch_mlu's graph API is not written against). Capture runs on a side stream, as torch requires."""
+        if self.name != "cuda":
+            return None
+        mod = self._mod
+        if self._graph_pool is None:
+            self._graph_pool = mod.graph_pool_handle()
+        side = mod.Stream(device=self._device)
+        side.wait_stream(mod.current_stream(self._device))
+        with mod.stream(side):
+            fn()
+            fn()
+        mod.current_stream(self._device).wait_stream(side)
+        graph = mod.CUDAGraph()
+        with mod.graph(graph, pool=self._graph_pool):
+            out = fn()
+
+        def replay() -> Any:
+            graph.replay()
+            return out
+
+        replay.graph = graph  # kept alive with the replay
+        return replay
+
+    def timing_events(self) -> tuple[Any, Any] | None:
+        return self._mod.Event(enable_timing=True), self._mod.Event(enable_timing=True)
 
     def synchronize(self) -> None:
         self._mod.synchronize(self._device)

@@ -1,9 +1,11 @@
-"""scripts/gpu_check.sh's CPU dry run (tiny shapes, Triton's interpreter): every part of `odma-bench gpu` runs and
-reports what a GPU run would, so the one command a lent GPU gets cannot rot unnoticed. Timings here mean nothing."""
+"""scripts/gpu_check.sh's CPU dry run (tiny shapes, Triton's interpreter): the tests stage and every part of
+`odma-bench gpu` run and report what a GPU run would, so the one command a lent GPU gets cannot rot unnoticed; and a
+failure in one policy, or a part's time cap, loses nothing else. Timings here mean nothing."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -14,23 +16,99 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_gpu_check_dry_run_covers_every_part(tmp_path):
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", str(out)],
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def test_the_dry_run_covers_every_part(dry_run):
+    result = dry_run
     assert result["tiny"] and result["interpreted"]
-    rows = result["kernels"]["rows"]
-    assert {(r["context"], r["batch"]) for r in rows} == {(64, 1), (64, 4), (256, 1), (256, 4)}
-    for r in rows:
-        assert r["max_abs_diff"] == 0.0  # pages hold the same K/V as the blocks: the same numbers come out
+    summary = result["tests"]["summary"]
+    assert re.match(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary, summary
+    kernels = result["kernels"]
+    rows = [r["result"] for r in kernels["rows"]]
+    assert [(r["context"], r["batch"]) for r in kernels["rows"]] == [(64, 1), (64, 4), (256, 1), (256, 4)]
+    for r in rows:  # both readers compute SDPA's attention over the same K/V (fp32 here)
+        assert r["contiguous_error_vs_sdpa"] < 1e-4 and r["paged_error_vs_sdpa"] < 1e-4, r
         assert r["contiguous_us"] > 0 and r["paged_us"] > 0
     assert any(r["splits"] > 1 for r in rows)
-    assert "skipped" in result["vmm"]  # virtual memory needs CUDA
+    vmm = result["vmm"]["rows"]  # the host's virtual memory stands in for CUDA's
+    assert [r["block_bytes"] for r in vmm] == [1 << 20, 4 << 20]
+    assert all(r["result"]["map_step_ms"] > 0 and r["result"]["copy_block_ms"] > 0 for r in vmm)
+    modes = result["step"]["modes"]
+    assert modes["capture"]["graph_steps"] == modes["capture"]["steps_timed"] > 0  # every timed step a static batch
+    assert modes["off"]["graph_steps"] == 0 and modes["off"]["graphs"] is None
     engine = result["engine"]
     assert set(engine["policies"]) == {"static", "odma", "paged", "odma-map"}
     assert engine["policies"]["odma-map"]["growth"] == "map"  # the host's virtual memory on CPU
     for policy, r in engine["policies"].items():
-        assert r["errors"] == 0 and r["short"] == 0, policy
-        assert r["output_tokens"] == engine["forced_output_tokens"], policy
-    assert engine["odma_vs_static"] > 0 and engine["odma_vs_paged"] > 0
+        assert r["errors"] == 0 and r["short"] == 0 and not r["cut_at_cap"], policy
+        assert r["output_tokens"] == engine["forced_output_tokens"] and r["completed"] == r["requests"], policy
+        assert r["steps_timed"] == r["steps"] and r["host_ms_p50"] > 0, policy
+    static, odma = engine["policies"]["static"], engine["policies"]["odma"]
+    assert static["peak_running"] <= static["worst_case_fit"]  # static holds every request's worst case
+    assert odma["peak_running"] >= static["peak_running"]
+
+
+def _args(tmp_path, **overrides):
+    import argparse
+
+    from odma.bench import gpu_bench
+
+    parser = argparse.ArgumentParser()
+    gpu_bench.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--tiny", "--rounds", "1", "--out", str(tmp_path / "r.json")])
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_a_failing_policy_leaves_the_others_numbers(tmp_path, monkeypatch):
+    from odma.bench import gpu_bench
+    from odma.engine import llm_engine
+
+    real = llm_engine.LLMEngine.__init__
+
+    def broken_paged(self, config, *a, **kw):
+        if config.policy == "paged":
+            raise RuntimeError("injected: the paged pool failed to start")
+        real(self, config, *a, **kw)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", broken_paged)
+    gpu_bench.run(_args(tmp_path, parts="engine", policies="static,paged,odma"))
+    saved = json.loads((tmp_path / "r.json").read_text())["engine"]["policies"]
+    assert saved["paged"] == {"error": "RuntimeError: injected: the paged pool failed to start"}
+    assert saved["static"]["output_tokens"] > 0 and saved["odma"]["output_tokens"] > 0
+
+
+def test_a_part_at_its_cap_says_what_it_skipped_and_the_next_part_runs(tmp_path):
+    from odma.bench import gpu_bench
+
+    result = gpu_bench.run(_args(tmp_path, parts="kernels,vmm", caps="kernels=0"))
+    assert result["kernels"]["rows"] == [] and len(result["kernels"]["skipped"]) == 4
+    assert len(result["vmm"]["rows"]) == 2
+    assert json.loads((tmp_path / "r.json").read_text())["vmm"] == result["vmm"]
+
+
+def test_a_part_that_fails_midway_keeps_its_measured_rows(tmp_path, monkeypatch):
+    from odma.bench import gpu_bench
+
+    real = gpu_bench._kernel_row
+    calls = []
+
+    def second_row_breaks_the_part(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("injected")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gpu_bench, "_kernel_row", second_row_breaks_the_part)
+    result = gpu_bench.run(_args(tmp_path, parts="kernels", contexts="64", batches="1,2,4"))
+    rows = result["kernels"]["rows"]
+    assert "contiguous_us" in rows[0]["result"] and rows[1]["result"] == {"error": "MemoryError: injected"}
+    assert "contiguous_us" in rows[2]["result"]

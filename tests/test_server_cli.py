@@ -22,6 +22,7 @@ FLAGS = {
     "policy": (["--policy", "s3"], "s3"),
     "attention": (["--attention", "sdpa"], "sdpa"),
     "kv_growth": (["--kv-growth", "map"], "map"),
+    "decode_graphs": (["--decode-graphs", "static"], "static"),
     "kv_budget": (["--kv-budget", "64MiB"], "64MiB"),
     "max_num_seqs": (["--max-num-seqs", "7"], 7),
     "schedule": (["--schedule", "sjf"], "sjf"),

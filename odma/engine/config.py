@@ -22,6 +22,7 @@ from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
 # contiguous pool is measured against: same model, kernels and scheduler; Triton attention only)
 POLICIES = (*POLICY_KINDS, "paged")
 KV_GROWTH = ("copy", "map", "auto")
+DECODE_GRAPHS = ("auto", "capture", "static", "off")
 PAGE_TOKENS = 16
 
 # what the realized-length log keeps of each prompt: the text, its SHA-256, or nothing
@@ -68,6 +69,10 @@ class EngineConfig:
     # of a 7B model's layer beyond what a block uses). Measured on a 2-core Xeon serving SmolLM2: map served NQ bursts
     # at 1.07-1.26x copy's throughput where memory binds (64 MiB), 1.10x at 160 MiB, even at 1 GiB (docs/BENCHMARKS.md)
     kv_growth: str = "auto"
+    # decode steps (every request feeding one token) through the Triton attention as batches captured once per batch
+    # size and replayed (odma/engine/decode_graphs.py): "auto" (CUDA graphs on CUDA, off elsewhere), "capture",
+    # "static" (the same fixed batches run eagerly: what a failed capture falls back to), "off"
+    decode_graphs: str = "auto"
     # bytes ("268435456", "256MiB", "2GB") or a share of device memory ("0.3", "30%"). 1 GiB: about what
     # transformers' batch of 48 holds for the same chat workload; on CPU a larger batch now pays (decode
     # attention is a kernel, the GEMMs get more efficient with rows), 256 MiB left the batch at ~18.
@@ -153,6 +158,8 @@ class EngineConfig:
             raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.policy == "paged" and self.attention == "sdpa":
             raise ConfigError("policy 'paged' reads KV through page tables, which only the Triton attention does")
+        if self.decode_graphs not in DECODE_GRAPHS:
+            raise ConfigError(f"decode_graphs must be one of {DECODE_GRAPHS}, got {self.decode_graphs!r}")
         if self.kv_growth not in KV_GROWTH:
             raise ConfigError(f"kv_growth must be one of {KV_GROWTH}, got {self.kv_growth!r}")
         if self.kv_growth == "map" and (self.balloon or self.policy == "paged"):

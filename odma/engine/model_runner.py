@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from backends import Arena, Backend, BackendError, KVLayout, Span
 from backends.triton_attention import TritonAttention
+from odma.engine.decode_graphs import DecodeGraphs
 from odma.engine.logprobs import SampledLogprobs, prompt_logprobs
 from odma.engine.scheduler import Work
 from odma.engine.sampling import Sampler
@@ -13,12 +17,28 @@ from odma.models.cpu_linear import pack_linears
 from odma.models.llama import CausalLM, HiddenCapture, SeqSlot
 
 
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """One model step: host_ms from the call until every launch is issued (the sampler then waits for the device),
+    device_ms the device's time between the step's first and last launch (None where the device is the host),
+    whether a captured decode batch ran it, and its batch size. A step whose host_ms reaches its device_ms is
+    host-bound: the device waits for the launches."""
+
+    host_ms: float
+    device_ms: float | None
+    graph: bool
+    batch: int
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: Backend, total_tokens: int, kv_dtype: torch.dtype | None = None,
-                 attention: str = "auto", page_tokens: int | None = None, arena: Arena | None = None) -> None:
+                 attention: str = "auto", page_tokens: int | None = None, arena: Arena | None = None,
+                 max_positions: int | None = None, decode_graphs: str = "off", max_batch: int = 128) -> None:
         """attention: auto | triton | sdpa (Backend.attention). page_tokens: the arena holds pages of this many
         tokens that requests address through page tables (the paged baseline; Triton attention only). arena: one
-        made by the caller (a virtual arena for growth by mapping); by default one of total_tokens."""
+        made by the caller (a virtual arena for growth by mapping); by default one of total_tokens. max_positions:
+        the longest sequence (the rotary table the Triton kernels read is made for it once). decode_graphs: auto |
+        capture | static | off (odma/engine/decode_graphs.py); max_batch: the largest decode batch captured."""
         c = model.config
         if backend.name == "cpu":
             pack_linears(model, backend.linear_kernel())  # weights packed once for the GEMM (cpu_linear.py)
@@ -37,6 +57,18 @@ class ModelRunner:
         # one [len(work), hidden] row per work item (its last fed position); empty: nothing captured, no cost
         self.capture_layers: tuple[int, ...] = ()
         self.captured: dict[int, torch.Tensor] = {}
+        self.graphs: DecodeGraphs | None = None
+        if isinstance(self.attention, TritonAttention):
+            positions = max_positions or c.max_position_embeddings
+            model.rotary.table(positions)  # made once, before any graph records its address
+            mode = _graph_mode(decode_graphs, backend)
+            if mode != "off" and hasattr(self.arena, "kv_address"):  # not over ballooned segments
+                self.graphs = DecodeGraphs(model, backend, self.attention, self.arena, max_batch, positions, mode,
+                                           page_tokens)
+                if mode == "capture":
+                    self.graphs.capture_all()
+        self.time_steps = False  # record `last_step` (device events on accelerators)
+        self.last_step: StepTime | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -46,6 +78,32 @@ class ModelRunner:
     def run(self, work: list[Work]) -> list[int | None]:
         """Feed each item's tokens [start, start+q_len) and return its next token (None: chunk of a longer
         prefill, nothing to sample yet)."""
+        started = time.perf_counter()
+        events = self.backend.timing_events() if self.time_steps else None
+        if events is not None:
+            events[0].record()
+        graph = self.graphs is not None and not self.capture_layers and self.graphs.eligible(work)
+        if graph:
+            logits = self.graphs.run(work)
+            self.captured = {}
+        else:
+            logits = self._forward(work)
+        if events is not None:
+            events[1].record()
+        host_ms = (time.perf_counter() - started) * 1e3
+        for w in work:
+            w.seq.num_cached = w.start + w.q_len
+        tokens = self._sample(work, logits)
+        if self.time_steps:
+            device_ms = None
+            if events is not None:
+                events[1].synchronize()
+                device_ms = events[0].elapsed_time(events[1])
+            self.last_step = StepTime(host_ms, device_ms, graph, len(work))
+        return [t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(tokens, work)]
+
+    def _forward(self, work: list[Work]) -> torch.Tensor:
+        """The eager step: every request's block (or pages) planned for this step, the model's forward."""
         device = self.backend.device
         ids: list[int] = []
         positions: list[int] = []
@@ -68,10 +126,7 @@ class ModelRunner:
                 capture=capture,
             )
         self.captured = {k: v.cpu() for k, v in capture.last.items()} if capture is not None else {}
-        for w in work:
-            w.seq.num_cached = w.start + w.q_len
-        tokens = self._sample(work, logits)
-        return [t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(tokens, work)]
+        return logits
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
         """One token per row. Plain greedy rows take the argmax where the logits are (on an accelerator only the
@@ -125,3 +180,10 @@ class ModelRunner:
         if w.seq.num_generated >= p.min_tokens:
             return ()
         return self.eos_ids + p.stop_token_ids
+
+
+def _graph_mode(mode: str, backend: Backend) -> str:
+    """auto: captured graphs on CUDA (where the Triton kernels run compiled), nothing elsewhere."""
+    if mode == "auto":
+        return "capture" if backend.device.type == "cuda" else "off"
+    return mode

@@ -64,11 +64,24 @@ class Rotary(nn.Module):
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._table: torch.Tensor | None = None
+        self._table_of: torch.Tensor | None = None  # the inv_freq the table was made from
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def table(self, positions: int) -> torch.Tensor:
+        """[n >= positions, head_dim] float32: at each position the cos of every frequency, then the sin, as
+        cos_sin computes them (for kernels that rotate q and k themselves). Made once and grown by doubling: size it
+        for the longest sequence at start, so that its address never changes under a captured graph."""
+        table = self._table
+        if table is None or self._table_of is not self.inv_freq or table.shape[0] < positions:
+            n = max(positions, 2 * table.shape[0] if table is not None else 1)
+            freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+            self._table, self._table_of = torch.cat((freqs.cos(), freqs.sin()), dim=-1), self.inv_freq
+        return self._table
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,26 +100,27 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)  # q, k, v in one GEMM
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[SeqSlot],
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, seqs: list[SeqSlot],
                 decode: DecodeBatch | TritonStep | None = None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
-        k = _rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
+        if decode is not None and decode.rows is None:  # the step's kernel takes every request in one call
+            if not decode.rotates:  # (the Triton kernels rotate q and k themselves, casting to the cache's dtype)
+                kv_dtype = decode.kv_dtype
+                q, k, v = _rotate(q, cos, sin).to(kv_dtype), _rotate(k, cos, sin).to(kv_dtype), v.to(kv_dtype)
+            return self.o_proj(decode.attend(self.layer, q, k, v).view(t, -1).to(x.dtype))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # The KV cache may be wider than the weights (bf16 weights, fp32 KV on CPUs whose bf16 attention is
         # slow): attention runs in the cache's dtype, the projections in the weights'. Same dtype: no-ops.
         kv_dtype = seqs[0].kv.dtype
         q = q.to(kv_dtype)
+        out = torch.empty_like(q)
         if decode is not None:  # the backend's kernel takes its requests of the step in one call per layer
-            k, v = k.to(kv_dtype), v.to(kv_dtype)
-            if decode.rows is None:
-                return self.o_proj(decode.attend(self.layer, q, k, v).view(t, -1).to(x.dtype))
-            out = torch.empty_like(q)
             r = decode.rows
-            out[r] = decode.attend(self.layer, q[r], k[r], v[r])
-        else:
-            out = torch.empty_like(q)
+            out[r] = decode.attend(self.layer, q[r], k[r].to(kv_dtype), v[r].to(kv_dtype))
         pos = 0
         for i, s in enumerate(seqs):
             if decode is not None and i in decode.picked:
@@ -197,15 +211,28 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSlot],
                 attention: DecodeAttention | TritonAttention | None = None,
-                capture: HiddenCapture | None = None) -> torch.Tensor:
+                capture: HiddenCapture | None = None, step: TritonStep | None = None) -> torch.Tensor:
         """input_ids, positions: [T] for all requests' new tokens, in `seqs` order. Returns [len(seqs), vocab].
         attention: the backend's kernel, planned once for the step (the CPU's takes the decoding requests, the
-        Triton one every request); None: SDPA for every request. capture: hidden states to hand back (see
+        Triton one every request, rotating q and k itself); None: SDPA for every request. step: a plan made
+        beforehand (a captured decode batch: `seqs` is then unused). capture: hidden states to hand back (see
         HiddenCapture)."""
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        if step is not None:
+            decode = step
+        elif attention is None:
+            decode = None
+        elif getattr(attention, "fuses_rotary", False):
+            decode = attention.plan_step(seqs, rotary=self.rotary.table(max(s.start + s.q_len for s in seqs)))
+        else:
+            decode = attention.plan_step(seqs)
+        if decode is not None and decode.rows is None and decode.rotates:
+            cos = sin = None  # the kernels rotate
+        else:
+            cos, sin = self.rotary.cos_sin(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)
-        decode = attention.plan_step(seqs) if attention is not None else None
-        last = torch.tensor([s.q_len for s in seqs], device=x.device).cumsum(0) - 1
+        last = getattr(decode, "last", False) if decode is not None else False
+        if last is False:
+            last = torch.tensor([s.q_len for s in seqs], device=x.device).cumsum(0) - 1
         if capture is None:
             for layer in self.model.layers:
                 x = layer(x, cos, sin, seqs, decode)
@@ -214,12 +241,12 @@ class CausalLM(nn.Module):
             if not wanted <= set(range(len(self.model.layers) + 1)):
                 raise ConfigError(f"capture layers {sorted(wanted)} outside 0..{len(self.model.layers)}")
             if 0 in wanted:
-                capture.last[0] = x[last].float()
+                capture.last[0] = (x if last is None else x[last]).float()
             for i, layer in enumerate(self.model.layers, 1):
                 x = layer(x, cos, sin, seqs, decode)
                 if i in wanted:
-                    capture.last[i] = x[last].float()
-        return self.lm_head(self.model.norm(x[last])).float()
+                    capture.last[i] = (x if last is None else x[last]).float()
+        return self.lm_head(self.model.norm(x if last is None else x[last])).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> None:
         """Load a transformers-named state dict; ties lm_head to the embeddings when the config says so."""

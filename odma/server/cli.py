@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_dir
-from odma.engine.config import ATTENTION_KINDS, KV_GROWTH, LOG_PROMPT_MODES, POLICIES, EngineConfig
+from odma.engine.config import ATTENTION_KINDS, DECODE_GRAPHS, KV_GROWTH, LOG_PROMPT_MODES, POLICIES, EngineConfig
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
 from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_KINDS,
                    help="attention kernel: auto (CPU: the C decode kernel; GPU/MLU: Triton over the KV arena), "
                         "triton, or sdpa (torch per request)")
+    p.add_argument("--decode-graphs", default=d.decode_graphs, choices=DECODE_GRAPHS,
+                   help="decode steps through the Triton kernels as batches captured once and replayed: auto (CUDA "
+                        "graphs on CUDA, off elsewhere), capture, static (the same batches run eagerly), off")
     p.add_argument("--kv-budget", default=d.kv_budget, help="KV pool: bytes (268435456, 256MiB, 2GB) or a share of device memory (0.3, 30%%)")
     p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
     p.add_argument("--kv-growth", default=d.kv_growth, choices=KV_GROWTH,
@@ -173,6 +176,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     dtype = args.dtype or WEIGHT_DTYPES.get(weights) or ("float32" if device.startswith("cpu") else "bfloat16")
     return EngineConfig(
         model=args.model, device=device, devices=devices, dtype=dtype, weights=weights, kv_dtype=args.kv_dtype, policy=args.policy, attention=args.attention, kv_growth=args.kv_growth,
+        decode_graphs=args.decode_graphs,
         kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, schedule=args.schedule, sjf_aging_rounds=args.sjf_aging_rounds,
         max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
