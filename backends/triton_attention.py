@@ -122,6 +122,24 @@ class TritonAttention:
         self.kernels = triton_kernels
         self.device = device
         self.tuning = tuning or Tuning(programs=device_programs(device))
+        self._staging: torch.Tensor | None = None  # page-locked, so that the plan's copy waits for nothing
+        self._staged: object | None = None  # an event after the last copy out of it
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """One copy of the step's integers to the device. From pageable memory CUDA would first wait for the
+        stream; from the page-locked staging buffer the copy is queued and the host goes on."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous plan's copy has left the buffer (long since, in practice)
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 4096), dtype=torch.int64, pin_memory=True)
+        staging = self._staging[:host.numel()]
+        staging.copy_(host)
+        dev = staging.to(self.device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return dev
 
     def plan_step(self, slots: Sequence, rotary: torch.Tensor | None = None) -> TritonStep:
         """`slots`: the step's requests in packed order, each with `kv` (its block view [layers, 2, capacity,
@@ -155,7 +173,7 @@ class TritonAttention:
         # field-major on the host (each field a contiguous row: the kernels index them by request)
         host = torch.cat([torch.tensor(fields, dtype=torch.int64).view(n, FIELDS).t().flatten(),
                           torch.tensor(table, dtype=torch.int64)])
-        dev = host.to(self.device, non_blocking=True)
+        dev = self._to_device(host)
         base, lstride, half, starts, q_len = dev[:FIELDS * n].view(FIELDS, n)
         lens = starts + q_len
         ends = torch.cumsum(q_len, 0)
