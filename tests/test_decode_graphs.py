@@ -17,13 +17,7 @@ from odma.engine import SamplingParams  # noqa: E402
 from odma.engine.decode_graphs import buckets  # noqa: E402
 from odma.engine.testing import tiny_engine  # noqa: E402
 from odma.models.tiny import make_tiny_model  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() and not triton_attention.interpreting() else "cpu"
-pytestmark = pytest.mark.skipif(triton_attention.available(torch.device(DEVICE)) is not None,
-                                reason="Triton cannot run here")
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 17, [3], list(range(200, 222))]
+from test_engine_triton import DEVICE, GREEDY, PROMPTS, pytestmark  # noqa: E402,F401 (the same engine runs)
 
 
 @pytest.fixture(scope="module")
