@@ -4,7 +4,7 @@ odma-serve does, predicts each request's length once (`predict_at="front"`), and
 deployment through a Ray Serve handle, whose request router picks the replica. The replica's events come back one
 batch per engine step and feed the same answer code (streams.py) as in odma-serve.
 
-`RemoteRuntime` has `AsyncEngine`'s interface (submit / events / cancel / finish_early / has_room / start / stop);
+`RemoteRuntime` has `AsyncEngine`'s interface (admit / submit / events / cancel / finish_early / start / stop);
 `FrontEngine` has what the app reads of an `LLMEngine`."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from odma.engine.llm_engine import check_request
 from odma.engine.sequence import RequestTags, Sequence
 from odma.kv import KVRequest, build_policy
 from odma.kv.buckets import align_up
+from odma.server.admission import Door, Pass
 from odma.server.runtime import Event, drain_events
 from odma.serve_ray.merge_metrics import merge_texts
 from odma.serve_ray.messages import RemoteJob, Views, sample_ids
@@ -190,7 +191,8 @@ class RemoteRuntime:
                  predictor: FrontPredictor | None) -> None:
         self.engine, self.cluster, self.settings, self.predictor = engine, cluster, settings, predictor
         self.view = engine.view
-        self.max_queue = settings.max_queue
+        # places of requests admitted and not submitted yet (being tokenized): from submit on, `outstanding` counts them
+        self.door = Door(settings.max_queue)
         self._generate = engines.options(stream=True).generate
         self._poller: asyncio.Task | None = None
         self.failed_streams = 0  # requests whose replica failed under them
@@ -233,23 +235,43 @@ class RemoteRuntime:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def has_room(self, samples: int = 1) -> bool:
-        waiting = self.engine.num_waiting
-        return waiting == 0 or waiting + samples <= self.max_queue
+    @property
+    def max_queue(self) -> int:
+        return self.door.max_queue
+
+    @property
+    def waiting(self) -> int:
+        """Samples admitted and not running yet: being tokenized here, held by the router, queued at replicas."""
+        return self.engine.num_waiting + self.door.waiting
+
+    def admit(self, samples: int = 1) -> Pass | None:
+        """Places in the cluster's queue for a request of `samples` samples, taken now (None: no room)."""
+        return self.door.admit(samples, also_waiting=self.engine.num_waiting)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, *, n: int = 1, prompt_text: str | None = None,
-               tags: RequestTags | None = None) -> RemoteHandle:
-        """Validate (InvalidRequestError... raise here, nothing sent) and start the job on a replica."""
-        ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-        if isinstance(prompt, str) and prompt_text is None:
-            prompt_text = prompt
-        self.engine.validate(ids, params)
+               tags: RequestTags | None = None, admitted: Pass | None = None) -> RemoteHandle:
+        """Validate (InvalidRequestError... raise here, nothing sent) and start the job on a replica. `admitted`:
+        the places `admit` took, given back here as `outstanding` takes the samples over (no await in between)."""
+        try:
+            ids = (self.engine.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str)
+                   else list(prompt))
+            if isinstance(prompt, str) and prompt_text is None:
+                prompt_text = prompt
+            self.engine.validate(ids, params)
+        finally:
+            if admitted is not None:
+                admitted.release()
         rid = f"req-{uuid.uuid4().hex}"
         handle = RemoteHandle(sample_ids(rid, n), asyncio.Queue(), n)
         job = RemoteJob(rid, ids, params, n, prompt_text, tags, created_at=time.time())
         self.engine.outstanding += n
         handle.task = asyncio.get_running_loop().create_task(self._run(handle, job))
+        # a callback, not _run's `finally`: a task cancelled before it first ran never enters its body
+        handle.task.add_done_callback(lambda _: self._settled(n))
         return handle
+
+    def _settled(self, samples: int) -> None:
+        self.engine.outstanding -= samples
 
     async def _run(self, handle: RemoteHandle, job: RemoteJob) -> None:
         views = Views(job.request_id, job.n)
@@ -273,8 +295,6 @@ class RemoteRuntime:
             for view in views.unfinished():
                 view.fail(message)
                 handle.queue.put_nowait(Event(None, True, view))
-        finally:
-            self.engine.outstanding -= job.n
         if views.unfinished():  # the stream ended without finishing a sample: say so rather than wait forever
             for view in views.unfinished():
                 view.fail("replica failed: the stream ended early")

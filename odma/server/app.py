@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from odma.server.admission import RETRY_AFTER_S, Pass, busy_message
 from odma.server.body_limit import BodyLimit
 from odma.server.errors import HTTPError, install_error_handlers
 from odma.server.generation_config import SamplingDefaults
@@ -76,7 +77,7 @@ def _info_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, model_nam
     @app.get("/health", response_model=Health, responses=INFO_RESPONSES)
     async def health():
         return {"status": "ok", "model": model_name, "policy": engine.config.policy,
-                "running": engine.num_running, "waiting": engine.num_waiting}
+                "running": engine.num_running, "waiting": runtime.waiting}
 
     @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def prometheus():
@@ -104,21 +105,31 @@ def _generation_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, lim
     Completion, Chat = request_models(limits)
     texts = TokenText(runtime.engine.tokenizer)
 
-    def admit(body, samples: int) -> None:
+    def admit(body, samples: int) -> Pass:
         """503 once the server is stopping, 404 for a model not served here, 429 when the queue has no room for the
-        request's samples."""
+        request's samples; else the request's places in the queue, taken now (before it is tokenized: requests
+        arriving together must not all see the room that only some of them can have)."""
         if runtime.closing:
             raise HTTPError(503, SHUTTING_DOWN)
         if body.model not in limits.served_names:
             raise HTTPError(404, f"model {body.model!r} is not served here; available: {list(limits.served_names)}",
                             "model_not_found", param="model")
-        if not runtime.has_room(samples):
+        admitted = runtime.admit(samples)
+        if admitted is None:
             metrics.refused("queue_full")
-            raise HTTPError(429, f"server busy: {runtime.max_queue} requests already queued; retry later",
-                            headers={"Retry-After": "1"})
+            raise HTTPError(429, busy_message(runtime.max_queue), headers={"Retry-After": str(RETRY_AFTER_S)})
+        return admitted
 
-    async def answer(request: Request, job: Job):
-        handle = runtime.submit(job.prompt_ids, job.params, n=job.n, prompt_text=job.prompt_text, tags=job.tags)
+    async def job_of(admitted: Pass, build, body) -> Job:
+        try:
+            return await offload(build, body)
+        except BaseException:  # refused by validation, or the client left while it was tokenized
+            admitted.release()
+            raise
+
+    async def answer(request: Request, job: Job, admitted: Pass):
+        handle = runtime.submit(job.prompt_ids, job.params, n=job.n, prompt_text=job.prompt_text, tags=job.tags,
+                                admitted=admitted)
         samples = [Sample(i, job, runtime.engine, texts) for i in range(job.n)]
         rid = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if job.stream:
@@ -128,10 +139,10 @@ def _generation_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, lim
 
     @app.post("/v1/completions", response_model=None, responses=generate_responses(CompletionResponse))
     async def completions(body: Completion, request: Request):
-        admit(body, body.n or 1)
-        return await answer(request, await offload(jobs.completion, body))
+        admitted = admit(body, body.n or 1)
+        return await answer(request, await job_of(admitted, jobs.completion, body), admitted)
 
     @app.post("/v1/chat/completions", response_model=None, responses=generate_responses(ChatCompletionResponse))
     async def chat(body: Chat, request: Request):
-        admit(body, body.n or 1)
-        return await answer(request, await offload(jobs.chat, body))
+        admitted = admit(body, body.n or 1)
+        return await answer(request, await job_of(admitted, jobs.chat, body), admitted)

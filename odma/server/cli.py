@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rotated length logs kept (lengths.jsonl.1, .2, ...; the oldest is dropped)")
     p.add_argument("--bootstrap-from-log", action=argparse.BooleanOptionalAction, default=d.bootstrap_from_log,
                    help="seed the bucket bounds with the length log's last realized lengths")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests (samples) before 429")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests (samples) admitted and not running yet before 429")
     p.add_argument("--max-n", type=int, default=16, help="the largest n (samples per request) accepted")
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that leave them out: auto (the model's generation_config.json; "

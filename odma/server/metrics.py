@@ -88,7 +88,7 @@ class _EngineCollector:
         per_device = [(w, w.pool.stats(), w.scheduler.counters) for w in engine.workers]
         pool = _Sum([p for _, p, _ in per_device])  # totals over devices (one device: its own numbers)
         sched = _Sum([c for _, _, c in per_device])
-        yield from self._queue(engine)
+        yield from self._queue(engine, self.runtime)
         yield from self._kv(per_device, pool)
         yield from self._devices(per_device)
         yield from self._buckets(engine)
@@ -131,8 +131,10 @@ class _EngineCollector:
             yield counter("odma_probe_online_refits", "Online refits of the probe's head", online["refits"])
 
     @staticmethod
-    def _queue(engine):
-        yield gauge("odma_queue_depth", "Requests waiting for a block", engine.num_waiting)
+    def _queue(engine, runtime):
+        # the door's count, which --max-queue bounds: it includes requests still being tokenized, which the engine
+        # has not seen yet, and leaves out preempted ones waiting to run again (odma_device_waiting_requests has them)
+        yield gauge("odma_queue_depth", "Requests (samples) admitted and not running yet", runtime.waiting)
         yield gauge("odma_running_requests", "Requests holding a block", engine.num_running)
 
     @staticmethod

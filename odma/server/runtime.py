@@ -1,5 +1,5 @@
 """Runs the engine's step loop in one background thread and hands each request's tokens to its asyncio
-consumer. HTTP handlers only submit, read and cancel; all engine state changes happen in the loop thread. A
+consumer. HTTP handlers only admit, submit, read and cancel; all engine state changes happen in the loop thread. A
 request's own CPU work (chat template, tokenization, long answers' rendering) runs in another thread
 (`Offload`), so the event loop keeps every other request's chunks and /health flowing."""
 
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from odma.engine import LLMEngine, SamplingParams
-from odma.engine.sequence import RequestTags, Sequence
+from odma.engine.sequence import RequestTags, Sequence, Status
+from odma.server.admission import Door, Pass
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,8 +81,10 @@ def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int = 256) -> None:
         self.engine = engine
-        self.max_queue = max_queue
+        self.door = Door(max_queue)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # samples holding a place at the door, until they run or end (guarded by _lock, like _queues)
+        self._counted: dict[str, tuple[Sequence, Pass]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -100,6 +103,10 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        with self._lock:  # nothing steps any more: whatever still waits has ended
+            for _, admitted in self._counted.values():
+                admitted.release(1)
+            self._counted.clear()
 
     def drain(self) -> None:
         """The server is stopping (thread-safe, from a signal handler too): every live request ends now with
@@ -116,15 +123,29 @@ class AsyncEngine:
         """The engine loop thread runs (a health check)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def has_room(self, samples: int = 1) -> bool:
-        """Room in the queue for a request of `samples` samples (one request always fits an empty queue)."""
-        waiting = self.engine.num_waiting
-        return waiting == 0 and self.max_queue > 0 or waiting + samples <= self.max_queue
+    @property
+    def max_queue(self) -> int:
+        return self.door.max_queue
+
+    @max_queue.setter
+    def max_queue(self, value: int) -> None:
+        self.door.max_queue = value
+
+    @property
+    def waiting(self) -> int:
+        """Samples admitted and not running yet (tokenizing, queued, or waiting for memory)."""
+        return self.door.waiting
+
+    def admit(self, samples: int = 1) -> Pass | None:
+        """Places in the queue for a request of `samples` samples, taken now (None: no room; one request always fits
+        an empty queue). Hand the pass to `submit`, or release it if the request ends before that."""
+        return self.door.admit(samples)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._closing.is_set():
                 outputs = self.engine.cancel_all(SHUTTING_DOWN) if self.engine.has_work() else []
+                self._release_started()
                 self._dispatch([Event(out.token, out.finished, out.seq) for out in outputs])
                 if not outputs:
                     self._wake.wait(0.05)
@@ -140,7 +161,17 @@ class AsyncEngine:
                 log.exception("engine loop failed; failing the live requests")
                 self.loop_errors += 1
                 outputs = self.engine.fail_all("engine loop error")
+            # before the events go out: a client that got its answer finds its place already given back
+            self._release_started()
             self._dispatch([Event(out.token, out.finished, out.seq) for out in outputs])
+
+    def _release_started(self) -> None:
+        """Give back the places of samples that left the waiting state (running now, or ended). A preempted sample
+        that waits again is not counted again: the door bounds admissions, not the engine's queue."""
+        with self._lock:
+            started = [sid for sid, (seq, _) in self._counted.items() if seq.status is not Status.WAITING]
+            for sid in started:
+                self._counted.pop(sid)[1].release(1)
 
     def _dispatch(self, events: list[Event]) -> None:
         # one wake-up of each event loop per step, not one per token: the loop thread and the HTTP side
@@ -161,8 +192,12 @@ class AsyncEngine:
                 pass
 
     def submit(self, prompt: str | list[int], params: SamplingParams, *, n: int = 1, prompt_text: str | None = None,
-               tags: RequestTags | None = None) -> "Handle":
-        """Queue `n` samples of a prompt. Validation errors (InvalidRequestError...) raise here, with nothing queued."""
+               tags: RequestTags | None = None, admitted: Pass | None = None) -> "Handle":
+        """Queue `n` samples of a prompt. Validation errors (InvalidRequestError...) raise here, with nothing queued
+        and the pass released. `admitted`: the places `admit` took; without one the samples are counted anyway."""
+        admitted = admitted if admitted is not None else self.door.count(n)
+        if admitted.places > n:  # a pass for more samples than queued keeps only theirs
+            admitted.release(admitted.places - n)
         rid = f"req-{uuid.uuid4().hex}"
         ids = [rid] + [f"{rid}.{i}" for i in range(1, n)]  # the engine's names for the samples
         handle = Handle(ids, asyncio.Queue(), n)
@@ -170,12 +205,18 @@ class AsyncEngine:
             for sid in ids:
                 self._queues[sid] = (asyncio.get_running_loop(), handle.queue)
         try:
-            self.engine.add_samples(prompt, params, n, request_id=rid, prompt_text=prompt_text, tags=tags)
+            seqs = self.engine.add_samples(prompt, params, n, request_id=rid, prompt_text=prompt_text, tags=tags)
         except BaseException:
             with self._lock:
                 for sid in ids:
                     self._queues.pop(sid, None)
+            admitted.release()
             raise
+        with self._lock:
+            for seq in seqs:
+                self._counted[seq.request_id] = (seq, admitted)
+        # a sample the loop started (or ended) before it was counted here would otherwise keep its place
+        self._release_started()
         self._wake.set()
         return handle
 
@@ -186,6 +227,9 @@ class AsyncEngine:
         with self._lock:
             for sid in handle.request_ids:
                 self._queues.pop(sid, None)
+                counted = self._counted.pop(sid, None)
+                if counted is not None:
+                    counted[1].release(1)
         for sid in handle.request_ids:
             self.engine.abort(sid)
         self._wake.set()
