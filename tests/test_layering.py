@@ -36,7 +36,7 @@ ALLOWED = {
     "odma.analyze": {"odma.core", "odma.kv", "predictor", "odma.engine"},  # it simulates the engine's scheduler
     "training": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine"},
     "odma.server": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor"},
-    "odma.vllm": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor"},
+    "odma.vllm": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor", "backends"},  # its CPU kernel
     "odma.serve_ray": {"odma.core", "odma.kv", "odma.models", "odma.engine", "predictor", "odma.server"},
     "odma.bench": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine", "odma.analyze",
                    "odma.server", "odma.serve_ray"},

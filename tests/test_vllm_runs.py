@@ -108,6 +108,32 @@ def test_a_block_taken_by_the_pool_itself_cuts_the_claim_it_lay_in():
     runs.check(set(range(1, 12)) - {4})
 
 
+def test_the_youngest_cached_blocks_are_kept_from_runs_and_join_oldest_first():
+    runs = BlockRuns(21, reserved=(0,), keep=0.5)  # ids 1..20 free
+    a = runs.place("a", 10, 10)  # 1..10
+    runs.give_back(a, cached=set(a))  # a full, hashed prompt's blocks: freed in this order (vLLM's eviction order)
+    runs.drop("a")
+    assert runs.free == 20 and len(runs.cached) == 10  # 10 of 20 free: within keep
+    b = runs.place("b", 6, 6)
+    assert set(b) <= set(range(11, 21))  # the blocks without a cache entry, not the kept ones
+    # now 14 free, 10 of them kept: more than half, so the oldest joined the rest
+    assert list(runs.cached) == a[3:] and runs.avail.free_units == 4 + 3
+    runs.taken_elsewhere([a[5]])  # a prefix hit on a kept block: out of the mirror
+    assert a[5] not in runs.cached
+    c = runs.take(12)  # more than the rest holds: the kept blocks go too, oldest first
+    assert set(c) == set(range(17, 21)) | {1, 2, 3} | {4, 5, 7, 8, 9} and runs.free == 1
+    assert not runs.cached  # one free block left: none kept (at most half of the free ones)
+    runs.check(set(range(1, 21)) - set(b) - set(c) - {a[5]})
+
+
+def test_with_nothing_kept_runs_evict_any_cached_block():
+    runs = BlockRuns(11, reserved=(0,), keep=0.0)
+    a = runs.place("a", 5, 5)
+    runs.give_back(a, cached=set(a))
+    runs.drop("a")
+    assert not runs.cached and runs.avail.largest() == 10  # all free ids one extent again: runs may use any
+
+
 def test_runs_mirror_a_pool_through_random_traffic():
     rng = random.Random(7)
     n = 48
@@ -142,7 +168,7 @@ def test_runs_mirror_a_pool_through_random_traffic():
         elif held:
             owner = rng.choice(sorted(held))
             ids = held.pop(owner)
-            runs.give_back(ids)
+            runs.give_back(ids, cached={i for i in ids if rng.random() < 0.5})  # half still hold a cache entry
             free |= set(ids)
             if owner != "pool":
                 runs.drop(owner)

@@ -190,14 +190,16 @@ def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) 
     if system == "vllm":
         return [ServerSpec("vllm", "vllm", model_dir, kv_bytes, args.threads, args.max_model_len, str(peer_python),
                            tuple(args.vllm_args.split()))]
-    if system == "vllm+odma":  # the same vLLM, its scheduler odma.vllm's (the peer venv has odma installed)
+    if system == "vllm+odma":  # the same vLLM with odma's plugin switched on (the peer venv has odma installed)
         try:
             settings = {"generator": model_name(args.model), **json.loads(args.vllm_odma)}
         except json.JSONDecodeError as exc:
             raise SystemExit(f"--vllm-odma is not JSON: {exc}") from None
-        odma_args = ("--scheduler-cls", "odma.vllm.Scheduler", "--additional-config", json.dumps({"odma": settings}))
-        return [ServerSpec("vllm", "vllm+odma", model_dir, kv_bytes, args.threads, args.max_model_len,
-                           str(peer_python), odma_args + tuple(args.vllm_args.split()))]
+        attention = settings.get("attention", "runs")
+        label = "vllm+odma" if attention == "runs" else f"vllm+odma-{attention}"  # -off: order and runs only
+        return [ServerSpec("vllm", label, model_dir, kv_bytes, args.threads, args.max_model_len, str(peer_python),
+                           ("--additional-config", json.dumps({"odma": settings}), *args.vllm_args.split()),
+                           env={"ODMA_VLLM": "1"})]
     native = args.odma_weights == "native"
     return [ServerSpec("odma", "odma-native" if native else "odma", model_dir, kv_bytes, args.threads,
                        args.max_model_len, sys.executable, tuple(args.odma_args.split()),
@@ -212,8 +214,8 @@ def _run_system(base, stages, records, memory, per_token, model_dir, peer_python
     system = base.system
     main_stages = [s for s in stages if s != "memory"]
     plugin_stats = None
-    if base.label == "vllm+odma":  # odma.vllm writes its metrics here; each stage keeps what they were at its end
-        plugin_stats = (out / "logs" / "vllm+odma-stats.json").resolve()
+    if base.label.startswith("vllm+odma"):  # odma.vllm writes its metrics here; each stage keeps them at its end
+        plugin_stats = (out / "logs" / f"{base.label}-stats.json").resolve()
         base = replace(base, env={**base.env, "ODMA_VLLM_STATS_FILE": str(plugin_stats), "ODMA_VLLM_STATS_EVERY_S": "2"})
     if main_stages:
         try:

@@ -44,14 +44,17 @@ def ratios(result: dict) -> dict:
 
 
 def _plugin_ratios(stage: str, runs: dict, out: dict) -> None:
-    """vLLM with odma.vllm's scheduler ÷ the same vLLM without it ("nq vllm+odma vs vllm")."""
-    plugin, stock = runs.get("vllm+odma"), runs.get("vllm")
-    if stage == "guidellm":
-        p, v = _points(plugin), _points(stock)
-        for streams in sorted(set(p) & set(v)):
-            out[f"guidellm_c{streams} vllm+odma vs vllm"] = _ratio(p[streams], v[streams], "output_tps")
-    elif _ok(plugin) and _ok(stock):
-        out[f"{stage} vllm+odma vs vllm"] = _ratio(plugin, stock, "throughput_tps")
+    """vLLM with odma's plugin (each attention setting: vllm+odma, vllm+odma-paged, vllm+odma-off) ÷ the same vLLM
+    without it ("nq vllm+odma vs vllm")."""
+    stock = runs.get("vllm")
+    for label in sorted(k for k in runs if k.startswith("vllm+odma")):
+        plugin = runs[label]
+        if stage == "guidellm":
+            p, v = _points(plugin), _points(stock)
+            for streams in sorted(set(p) & set(v)):
+                out[f"guidellm_c{streams} {label} vs vllm"] = _ratio(p[streams], v[streams], "output_tps")
+        elif _ok(plugin) and _ok(stock):
+            out[f"{stage} {label} vs vllm"] = _ratio(plugin, stock, "throughput_tps")
 
 
 # what must agree for rows of several runs to share one table

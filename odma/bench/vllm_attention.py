@@ -101,6 +101,37 @@ class _VllmPaged:
                                                  None, 1.0, 1.0, "auto")
 
 
+class _RunPlanes:
+    """The same K/V in odma's vLLM backend layout (LHBNC: per KV head, every block's rows in block-id order, a row
+    holding K then V), with each request's blocks one run of ids (`scattered`: a random permutation, so a request is
+    as many runs as blocks), and the calls the backend makes for one layer (write the new rows, decode)."""
+
+    def __init__(self, kernel, k: torch.Tensor, v: torch.Tensor, block_size: int, scattered: bool,
+                 gen: torch.Generator, coalesce: bool = True) -> None:
+        b, ctx, hk, d = k.shape
+        per_seq = -(-ctx // block_size)
+        blocks = b * per_seq
+        order = torch.randperm(blocks, generator=gen) if scattered else torch.arange(blocks)
+        self.table = order.view(b, per_seq).to(torch.int32)
+        self.planes = torch.zeros(hk, blocks * block_size, 2 * d)
+        pos = torch.arange(ctx)
+        for i in range(b):
+            rows = self.table[i].long()[pos // block_size] * block_size + pos % block_size
+            self.planes[:, rows, :d] = k[i].transpose(0, 1)
+            self.planes[:, rows, d:] = v[i].transpose(0, 1)
+        self.kernel, self.block_size, self.coalesce = kernel, block_size, coalesce
+        self.lens = torch.full((b,), ctx, dtype=torch.int32)
+        self.q_rows = torch.arange(b, dtype=torch.int64)
+        last = pos[-1]
+        self.slots = self.table.long()[:, last // block_size] * block_size + last % block_size
+
+    def layer(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor,
+              threads: int) -> None:
+        self.kernel.write(self.planes, k_new, v_new, self.slots)
+        self.kernel.decode(self.planes, self.block_size, self.table, self.lens, self.q_rows, q, out,
+                           q.shape[2] ** -0.5, coalesce=self.coalesce, workers=threads)
+
+
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """float64 attention of q [B, H, D] over k, v [B, T, KVH, D]."""
     b, h, d = q.shape
@@ -117,9 +148,11 @@ def run(argv: list[str] | None = None) -> dict:
     current_platform.import_kernels()  # loads vllm._C(_AVX2/_AVX512) and registers torch.ops._C
     from backends.cpu_attention import load
 
-    kernel = load()
-    if kernel is None:
-        raise SystemExit("odma's CPU decode-attention kernel could not be built (see the log)")
+    from backends.run_attention import load as load_runs
+
+    kernel, runs = load(), load_runs()
+    if kernel is None or runs is None:
+        raise SystemExit("odma's CPU attention kernels could not be built (see the log)")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     b, h, hk, d = args.batch, args.q_heads, args.kv_heads, args.head_dim
@@ -149,8 +182,15 @@ def run(argv: list[str] | None = None) -> dict:
         for c in (paged, ordered):
             c.step_setup(lens, h)
         unsplit.step_setup(lens, h, split_kv=False)
+        one_run = _RunPlanes(runs, k, v, args.block_size, False, gen)
+        split = _RunPlanes(runs, k, v, args.block_size, True, gen)
+        block_wise = _RunPlanes(runs, k, v, args.block_size, False, gen, coalesce=False)
         out_v, out_o, out_u = torch.empty(b, h, d), torch.empty(b, h, d), torch.empty(b, h, d)
+        out_r = torch.empty(b, h, d)
         fns = {
+            "backend_one_run": lambda: one_run.layer(q, k_new, v_new, out_r, args.threads),
+            "backend_split": lambda: split.layer(q, k_new, v_new, out_r, args.threads),
+            "backend_paged_reading": lambda: block_wise.layer(q, k_new, v_new, out_r, args.threads),
             "odma_kernel": lambda: kernel(batch, 0, q, k_new, v_new),
             "vllm_paged": lambda: paged.layer(q, k_new, v_new, out_v),
             "vllm_paged_attend_only": lambda: paged.attend(q, out_v),
@@ -161,16 +201,22 @@ def run(argv: list[str] | None = None) -> dict:
         }
         ms = _best_ms(fns, args.repeats)
         ref = _reference(q, k, v)
-        errs = {"odma": kernel(batch, 0, q, k_new, v_new), "vllm": (paged.layer(q, k_new, v_new, out_v), out_v)[1]}
+        errs = {"odma": kernel(batch, 0, q, k_new, v_new), "vllm": (paged.layer(q, k_new, v_new, out_v), out_v)[1],
+                "backend_split": (split.layer(q, k_new, v_new, out_r, args.threads), out_r.clone())[1]}
         key = f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
         gb = 2 * b * n * hk * d * 4 / 1e9
         result.update({f"{name}_ms_{key}": round(t, 4) for name, t in ms.items()})
         result[f"speedup_vs_vllm_{key}"] = round(ms["vllm_paged"] / ms["odma_kernel"], 3)
         result[f"speedup_vs_vllm_in_order_{key}"] = round(ms["vllm_in_order"] / ms["odma_kernel"], 3)
+        # odma's vLLM backend, against vLLM's op over the same block tables: one-run requests (vLLM's pages in
+        # order) and requests split into as many runs as blocks (vLLM's pages scattered)
+        result[f"backend_one_run_vs_vllm_{key}"] = round(ms["vllm_in_order"] / ms["backend_one_run"], 3)
+        result[f"backend_split_vs_vllm_{key}"] = round(ms["vllm_paged"] / ms["backend_split"], 3)
+        result[f"backend_one_run_vs_paged_reading_{key}"] = round(ms["backend_paged_reading"] / ms["backend_one_run"], 3)
         result[f"odma_gbps_{key}"] = round(gb / (ms["odma_kernel"] * 1e-3), 2)
         result[f"vllm_gbps_{key}"] = round(gb / (ms["vllm_paged"] * 1e-3), 2)
         result[f"max_abs_diff_{key}"] = {s: float((o - ref).abs().max()) for s, o in errs.items()}
-        del paged, ordered, unsplit, arena, blocks
+        del paged, ordered, unsplit, arena, blocks, one_run, split, block_wise
     result["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     result["timing"] = f"best of {args.repeats} interleaved rounds after a warm-up"
     return result

