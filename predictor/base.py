@@ -21,6 +21,22 @@ class Prediction(NamedTuple):
     uncertainty: float  # u in [0, 1]
 
 
+@dataclass(frozen=True, slots=True)
+class PredictRequest:
+    """What a predictor reads about one request, under the trace records' names (a `TraceRecord` reads the same,
+    so a predictor trained on traces is served the fields it learned from). Unknown fields are None."""
+
+    prompt: str | None
+    prompt_tokens: int
+    temperature: float | None = None
+    generator: str | None = None  # whose answers the lengths are of (the served model)
+    depth: int | None = None  # turns before this one in its conversation
+    system_prompt_id: str | None = None
+    prior_output_tokens: int | None = None  # the conversation's earlier answers, summed
+    last_output_tokens: int | None = None  # ... and the last one
+    type: str | None = None  # the task kind, where a trace names one
+
+
 @dataclass(frozen=True)
 class Calibration:
     """How predictions become reservations: the bucket bounds the model was calibrated against, α, τ and the

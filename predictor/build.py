@@ -13,12 +13,11 @@ fewer) moves the fp32 probe by 0.3 or more; the int8 graph is then only checked 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 from odma.errors import PredictorError
-from predictor.base import Manifest
+from predictor.base import Manifest, PredictRequest
 from predictor.onnx_files import HEADS_FILE
 
 FP32_PROBE_TOLERANCE = 0.01  # |Δ log L̂| and |Δu|: the rebuilt fp32 model vs an fp32 probe (same weights, any CPU)
@@ -81,7 +80,7 @@ def build_onnx_from_heads(folder: Path, manifest: Manifest, dest: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(resolve_backbone(settings["backbone"])))
     probe = settings.get("probe") or {"prompts": ["Hello"], "prompt_tokens": [8]}
-    requests = [SimpleNamespace(prompt=p, prompt_tokens=n) for p, n in zip(probe["prompts"], probe["prompt_tokens"])]
+    requests = [PredictRequest(prompt=p, prompt_tokens=n) for p, n in zip(probe["prompts"], probe["prompt_tokens"])]
     enc = encode_texts(tok, [r.prompt for r in requests], int(settings["max_len"]))
     feed = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
             "meta": MetadataEncoder.from_json(settings.get("metadata", {})).encode(requests)}

@@ -7,13 +7,12 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 from odma.config import default_cache_dir
 from odma.errors import PredictorError
-from predictor.base import Calibration, Manifest, Predictor
+from predictor.base import Calibration, Manifest, PredictRequest, Predictor
 from predictor.registry import load_predictor
 from predictor.calibration import calibrate
 from predictor.features import MetadataEncoder
@@ -204,7 +203,7 @@ def _train_encoder(opts, trace, train_t, val_t, test_t, y_train, stats, out: Pat
     model = LengthModel(encoder, heads).eval()
 
     # the probe is what build.py replays on a rebuilt graph: text and prompt length only, no other metadata
-    probe_records = [SimpleNamespace(prompt=r.prompt, prompt_tokens=r.prompt_tokens) for r in val_t.records[:8]]
+    probe_records = [PredictRequest(prompt=r.prompt, prompt_tokens=r.prompt_tokens) for r in val_t.records[:8]]
     settings = {
         "model": "encoder", "backbone": opts.backbone, "backbone_name": folder.name if opts.backbone != "minilm"
         else "all-MiniLM-L6-v2", "layers": opts.layers, "max_len": opts.max_len, "quantize": opts.quantize,

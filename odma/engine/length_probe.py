@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from odma.engine.sequence import Sequence
+from predictor.base import PredictRequest
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ class LengthProbe:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _request(self, seq: Sequence) -> SimpleNamespace:
-        return SimpleNamespace(**seq.predictor_fields(self.generator))
+    def _request(self, seq: Sequence) -> PredictRequest:
+        return seq.predict_request(self.generator)
 
     def _predict(self, seqs: list[Sequence], rows) -> None:
         rows = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)

@@ -13,6 +13,7 @@ import torch
 
 from odma.engine.sampling import SamplingParams, generator_seed
 from odma.kv import Block, KVHandle
+from predictor.base import PredictRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,10 @@ class Sequence:
                 "temperature": float(self.params.temperature), "generator": generator,
                 "depth": tags.depth, "system_prompt_id": tags.system_prompt_id,
                 "prior_output_tokens": tags.prior_output_tokens, "last_output_tokens": tags.last_output_tokens}
+
+    def predict_request(self, generator: str | None) -> PredictRequest:
+        """`predictor_fields` as the predictor's own request type."""
+        return PredictRequest(**self.predictor_fields(generator))
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from odma.engine.length_predictor import LoadedPredictor, RunningMedian, usable_prediction
@@ -57,7 +56,7 @@ class LengthTagger:
                 seq.growth_hint = checked[0]
 
     def _predict(self, seqs: list[Sequence]) -> list:
-        requests = [SimpleNamespace(**s.predictor_fields(self.generator)) for s in seqs]
+        requests = [s.predict_request(self.generator) for s in seqs]
         start = time.perf_counter()
         try:
             preds = list(self.predictor.predictor.predict(requests))

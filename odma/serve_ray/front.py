@@ -135,7 +135,7 @@ class FrontPredictor:
             return (float(self.view.median), 1.0) if self.view.median is not None else None
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending.append((SimpleNamespace(**seq.predictor_fields(self.generator)), fut))
+        self._pending.append((seq.predict_request(self.generator), fut))
         if not self._draining:
             self._draining = True
             loop.create_task(self._drain())

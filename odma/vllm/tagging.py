@@ -13,12 +13,12 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Sequence
 
 from odma.config import BucketConfig, PoolConfig
 from odma.engine.length_predictor import LoadedPredictor, RunningMedian, usable_prediction
 from odma.kv import KVRequest, build_policy
+from predictor.base import PredictRequest
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,7 @@ class LengthTags:
     def tag(self, prompts: Sequence[str], prompt_tokens: Sequence[int], max_tokens: Sequence[int],
             temperatures: Sequence[float]) -> list[Tag]:
         """One batch: a failing predictor or an unusable answer leaves a request sized for its max_tokens."""
-        requests = [SimpleNamespace(prompt=p, prompt_tokens=n, temperature=t, generator=self.generator, depth=None,
-                                    system_prompt_id=None, prior_output_tokens=None, last_output_tokens=None)
+        requests = [PredictRequest(prompt=p, prompt_tokens=n, temperature=t, generator=self.generator)
                     for p, n, t in zip(prompts, prompt_tokens, temperatures)]
         start = time.perf_counter()
         try:

@@ -8,10 +8,11 @@ and packed, in one run (the CPU is shared: only ratios measured side by side mea
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 import numpy as np
+
+from predictor.base import PredictRequest
 
 
 def _median_seconds(fn, repeat: int) -> float:
@@ -33,7 +34,7 @@ def probe_cost(predictor, states_model, requests: Sequence[Any], n: int = 32, re
         return {}
     seqs = [states_model.prompt_ids(r.prompt) for r in chosen]
     layers = predictor.capture_layers
-    meta_only = [SimpleNamespace(prompt_tokens=len(s), **{k: getattr(r, k, None) for k in
+    meta_only = [PredictRequest(prompt=None, prompt_tokens=len(s), **{k: getattr(r, k, None) for k in
                  ("temperature", "type", "generator", "depth", "system_prompt_id")}) for s, r in zip(seqs, chosen)]
     row = np.zeros((1, predictor.hidden_size), np.float32)
     rows = np.zeros((len(chosen), predictor.hidden_size), np.float32)
