@@ -1,10 +1,14 @@
-"""How much one huge request delays everyone else on a running odma-serve: a neighbour stream's gaps between
-chunks and /health's latency while a prompt of --prompt-mb megabytes is posted.
+"""How much long prompts delay everyone else on a running odma-serve: a neighbour stream's gaps between chunks and
+/health's latency while prompts are posted beside it.
 
+    .venv/bin/python scripts/stall_probe.py --url http://127.0.0.1:8000 --prompt-tokens 4000,8000
     .venv/bin/python scripts/stall_probe.py --url http://127.0.0.1:8000 --prompt-mb 10
 
-Prints one JSON object: the neighbour's median gap before the post, its largest gap and /health's largest latency
-while the post was in flight, and the post's status and duration.
+--prompt-tokens posts one completion per size, all at once (words of one token each for SmolLM2's tokenizer, 4
+tokens out): what a long document or a long chat history does to the streams already running. --prompt-mb posts
+one huge prompt (refused for its length: what tokenizing it costs the others). Prints one JSON object: the
+neighbour's median gap before the posts, its largest gap and /health's largest latency while they were in flight,
+each post's status and duration.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import statistics
 import time
 
 import httpx
+
+WORD = " river"  # one token in SmolLM2's vocabulary, also after itself
 
 
 async def neighbour(client: httpx.AsyncClient, model: str, arrivals: list[float], done: asyncio.Event) -> None:
@@ -37,7 +43,7 @@ async def health(client: httpx.AsyncClient, samples: list[tuple[float, float]], 
         await asyncio.sleep(0.05)
 
 
-async def probe(url: str, model: str, megabytes: float) -> dict:
+async def probe(url: str, model: str, megabytes: float | None, prompt_tokens: list[int]) -> dict:
     arrivals: list[float] = []
     samples: list[tuple[float, float]] = []
     done = asyncio.Event()
@@ -48,9 +54,15 @@ async def probe(url: str, model: str, megabytes: float) -> dict:
         while len(arrivals) < 30:  # the neighbour streams steadily
             await asyncio.sleep(0.05)
         before = [b - a for a, b in zip(arrivals, arrivals[1:])]
-        prompt = "a " * int(megabytes * 1e6 / 2)
+        prompts = [WORD * n for n in prompt_tokens] if prompt_tokens else ["a " * int(megabytes * 1e6 / 2)]
+
+        async def post(prompt: str) -> tuple[httpx.Response, float]:
+            started = time.perf_counter()
+            r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4})
+            return r, time.perf_counter() - started
+
         start = time.perf_counter()
-        r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4})
+        posted = await asyncio.gather(*(post(p) for p in prompts))
         end = time.perf_counter()
         await asyncio.sleep(1.0)
         done.set()
@@ -59,8 +71,11 @@ async def probe(url: str, model: str, megabytes: float) -> dict:
         await asyncio.gather(*tasks, return_exceptions=True)
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= start and a <= end + 1.0]
     health_during = [lat for at, lat in samples if start - 0.05 <= at <= end]
-    return {"prompt_mb": megabytes, "status": r.status_code, "refusal": r.json().get("error", {}).get("message", "")[:120],
-            "post_s": round(end - start, 3), "neighbour_gap_median_before_s": round(statistics.median(before), 4),
+    posts = [{"status": r.status_code, "prompt_tokens": r.json().get("usage", {}).get("prompt_tokens"),
+              "refusal": r.json().get("error", {}).get("message", "")[:120], "post_s": round(took, 3)}
+             for r, took in posted]
+    return {"prompt_mb": megabytes if not prompt_tokens else None, "prompt_tokens": prompt_tokens, "posts": posts,
+            "neighbour_gap_median_before_s": round(statistics.median(before), 4),
             "neighbour_gap_max_during_s": round(max(during, default=0.0), 4),
             "health_max_during_s": round(max(health_during, default=0.0), 4), "health_samples_during": len(health_during)}
 
@@ -70,8 +85,10 @@ def main() -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running odma-serve (default: %(default)s)")
     p.add_argument("--model", default="default", help="a served model name (default: %(default)s)")
     p.add_argument("--prompt-mb", type=float, default=10.0, help="size of the huge prompt (default: %(default)s)")
+    p.add_argument("--prompt-tokens", default="", help="prompt lengths in tokens, posted together (e.g. 4000,8000)")
     args = p.parse_args()
-    print(json.dumps(asyncio.run(probe(args.url, args.model, args.prompt_mb))))
+    sizes = [int(x) for x in args.prompt_tokens.split(",") if x.strip()]
+    print(json.dumps(asyncio.run(probe(args.url, args.model, args.prompt_mb, sizes))))
 
 
 if __name__ == "__main__":

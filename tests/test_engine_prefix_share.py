@@ -171,7 +171,7 @@ def test_a_negative_minimum_is_refused():
 
 
 def test_no_request_waits_behind_a_long_prefill_for_a_prefix(folder):
-    engine = tiny_engine(folder, kv_budget="4MiB")
+    engine = tiny_engine(folder, kv_budget="4MiB", max_prefill_tokens=1024)  # both prompts fit one step's budget
     long_prompt = SYSTEM + [1 + k % 90 for k in range(300)]  # its step prefills more than HOLD_STEP_TOKENS: waiting one step costs too much
     seqs = [engine.add_request(long_prompt, GREEDY), engine.add_request(_prompt(1), GREEDY)]
     engine.step()

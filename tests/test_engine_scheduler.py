@@ -219,3 +219,108 @@ def test_a_victim_already_planned_this_step_is_taken_out_of_the_step():
     assert "r2" not in planned and "r1" in planned
     assert all(w.seq.status is Status.RUNNING and w.seq.block is not None for w in work)
     sched.kv.check()
+
+
+def _long(i: int, prompt: int) -> Sequence:
+    s = Sequence(f"long{i}", [1] * prompt, SamplingParams(max_tokens=8))
+    s.bucket, s.predicted_tokens = 0, 8.0
+    return s
+
+
+def _step(sched: Scheduler):
+    work = sched.schedule()
+    for w in work:
+        w.seq.num_cached = w.start + w.q_len
+        if w.seq.num_cached == w.seq.num_tokens:
+            w.seq.output_ids.append(5)
+    return work
+
+
+def _long_scheduler(**kw) -> Scheduler:
+    pool = KVPool(512, BucketPolicy(BucketManager.fixed((8, 16), 16)), large_share=0.0, align=8)
+    return Scheduler(ContiguousKV(pool), max_num_seqs=8, max_prefill_tokens=64, **kw)
+
+
+def test_a_long_prompt_is_chunked_and_the_running_streams_get_a_token_every_step():
+    sched = _long_scheduler(chunk_prefills=True)
+    streams = [_seq(i, 0) for i in range(3)]
+    for s in streams:
+        sched.add(s)
+    _step(sched)  # the streams' prompts
+    first, second = _long(0, 150), _long(1, 100)
+    sched.add(first)
+    sched.add(second)
+    fed: dict[str, list[int]] = {"long0": [], "long1": []}
+    for _ in range(6):
+        work = _step(sched)
+        assert {w.seq.request_id for w in work if w.q_len == 1} >= {"r0", "r1", "r2"}  # every step decodes them
+        assert sum(w.q_len for w in work if w.q_len > 1) <= 64  # the step's prefill budget
+        for w in work:
+            if w.seq.request_id in fed and w.q_len > 1:
+                fed[w.seq.request_id].append(w.q_len)
+    # 150 tokens in chunks of the budget, the earlier prompt's chunks before the later one's; then the later one
+    assert fed["long0"] == [64, 64, 22] and sum(fed["long1"]) == 100 and fed["long1"][0] == 42
+    assert first.num_generated >= 1 and second.num_generated >= 1  # both prompts done within the six steps
+    sched.kv.check()
+
+
+def test_without_chunking_a_long_prompt_passes_whole_and_alone():
+    sched = _long_scheduler(chunk_prefills=False)
+    sched.add(_long(0, 150))
+    sched.add(_long(1, 100))
+    work = _step(sched)
+    assert [(w.seq.request_id, w.q_len) for w in work] == [("long0", 150)]  # longer than the budget: alone, whole
+
+
+def test_with_a_prefill_cost_a_late_chunk_of_a_long_prompt_is_smaller():
+    from odma.engine.prefill_cost import PrefillCost
+
+    cost = PrefillCost(span=100.0)  # at 100 cached tokens a prompt token's attention costs as much as the rest
+    sched = _long_scheduler(chunk_prefills=True, prefill_cost=cost)
+    sched.add(_long(0, 400))
+    chunks, starts = [], []
+    while not chunks or sum(chunks) < 400:
+        work = [w for w in _step(sched) if w.q_len > 1]
+        assert len(work) == 1
+        starts.append(work[0].start)
+        chunks.append(work[0].q_len)
+        assert cost(work[0].start, work[0].q_len) <= 64  # never past the step's budget
+    assert sum(chunks) == 400 and starts == [sum(chunks[:i]) for i in range(len(chunks))]
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] > 2 * chunks[-2]  # deeper: fewer tokens a step
+    sched.kv.check()
+
+
+def test_a_prompt_deep_in_its_context_advances_even_when_one_token_costs_more_than_the_budget():
+    from odma.engine.prefill_cost import PrefillCost
+
+    sched = _long_scheduler(chunk_prefills=True, prefill_cost=PrefillCost(span=1.0))
+    seq = _long(0, 200)
+    sched.add(seq)
+    for _ in range(100):
+        _step(sched)
+    # from position 64 on one token costs more than the budget of 64: fed one token a step, not stuck there
+    assert 100 < seq.num_cached < 200
+    sched.kv.check()
+
+
+def test_the_prefill_cost_fits_the_most_tokens_within_a_budget():
+    import random
+
+    from odma.engine.prefill_cost import PrefillCost
+    from odma.models.config import ModelConfig
+
+    rng = random.Random(0)
+    for span in (None, 1.0, 37.5, 1536.0):
+        cost = PrefillCost(span)
+        for _ in range(300):
+            start, want, budget = rng.randrange(0, 20000), rng.randrange(1, 5000), rng.uniform(-5, 3000)
+            q = cost.fit(start, want, budget)
+            assert 0 <= q <= want and (q == 0 or cost(start, q) <= budget)
+            assert q == want or cost(start, q + 1) > budget  # the most that fit
+    assert PrefillCost()(100, 64) == 64  # no model: tokens only
+    smollm2 = ModelConfig.from_hf_dict({"model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+                                        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                                        "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 1e5,
+                                        "max_position_embeddings": 8192, "tie_word_embeddings": True})
+    # per layer 3.54 M weights (q, k, v, o, gate, up, down) against 4·576 FLOPs a cached position, at half speed
+    assert PrefillCost.for_model(smollm2).span == 0.5 * 2 * 3_538_944 / (4 * 576)

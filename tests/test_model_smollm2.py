@@ -26,7 +26,9 @@ def smollm2():
     from odma.engine import EngineConfig, LLMEngine
 
     torch.set_num_threads(1)
-    engine = LLMEngine(EngineConfig(kv_budget="64MiB", length_log=None, predictor="median", threads=1))
+    # a step may prefill 2,048 prompt tokens: one test feeds more than 512 rows in one step
+    engine = LLMEngine(EngineConfig(kv_budget="64MiB", length_log=None, predictor="median", threads=1,
+                                    max_prefill_tokens=2048))
     return engine
 
 

@@ -28,6 +28,7 @@ FLAGS = {
     "schedule": (["--schedule", "sjf"], "sjf"),
     "sjf_aging_rounds": (["--sjf-aging-rounds", "9"], 9),
     "max_prefill_tokens": (["--max-prefill-tokens", "99"], 99),
+    "chunked_prefill": (["--no-chunked-prefill"], False),
     "max_tokens_cap": (["--max-tokens-cap", "300"], 300),
     "max_model_len": (["--max-model-len", "1000"], 1000),
     "default_max_tokens": (["--default-max-tokens", "12"], 12),

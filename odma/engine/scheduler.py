@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from odma.engine.ordering import make_order, predicted_remaining
+from odma.engine.prefill_cost import PrefillCost
 from odma.engine.prefix_share import PrefixIndex
 from odma.engine.sequence import Sequence, Status, Work
 from odma.kv import KVHandle, KVManager
@@ -69,6 +70,7 @@ class Scheduler:
         chunk_prefills: bool = False,
         clear_window: bool = False,
         prefix_min_tokens: int | None = None,
+        prefill_cost: PrefillCost | None = None,
     ) -> None:
         if preempt not in PREEMPT_MODES:
             raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
@@ -99,9 +101,14 @@ class Scheduler:
         # Only the sum counts, and errors of single predictions average out in it. None: off.
         self.admission_demand = admission_demand
         self._demand = 0  # predicted final tokens of the running requests, summed at the start of a round
-        # Ballooning: a prefill whose whole activation room is lent runs in chunks of the room that is free,
-        # instead of waiting until the segments holding blocks drain.
+        # Chunked prefill: a step prefills at most max_prefill_tokens of prompts beside its decodes, so a long
+        # prompt takes several steps and never freezes the running streams; with ballooning a chunk is also
+        # bounded by the free activation room (instead of waiting until the segments holding blocks drain).
+        # Off: a prompt is fed whole in one step, and one longer than the budget passes alone.
         self.chunk_prefills = chunk_prefills
+        # chunked, the budget counts a chunk's attention over the context before it too (odma.engine.prefill_cost):
+        # a late chunk of a long prompt gets fewer tokens, so no step of it runs much longer than the first
+        self.prefill_cost = prefill_cost if chunk_prefills and prefill_cost is not None else PrefillCost()
         # A head that holds the queue but finds no contiguous range gets one: the range with the fewest live
         # tokens is fenced and its blocks relocated (into lent segments, say), instead of waiting for them.
         # Not with ballooning that reclaims lent room for whole prefills: the reclaim would move the cleared
@@ -126,7 +133,8 @@ class Scheduler:
         refusals = self.counters.admission_refusals
         work, stalled = self._grow_running()
         if not stalled:  # requests waiting to grow come first: admitting others would starve them
-            work += self._admit(sum(w.q_len for w in work if w.q_len > 1))
+            prefills = [w for w in work if w.q_len > 1]
+            work += self._admit(sum(w.q_len for w in prefills), sum(self.prefill_cost(w.start, w.q_len) for w in prefills))
         elif not work:  # everyone is stuck and nobody finishes: free a block to make progress
             self._preempt(self.order.victim(self.running))
             work, _ = self._grow_running()
@@ -146,7 +154,7 @@ class Scheduler:
     def _grow_running(self) -> tuple[list[Work], list[Sequence]]:
         work: list[Work] = []
         stalled: list[Sequence] = []
-        prefill = 0
+        prefill, spent = 0, 0.0  # prompt tokens fed in this step, and their cost of the step's budget
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
@@ -158,8 +166,9 @@ class Scheduler:
                         self.counters.migrations += 1
                     q_len = seq.num_tokens - seq.num_cached
                     if q_len > 1:  # the rest of a chunked prefill
-                        q_len = self._prefill_chunk(prefill, q_len, self.max_prefill_tokens - prefill)
+                        q_len = self._prefill_chunk(prefill, seq.num_cached, q_len, self.max_prefill_tokens - spent)
                         prefill += q_len
+                        spent += self.prefill_cost(seq.num_cached, q_len)
                         self.counters.prefill_chunks += q_len > 0
                     if q_len:
                         work.append(Work(seq, seq.num_cached, q_len))
@@ -176,6 +185,7 @@ class Scheduler:
                     dropped = work.pop(planned)
                     if dropped.q_len > 1:
                         prefill -= dropped.q_len
+                        spent -= self.prefill_cost(dropped.start, dropped.q_len)
                 if victim is seq:
                     break
         return work, stalled
@@ -194,10 +204,11 @@ class Scheduler:
         self.counters.preemptions += 1
         self.counters.swap_outs += swapped
 
-    def _admit(self, prefill: int = 0) -> list[Work]:
-        """Admit waiting requests into this step, which already prefills `prefill` tokens of running ones."""
+    def _admit(self, prefill: int = 0, spent: float = 0.0) -> list[Work]:
+        """Admit waiting requests into this step, which already prefills `prefill` tokens of running ones at a
+        cost of `spent` of its budget."""
         work: list[Work] = []
-        budget = self.max_prefill_tokens - prefill
+        budget = self.max_prefill_tokens - spent
         if self.clear_window:
             self._clear_way()
         candidates = self.order.candidates(self.waiting, self._freed_buckets)
@@ -210,11 +221,12 @@ class Scheduler:
                 break
             source, shared = self._prefix_source(seq)
             need = seq.num_tokens - seq.num_cached - shared
-            if work and need > budget:
-                continue
+            if need > 1 and (budget <= 0 if self.chunk_prefills else (work and need > budget)):
+                continue  # no prefill budget left in this step (chunked: it starts with a later step's)
             if source is None and self._hold_for_prefix(seq, work, prefill):
                 continue
-            q_len = self._room_for(seq, need, prefill, budget)
+            start = seq.num_cached + shared
+            q_len = self._room_for(seq, start, need, prefill, budget)
             handle = self.kv.admit(seq) if q_len else None
             if handle is None:
                 self.counters.admission_refusals += q_len > 0
@@ -227,7 +239,7 @@ class Scheduler:
             self.counters.prefix_copies += source is not None
             self.counters.prefix_tokens += shared
             self.counters.prefill_chunks += q_len < need
-            budget -= q_len
+            budget -= self.prefill_cost(start, q_len) if q_len > 1 else q_len
             prefill += q_len
             if budget <= 0:
                 break
@@ -260,8 +272,8 @@ class Scheduler:
             return True
         return False
 
-    def _room_for(self, seq: Sequence, need: int, prefill: int, budget: int) -> int:
-        """How many of the `need` tokens `seq` may feed in this step, which already prefills `prefill` tokens, before
+    def _room_for(self, seq: Sequence, start: int, need: int, prefill: int, budget: float) -> int:
+        """How many of the `need` tokens from `start` that `seq` may feed in this step, which already prefills `prefill` tokens, before
         its memory is asked for; 0 = refused now (the refusal counted): no KV block for it yet while ballooning
         (no segment is deflated for a prefill that could not start anyway), no activation room, or admitting it
         would pass θ."""
@@ -270,9 +282,9 @@ class Scheduler:
             return 0
         q_len = need
         if self.chunk_prefills and need > 1:
-            q_len = self._prefill_chunk(prefill, need, budget)
+            q_len = self._prefill_chunk(prefill, start, need, budget)
             if not q_len:  # no activation room left in this step (or no prefill budget)
-                self.counters.activation_refusals += budget > 0
+                self.counters.activation_refusals += budget > 0 and self.elastic is not None
                 return 0
         elif self.elastic is not None and not self._activation_room(prefill + need):
             return 0
@@ -300,12 +312,17 @@ class Scheduler:
             seq.swapped = False
             self.counters.swap_ins += 1
 
-    def _prefill_chunk(self, planned: int, want: int, budget: int) -> int:
-        """Prompt tokens to feed now (0: none) of `want` left, in a step already prefilling `planned` tokens:
-        all of them without chunking, else what the free activation room and the step's budget allow."""
-        if not self.chunk_prefills or self.elastic is None:
+    def _prefill_chunk(self, planned: int, start: int, want: int, budget: float) -> int:
+        """Prompt tokens to feed now (0: none) of `want` left from position `start`, in a step already prefilling
+        `planned` tokens: all of them without chunking, else what the step's budget (and, ballooning, the free
+        activation room) allows; a step that prefills nothing else feeds at least one token, so a prompt deep in
+        a long context still advances under a small budget."""
+        if not self.chunk_prefills:
             return want
-        return self.elastic.prefill_room(planned, min(want, max(0, budget)))
+        chunk = self.prefill_cost.fit(start, want, budget)
+        if not chunk and not planned and budget >= self.max_prefill_tokens:
+            chunk = min(want, 1)
+        return chunk if self.elastic is None else self.elastic.prefill_room(planned, chunk)
 
     def _clear_way(self) -> None:
         """A head that holds the queue without a range to fit in: relocate the blocks in the range it would need

@@ -12,6 +12,7 @@ import torch
 
 from odma.engine.config import PAGE_TOKENS, EngineConfig, parse_kv_budget
 from odma.engine.model_runner import ModelRunner
+from odma.engine.prefill_cost import PrefillCost
 from odma.engine.scheduler import Scheduler
 from odma.errors import ConfigError
 from odma.kv import ContiguousKV, DeviceLoad, ElasticKV, KVPool, MappedKV, PagedKV, PlaneGeometry, ReservationPolicy
@@ -80,8 +81,10 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
                           preempt=config.preempt, swapper=swap, order=config.schedule,
                           aging_rounds=config.sjf_aging_rounds, admission_theta=config.admission_theta,
                           admission_demand=config.admission_demand,
-                          chunk_prefills=config.balloon and config.balloon_chunked_prefill,
-                          clear_window=config.clear_window, prefix_min_tokens=config.prefix_share_min_tokens)
+                          chunk_prefills=config.chunked_prefill
+                          and (not config.balloon or config.balloon_chunked_prefill),
+                          clear_window=config.clear_window, prefix_min_tokens=config.prefix_share_min_tokens,
+                          prefill_cost=PrefillCost.for_model(model.config))
     log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); growth by %s; attention: %s", device, budget / 2**20,
              kv.total_tokens, bytes_per_token, "mapping" if mapped is not None else "copy", attention_name(runner))
     return DeviceWorker(device, backend, runner, kv, scheduler, swap)
@@ -158,7 +161,8 @@ def _build_paged_worker(config: EngineConfig, device: str, backend: Any, model: 
     preempt = "recompute" if config.preempt == "swap" else config.preempt
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
                           preempt=preempt, order=config.schedule, aging_rounds=config.sjf_aging_rounds,
-                          admission_theta=config.admission_theta, admission_demand=config.admission_demand)
+                          admission_theta=config.admission_theta, admission_demand=config.admission_demand,
+                          chunk_prefills=config.chunked_prefill, prefill_cost=PrefillCost.for_model(model.config))
     log.info("%s: paged kv, %d pages of %d tokens (%d B/token); preemption: %s; attention: %s", device, pages,
              PAGE_TOKENS, bytes_per_token, preempt, attention_name(runner))
     return DeviceWorker(device, backend, runner, kv, scheduler)

@@ -79,8 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sjf-aging-rounds", type=int, default=d.sjf_aging_rounds,
                    help="sjf: a request that has waited this many admission rounds longer than the newest waiting one goes first")
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
-                   help="prompt tokens prefilled per engine step (one longer prompt always passes); a smaller cap "
-                        "staggers streams that arrive together")
+                   help="prompt tokens prefilled per engine step beside its decodes (a longer prompt is chunked over "
+                        "steps; with --no-chunked-prefill it passes whole, alone)")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=d.chunked_prefill,
+                   help="feed a prompt longer than --max-prefill-tokens over several steps beside the running decodes "
+                        "(off: whole, and every stream waits for it)")
     p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted (the large bucket's bound)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
@@ -180,7 +183,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         decode_graphs=args.decode_graphs,
         kv_budget=args.kv_budget,
         max_num_seqs=args.max_num_seqs, schedule=args.schedule, sjf_aging_rounds=args.sjf_aging_rounds,
-        max_prefill_tokens=args.max_prefill_tokens, max_tokens_cap=args.max_tokens_cap,
+        max_prefill_tokens=args.max_prefill_tokens, chunked_prefill=args.chunked_prefill,
+        max_tokens_cap=args.max_tokens_cap,
         max_model_len=args.max_model_len, parallel_devices=args.parallel_devices, s3_buckets=args.s3_buckets,
         balloon_keep_tokens=args.balloon_keep_tokens, bootstrap_from_log=args.bootstrap_from_log,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, admission_theta=args.admission_theta,
