@@ -320,6 +320,17 @@ def test_the_ingress_refuses_what_a_replica_would(folder):
     front.validate([1, 2, 3], SamplingParams(max_tokens=8))  # and accepts what it accepts
 
 
+def test_the_ingress_and_the_engine_open_the_same_door_to_the_app(folder):
+    from odma.server.served_engine import ServedEngine
+
+    engine = tiny_engine(folder, kv_budget="1MiB")
+    front = FrontEngine(engine.config, None, ModelConfig.from_folder(folder), ClusterView(engine.config))
+    assert isinstance(engine, ServedEngine) and isinstance(front, ServedEngine)  # every member, data ones too
+    for name in ("vocab_size", "eos_ids", "max_model_len"):
+        assert getattr(front, name) == getattr(engine, name), name
+    assert front.decode([5, 6, *engine.eos_ids]) == engine.decode([5, 6]) == ""  # no tokenizer here: ids only
+
+
 def test_the_ingress_sizes_a_request_as_the_replicas_policy_reserves_it(folder):
     engine = tiny_engine(folder, buckets=shared_config(), max_tokens_cap=512)
     view = ClusterView(engine.config)

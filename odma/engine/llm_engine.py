@@ -458,6 +458,14 @@ class LLMEngine:
             self.step()
         return seqs
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.runner.eos_ids
+
     def decode(self, ids: list[int]) -> str:
         ids = [t for t in ids if t not in self.runner.eos_ids]
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

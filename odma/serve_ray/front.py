@@ -15,7 +15,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -85,12 +84,13 @@ class ClusterView:
 
 
 class FrontEngine:
-    """What odma-serve's app reads of an engine, for an ingress that holds no model."""
+    """odma-serve's `ServedEngine` for an ingress that holds no model: limits and checks from the model's config and
+    the replicas' reports."""
 
     def __init__(self, config: EngineConfig, tokenizer, model_config, view: ClusterView) -> None:
         self.config, self.tokenizer, self.view = config, tokenizer, view
-        self.model = SimpleNamespace(config=model_config)  # create_app reads model.config.vocab_size
-        self.runner = SimpleNamespace(eos_ids=tuple(model_config.eos_token_ids))  # streams reads runner.eos_ids
+        self.vocab_size = model_config.vocab_size
+        self.eos_ids = tuple(model_config.eos_token_ids)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.outstanding = 0  # samples submitted here and not finished yet
 
@@ -99,12 +99,12 @@ class FrontEngine:
         return self.view.max_request_tokens
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
-        check_request(ids, params, vocab_size=self.model.config.vocab_size, max_tokens_cap=self.config.max_tokens_cap,
+        check_request(ids, params, vocab_size=self.vocab_size, max_tokens_cap=self.config.max_tokens_cap,
                       max_model_len=self.max_model_len, max_request_tokens=self.max_request_tokens,
                       align=self.config.pool.align)
 
     def decode(self, ids: list[int]) -> str:
-        ids = [t for t in ids if t not in self.runner.eos_ids]
+        ids = [t for t in ids if t not in self.eos_ids]
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     @property

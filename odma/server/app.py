@@ -40,7 +40,7 @@ def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases:
                defaults: SamplingDefaults | None = None, max_n: int = DEFAULT_MAX_N) -> FastAPI:
     engine = runtime.engine
     names = tuple(dict.fromkeys((model_name, *aliases)))
-    limits = ApiLimits(served_names=names, vocab_size=engine.model.config.vocab_size,
+    limits = ApiLimits(served_names=names, vocab_size=engine.vocab_size,
                        max_tokens_cap=engine.config.max_tokens_cap, max_n=max_n,
                        default_max_tokens=engine.config.default_max_tokens,
                        max_prompt_chars=max_prompt_chars(engine.tokenizer, engine.max_model_len))

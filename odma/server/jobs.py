@@ -12,6 +12,7 @@ from odma.engine.sequence import RequestTags
 from odma.errors import InvalidRequestError, RequestTooLargeError
 from odma.server.generation_config import SamplingDefaults
 from odma.server.protocol import ApiLimits
+from odma.server.served_engine import ServedEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,7 @@ def max_prompt_chars(tokenizer, context_tokens: int) -> int | None:
 
 
 class JobBuilder:
-    def __init__(self, engine, limits: ApiLimits, defaults: SamplingDefaults) -> None:
+    def __init__(self, engine: ServedEngine, limits: ApiLimits, defaults: SamplingDefaults) -> None:
         self.engine, self.limits, self.defaults = engine, limits, defaults
 
     def completion(self, body) -> Job:

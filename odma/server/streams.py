@@ -14,6 +14,7 @@ from odma.server import render
 from odma.server.errors import HTTPError, error_body
 from odma.server.jobs import Job
 from odma.server.runtime import SHUTTING_DOWN
+from odma.server.served_engine import ServedEngine
 
 DISCONNECT_POLL_S = 0.5
 
@@ -21,7 +22,7 @@ DISCONNECT_POLL_S = 0.5
 class TextStream:
     """Incremental detokenisation with stop strings: `push(token)` returns the new text that is safe to send."""
 
-    def __init__(self, engine, stops: tuple[str, ...], min_tokens: int = 0) -> None:
+    def __init__(self, engine: ServedEngine, stops: tuple[str, ...], min_tokens: int = 0) -> None:
         self.engine, self.stops, self.min_tokens = engine, stops, min_tokens
         self.ids: list[int] = []
         self.sent = ""
@@ -61,7 +62,7 @@ class TextStream:
 class Sample:
     """One choice of a job: its text so far and the logprobs entries already sent."""
 
-    def __init__(self, index: int, job: Job, engine, texts: render.TokenText) -> None:
+    def __init__(self, index: int, job: Job, engine: ServedEngine, texts: render.TokenText) -> None:
         self.index, self.job, self.engine, self.texts = index, job, engine, texts
         self.text = TextStream(engine, job.params.stop, job.params.min_tokens)
         self.seq = None
@@ -120,7 +121,7 @@ class Sample:
         if self.job.logprobs is None:
             return None
         entries, tokens = self._generated_entries()
-        eos = self.engine.runner.eos_ids
+        eos = self.engine.eos_ids
         if self.job.chat:
             return {"content": render.chat_logprobs(entries, self.texts, eos)}
         out, self._offset = render.completion_logprobs(entries, tokens, self.texts, self._offset, eos)
