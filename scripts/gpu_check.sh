@@ -17,6 +17,7 @@
 #   scripts/gpu_check.sh [OUT]          on a GPU (docs/backends.md gives the command for a lent machine)
 #   scripts/gpu_check.sh --cpu [OUT]    the CPU dry run (tiny shapes, Triton's interpreter, one test per file; CI
 #                                       runs it)
+# TESTS_CAP=S and GPU_BENCH_ARGS="--caps kernels=S,..." shorten a run to fit a lease.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--stage" ]; then
@@ -66,7 +67,8 @@ XDIST=""
 # shellcheck disable=SC2086
 timeout "$TESTS_CAP" "$PY" -m pytest -q $XDIST -p no:cacheprovider "${PICK[@]}" $TESTS 2>&1 | tee "$OUT/tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
-"$PY" -m odma.bench.gpu_bench "${BENCH[@]}" --tests-log "$OUT/tests.log" --json --out "$OUT/gpu_check.json" \
+# shellcheck disable=SC2086
+"$PY" -m odma.bench.gpu_bench "${BENCH[@]}" ${GPU_BENCH_ARGS:-} --tests-log "$OUT/tests.log" --json --out "$OUT/gpu_check.json" \
   >/dev/null || status=1
 "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1)[:8000])" "$OUT/gpu_check.json" \
   || status=1

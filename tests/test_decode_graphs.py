@@ -20,6 +20,13 @@ from odma.models.tiny import make_tiny_model  # noqa: E402
 from test_engine_triton import DEVICE, GREEDY, PROMPTS, pytestmark  # noqa: E402,F401 (the same engine runs)
 
 
+def _backend_class():
+    """The class of the backend the engine opens on DEVICE (CPU in CI, CUDA on a GPU), whose capture is faked."""
+    from odma.engine.llm_engine import open_backend
+
+    return type(open_backend(DEVICE))
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2")
@@ -70,12 +77,11 @@ def test_mapped_memory_through_static_batches(folder, reference):
 
 
 def test_a_failed_capture_runs_the_batch_eagerly(folder, reference, monkeypatch, caplog):
-    from backends.cpu import CPUBackend
 
     def refuse(self, fn):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(CPUBackend, "capture_graph", refuse)
+    monkeypatch.setattr(_backend_class(), "capture_graph", refuse)
     engine = tiny_engine(folder, kv_budget="1MiB", attention="triton", decode_graphs="capture", device=DEVICE,
                          max_num_seqs=8)
     seqs = engine.generate(PROMPTS, GREEDY)
@@ -168,10 +174,11 @@ def test_a_bucket_launches_the_same_arguments_every_step_and_never_syncs(folder)
     assert not forbidden, f"the static forward built or read host values: {forbidden}"
 
 
-def test_capture_records_every_bucket_at_start_and_replays_them(folder, reference, monkeypatch):
+@pytest.mark.parametrize("policy", ["odma", "paged"])
+def test_capture_records_every_bucket_at_start_and_replays_them(folder, reference, monkeypatch, policy):
     """A backend whose capture works (here: one that reruns the recorded function, as a replay reruns launches):
-    every bucket is recorded before the first request, largest first, on padding, and decode steps replay them."""
-    from backends.cpu import CPUBackend
+    every bucket is recorded before the first request, largest first, on padding (paged: an empty page table),
+    and decode steps replay them."""
 
     recorded = []
 
@@ -180,9 +187,9 @@ def test_capture_records_every_bucket_at_start_and_replays_them(folder, referenc
         recorded.append(fn)
         return fn
 
-    monkeypatch.setattr(CPUBackend, "capture_graph", capture)
+    monkeypatch.setattr(_backend_class(), "capture_graph", capture)
     engine = tiny_engine(folder, kv_budget="1MiB", attention="triton", decode_graphs="capture", device=DEVICE,
-                         max_num_seqs=8)
+                         max_num_seqs=8, policy=policy)
     graphs = engine.workers[0].runner.graphs
     assert graphs.captured == len(recorded) == len(buckets(8)) and list(graphs._replays) == [8, 4, 2, 1]
     seqs = engine.generate(PROMPTS, GREEDY)
