@@ -87,10 +87,11 @@ class EngineConfig:
     sjf_aging_rounds: int = 256
     # prompt tokens a step prefills beside its decodes: with chunked_prefill a longer prompt is fed over several
     # steps, so the running streams keep getting tokens while it is prefilled (off: a prompt is fed whole, and one
-    # longer than this passes alone, freezing every stream for its whole prefill). 256, measured on one core
+    # longer than this passes alone, freezing every stream for its whole prefill). A chunk costs its tokens plus
+    # their attention over the cached context (odma.engine.prefill_cost). 256, measured on one core
     # (docs/BENCHMARKS.md, "Serving defaults, measured"): a stream's longest gap while a 4,000- and an 8,000-token
-    # prompt arrive 2.0 s (2,048: 14 s; whole prompts: 34 s), TTFT p50 at 16 streams 0.8 s (2.7 s), the same
-    # throughput on NQ-144 and guidellm, for an ITL of 57 ms instead of 45
+    # prompt arrive 0.5 s (whole prompts: 34 s), TTFT p50 at 16 streams 0.75 s (2.7-2.9 s), the same throughput on
+    # NQ-144 and guidellm within the runs' spread, for an ITL of 55-62 ms instead of 44-49
     max_prefill_tokens: int = 256
     chunked_prefill: bool = True
     max_tokens_cap: int = 2048  # the largest max_tokens a request may ask; the large bucket's bound
