@@ -362,6 +362,9 @@ def guidellm_metrics(report: dict) -> dict:
         "ttft_mean_s": ttft["mean"] / 1e3, "ttft_p50_s": ttft["percentiles"]["p50"] / 1e3,
         "ttft_p99_s": ttft["percentiles"]["p99"] / 1e3,
         "itl_mean_s": ok("inter_token_latency_ms")["mean"] / 1e3,
+        # over requests, each request's mean gap between tokens (guidellm's distribution)
+        "itl_p50_s": ok("inter_token_latency_ms")["percentiles"]["p50"] / 1e3,
+        "itl_p99_s": ok("inter_token_latency_ms")["percentiles"]["p99"] / 1e3,
         "latency_mean_s": ok("request_latency")["mean"],
         "completed": m["request_totals"]["successful"], "errors": m["request_totals"]["errored"],
         "incomplete": m["request_totals"]["incomplete"],

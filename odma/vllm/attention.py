@@ -184,7 +184,6 @@ class OdmaAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         config = plugin_config()
         self.coalesce = config.attention != "paged"
-        self.workers = torch.get_num_threads()
         self.kernel = load_run_kernel()
         if self.kernel is None:
             log.warning("odma attention: the C kernel is unavailable; every request runs through SDPA")
@@ -204,7 +203,9 @@ class OdmaAttentionImpl(AttentionImpl):
         if meta.decode_rows.numel():
             if self.kernel is not None and planes.dtype == torch.float32:
                 self.kernel.decode(planes, meta.block_size, meta.decode_table, meta.decode_lens, meta.decode_rows,
-                                   q, out, self.scale, coalesce=self.coalesce, workers=self.workers)
+                                   q, out, self.scale, coalesce=self.coalesce,
+                                   # read per call: vLLM sets its thread count after the model (and this) is built
+                                   workers=torch.get_num_threads())
             else:
                 for row, n, table in zip(meta.decode_rows.tolist(), meta.decode_lens.tolist(), meta.decode_table):
                     rows = _rows(table, n, meta.block_size)
