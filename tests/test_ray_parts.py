@@ -399,7 +399,10 @@ def test_odma_serve_ray_stops_on_a_burst_of_signals_and_gives_ctrl_c_back():
             "from odma.serve_ray.app import wait_for_stop_signal\n"
             "got = wait_for_stop_signal(poll_s=0.5, on_ready=lambda: print('waiting', flush=True))\n"
             "print('stopped', got, signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # as from an interactive shell: a shell's background job (pytest run with `&`) starts with SIGINT ignored, and
+    # Python then keeps it ignored instead of installing its default handler
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "waiting"
         for _ in range(300):  # back to back: the old handler deadlocked in about one run of six like this
