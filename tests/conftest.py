@@ -54,6 +54,11 @@ def answers(tmp_path_factory):
     return path
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The same line at the end of the run, where `pytest -q` (which hides the header) shows it too."""
+    terminalreporter.write_line(pytest_report_header(config))
+
+
 def pytest_report_header(config):
     """The CPU GEMM paths this run tests: the kernel tests run once per instruction set this CPU runs (their ids
     name it), so a log says which path a CI machine exercised."""
