@@ -377,6 +377,8 @@ class StaticDecode:
         fields[:, :n] = cols[:, :FIELDS].t()
         host[FIELDS * b:FIELDS * b + n] = cols[:, FIELDS]
         if self.page:
+            if pages is None and n == 0:  # a batch of padding (what a capture records) has no pages to give
+                pages = []
             if pages is None or len(pages) != n:
                 raise BackendError("a paged static decode step needs every request's pages")
             table = host[(FIELDS + 1) * b:].view(b, self.table_width)

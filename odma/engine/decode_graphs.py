@@ -85,7 +85,7 @@ class DecodeGraphs:
         what vLLM does at start, so that no request waits for a capture."""
         for bucket in reversed(self.buckets):
             if bucket not in self._replays:
-                self.static.fill([], [], [], [] if self.page_tokens else None)  # paged: an empty page table
+                self.static.fill([], [], [])
                 self._record(bucket)
 
     def _record(self, bucket: int) -> Callable[[], torch.Tensor]:

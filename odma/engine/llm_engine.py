@@ -467,7 +467,7 @@ class LLMEngine:
         return self.runner.eos_ids
 
     def decode(self, ids: list[int]) -> str:
-        ids = [t for t in ids if t not in self.runner.eos_ids]
+        ids = [t for t in ids if t not in self.eos_ids]
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     @property
