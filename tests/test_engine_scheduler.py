@@ -324,3 +324,13 @@ def test_the_prefill_cost_fits_the_most_tokens_within_a_budget():
                                         "max_position_embeddings": 8192, "tie_word_embeddings": True})
     # per layer 3.54 M weights (q, k, v, o, gate, up, down) against 4·576 FLOPs a cached position, at half speed
     assert PrefillCost.for_model(smollm2).span == 0.5 * 2 * 3_538_944 / (4 * 576)
+
+
+def test_adaptive_admits_in_arrival_order_while_no_more_wait_than_can_run():
+    lengths = [30, 5, 20, 1, 12]
+    sched = _scheduler(max_num_seqs=5, order="adaptive")
+    for i, n in enumerate(lengths[:5]):
+        sched.add(_tagged(i, n))
+    assert [s.request_id for s in sched.order.candidates(sched.waiting, Counter())] == ["r0", "r1", "r2", "r3", "r4"]
+    sched.add(_tagged(5, 2))  # six wait for five places: shortest predicted first
+    assert [s.request_id for s in sched.order.candidates(sched.waiting, Counter())][:3] == ["r3", "r5", "r1"]

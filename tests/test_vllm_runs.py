@@ -323,3 +323,31 @@ def test_length_tags_follow_realized_lengths_through_the_running_median():
     for n in (40, 40, 40):
         tags.observe(None, n)
     assert tags.tag(["q"], [8], [1024], [0.0])[0].predicted == 40.0
+
+
+def test_the_plugin_queue_serves_in_the_engine_schedulers_order():
+    """One order of service: the same waiting requests, ages and predictions give the same order through vLLM's
+    queue interface as through the engine's `ShortestFirst` (random cases, aging and the adaptive depth included)."""
+    import random
+
+    from odma.engine.ordering import ShortestFirst
+
+    rng = random.Random(7)
+    for case in range(200):
+        aging, depth = rng.choice((1, 2, 3, 50)), rng.choice((0, 0, 2, 5))
+        q = ShortestFirstQueue(lambda r: r.predicted, aging_rounds=aging, depth=depth)
+        engine_order = ShortestFirst(aging_rounds=aging, depth=depth)
+        born = {}
+        for rnd in range(rng.randint(1, 6)):
+            for _ in range(rng.randint(0, 4)):
+                r = _req(f"c{case}r{len(born)}", rng.choice((math.inf, *range(1, 40))))
+                born[r] = q.round
+                q.add_request(r)
+            if q and rng.random() < 0.5:
+                born.pop(q.pop_request())
+            q.new_round()
+        arrival = list(born)  # insertion order is arrival order
+        expected = engine_order.rank(arrival, waited=lambda r: q.round - born[r], remaining=lambda r: r.predicted)
+        assert [r.name for r in q] == [r.name for r in expected]
+        if expected:
+            assert q.pop_request() is expected[0]

@@ -82,7 +82,9 @@ class Scheduler:
         self.preempt_mode = preempt
         self.max_skips = max_skips  # rounds a head-of-queue request may be bypassed before it blocks others
         # the order of service (odma.engine.ordering): fcfs, or shortest predicted remaining first with aging
-        self.order = make_order(order, lookahead=lookahead, max_skips=max_skips, aging_rounds=aging_rounds)
+        # (adaptive: only while more wait than can run)
+        self.order = make_order(order, lookahead=lookahead, max_skips=max_skips, aging_rounds=aging_rounds,
+                                depth=max_num_seqs)
         self.elastic = kv.elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
         self.swapper = swapper
         if not 0 < admission_theta <= 1:
