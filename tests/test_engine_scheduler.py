@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from odma.kv import BucketManager, BucketPolicy, ContiguousKV, KVPool
+from odma.engine.admission import ReservedShare, admission_rules, final_tokens
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
 from odma.engine.sequence import Sequence
@@ -69,7 +70,7 @@ def test_admission_theta_keeps_headroom_for_growth_but_never_blocks_an_idle_pool
     """eLLM Algorithm 1: with θ = 0.5 of a 48-slot pool, admissions stop once reservations would pass 24
     slots; an empty engine still admits a request bigger than that (no deadlock), and without θ the same
     queue fills the pool."""
-    sched = _scheduler(max_num_seqs=8, admission_theta=0.5)
+    sched = _scheduler(max_num_seqs=8, admission=[ReservedShare(0.5)])
     big = _seq(0, 2)  # 40 slots > 24: admitted anyway, nothing is running
     sched.add(big)
     assert _admitted(sched) == ["r0"]
@@ -100,7 +101,7 @@ def test_admission_by_predicted_demand_stops_where_the_running_set_would_outgrow
     prediction 12 (ends at 20) two do. A request without a prediction counts its whole max_tokens (40), yet an
     idle engine still admits it (no deadlock)."""
     def admitted(demand, predicted):
-        sched = _scheduler(max_num_seqs=8, admission_demand=demand)
+        sched = _scheduler(max_num_seqs=8, admission=admission_rules(demand=demand))
         for i, p in enumerate(predicted):
             sched.add(_tagged(i, p) if p is not None else Sequence(f"r{i}", [1] * 8, SamplingParams(max_tokens=32)))
         names = _admitted(sched)
@@ -116,13 +117,13 @@ def test_admission_by_predicted_demand_stops_where_the_running_set_would_outgrow
 
 def test_predicted_final_tokens_shrink_with_progress_and_never_undercount_what_is_held():
     seq = _tagged(0, 20)
-    assert Scheduler.final_tokens(seq) == 28
+    assert final_tokens(seq) == 28
     seq.output_ids.extend([5] * 15)
-    assert Scheduler.final_tokens(seq) == 28  # 23 held + 5 predicted to come
+    assert final_tokens(seq) == 28  # 23 held + 5 predicted to come
     seq.output_ids.extend([5] * 10)  # past its prediction: what it holds
-    assert Scheduler.final_tokens(seq) == 33
+    assert final_tokens(seq) == 33
     seq.predicted_remaining = 100.0  # a refined estimate beyond max_tokens is capped at max_tokens
-    assert Scheduler.final_tokens(seq) == 8 + 32
+    assert final_tokens(seq) == 8 + 32
 
 
 def test_sjf_admits_the_shortest_predicted_first_and_fcfs_keeps_arrival_order():
@@ -334,3 +335,27 @@ def test_adaptive_admits_in_arrival_order_while_no_more_wait_than_can_run():
     assert [s.request_id for s in sched.order.candidates(sched.waiting, Counter())] == ["r0", "r1", "r2", "r3", "r4"]
     sched.add(_tagged(5, 2))  # six wait for five places: shortest predicted first
     assert [s.request_id for s in sched.order.candidates(sched.waiting, Counter())][:3] == ["r3", "r5", "r1"]
+
+
+def test_admission_rules_compose_each_refusal_counted_under_its_rule_and_an_idle_engine_always_admits():
+    class OnePerRound:  # a rule written outside the scheduler: at most one new request per round
+        counter = "admission_refusals"
+
+        def begin_round(self, running, kv):
+            self.started = 0
+
+        def allows(self, seq, kv):
+            return self.started < 1
+
+        def admitted(self, seq):
+            self.started += 1
+
+    sched = _scheduler(max_num_seqs=8, admission=[OnePerRound(), *admission_rules(demand=1.0)])
+    for i in range(3):
+        sched.add(_tagged(i, 12))
+    assert _admitted(sched) == ["r0"]  # the idle engine admits r0; r1 is refused by OnePerRound (asked first)
+    assert (sched.counters.admission_refusals, sched.counters.demand_refusals) == (2, 0)
+    assert _admitted(sched) == ["r1"]  # a new round: demand 20 + 20 <= 48
+    assert _admitted(sched) == []  # 60 > 48: refused by demand
+    assert sched.counters.demand_refusals == 1
+    sched.kv.check()

@@ -82,6 +82,7 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
              bytes_per_token: int = 46080, swap_gbps: float = 10.0, admission_theta: float = 1.0) -> dict:
     from odma.analyze.simulate import SimJob, TableStepModel, simulate as drive
     from odma.engine.config import EngineConfig
+    from odma.engine.admission import admission_rules
     from odma.engine.scheduler import Scheduler
     from odma.kv import ContiguousKV
 
@@ -89,7 +90,7 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
     swap = CountingSwap(bytes_per_token, swap_gbps) if preempt == "swap" else None
     scheduler = Scheduler(ContiguousKV(pool), max_num_seqs=max_num_seqs,
                           max_prefill_tokens=EngineConfig().max_prefill_tokens, preempt=preempt, swapper=swap,
-                          admission_theta=admission_theta)
+                          admission=admission_rules(theta=admission_theta))
     jobs = [SimJob(f"r{i}", 0.0, rec.prompt_tokens, max(1, min(max_tokens, rec.output_tokens)), max_tokens,
                    pred if policy != "static" else None) for i, (rec, pred) in enumerate(zip(records, predictions))]
     step_model = TableStepModel(step_table, prefill_ms_per_token=prefill_ms_per_token)

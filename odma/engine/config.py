@@ -13,6 +13,7 @@ from pathlib import Path
 
 from odma.config import BucketConfig, PoolConfig, default_cache_dir
 from odma.errors import ConfigError
+from odma.engine.admission import AdmissionRule, admission_rules
 from odma.engine.ordering import ORDERS
 from backends.base import ATTENTION_KINDS  # noqa: F401 (re-exported for the CLI)
 from odma.kv import POLICY_KINDS
@@ -159,6 +160,10 @@ class EngineConfig:
     def resolved_kv_dtype(self) -> str:
         return self.kv_dtype or ("float32" if self.on_cpu else self.dtype)
 
+    def admission_rules(self) -> list[AdmissionRule]:
+        """The scheduler's admission rules these settings ask for (odma.engine.admission)."""
+        return admission_rules(self.admission_theta, self.admission_demand)
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
@@ -197,10 +202,10 @@ class EngineConfig:
             raise ConfigError(f"prefix_share_min_tokens must be >= 0 (0: off), got {self.prefix_share_min_tokens}")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
-        if not 0 < self.admission_theta <= 1:
-            raise ConfigError(f"admission_theta must be in (0, 1], got {self.admission_theta}")
-        if self.admission_demand is not None and not (0 < self.admission_demand < float("inf")):
-            raise ConfigError(f"admission_demand must be a positive share of the pool, got {self.admission_demand}")
+        try:
+            self.admission_rules()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         for name in ("slo_ttft_s", "slo_tpot_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:

@@ -4,12 +4,12 @@ waiting ones whose memory can be reserved. Pure bookkeeping; memory is asked thr
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
-from odma.engine.ordering import make_order, predicted_remaining
+from odma.engine.admission import AdmissionRule, first_refusal
+from odma.engine.ordering import make_order
 from odma.engine.prefill_cost import PrefillCost
 from odma.engine.prefix_share import PrefixIndex
 from odma.engine.sequence import Sequence, Status, Work
@@ -65,8 +65,7 @@ class Scheduler:
         order: str = "fcfs",
         aging_rounds: int = 256,
         swapper: Swapper | None = None,
-        admission_theta: float = 1.0,
-        admission_demand: float | None = None,
+        admission: Iterable[AdmissionRule] = (),
         chunk_prefills: bool = False,
         clear_window: bool = False,
         prefix_min_tokens: int | None = None,
@@ -87,22 +86,8 @@ class Scheduler:
                                 depth=max_num_seqs)
         self.elastic = kv.elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
         self.swapper = swapper
-        if not 0 < admission_theta <= 1:
-            raise ValueError(f"admission_theta must be in (0, 1], got {admission_theta}")
-        # eLLM Algorithm 1's threshold: a new request is admitted only while reservations stay within θ of the
-        # pool, keeping 1 − θ for running requests to grow into. Reservations are all-or-nothing (a block or
-        # none), so there is no hold-and-wait; offloading others to let a prefill in is what swap preemption
-        # does on the growth path.
-        self.admission_theta = admission_theta
-        if admission_demand is not None and not (admission_demand > 0 and math.isfinite(admission_demand)):
-            raise ValueError(f"admission_demand must be a positive share of the pool, got {admission_demand}")
-        # Admission by predicted demand: a new request is admitted only while the KV the running requests are
-        # predicted to hold when they finish (prompt + L̂, capped at max_tokens), plus its own, stays within this
-        # share of the pool. Reservations start small and grow, so the pool alone admits more requests than it
-        # can finish without preempting; this caps the batch where memory runs out instead of at a fixed count.
-        # Only the sum counts, and errors of single predictions average out in it. None: off.
-        self.admission_demand = admission_demand
-        self._demand = 0  # predicted final tokens of the running requests, summed at the start of a round
+        # rules beyond memory, budget and the running cap (odma.engine.admission), all of which must agree
+        self.admission = list(admission)
         # Chunked prefill: a step prefills at most max_prefill_tokens of prompts beside its decodes, so a long
         # prompt takes several steps and never freezes the running streams; with ballooning a chunk is also
         # bounded by the free activation room (instead of waiting until the segments holding blocks drain).
@@ -214,8 +199,8 @@ class Scheduler:
         if self.clear_window:
             self._clear_way()
         candidates = self.order.candidates(self.waiting, self._freed_buckets)
-        if self.admission_demand is not None:
-            self._demand = sum(self.final_tokens(s) for s in self.running)
+        for rule in self.admission:
+            rule.begin_round(self.running, self.kv)
         if self.elastic is not None:
             self.elastic.begin_round()
         for seq in candidates:
@@ -236,7 +221,8 @@ class Scheduler:
                     break  # the head has waited long enough: nobody overtakes it, memory is held for it
                 continue
             self._start(seq, handle)
-            self._demand += self.final_tokens(seq) if self.admission_demand is not None else 0
+            for rule in self.admission:
+                rule.admitted(seq)
             work.append(Work(seq, seq.num_cached + shared, q_len, source))
             self.counters.prefix_copies += source is not None
             self.counters.prefix_tokens += shared
@@ -277,8 +263,8 @@ class Scheduler:
     def _room_for(self, seq: Sequence, start: int, need: int, prefill: int, budget: float) -> int:
         """How many of the `need` tokens from `start` that `seq` may feed in this step, which already prefills `prefill` tokens, before
         its memory is asked for; 0 = refused now (the refusal counted): no KV block for it yet while ballooning
-        (no segment is deflated for a prefill that could not start anyway), no activation room, or admitting it
-        would pass θ."""
+        (no segment is deflated for a prefill that could not start anyway), no activation room, or an admission
+        rule said no."""
         if self.elastic is not None and need > 1 and not self.kv.can_admit(seq):
             self.counters.admission_refusals += 1
             return 0
@@ -290,11 +276,9 @@ class Scheduler:
                 return 0
         elif self.elastic is not None and not self._activation_room(prefill + need):
             return 0
-        if self.running and not self._under_theta(seq):
-            self.counters.theta_refusals += 1
-            return 0
-        if self.running and not self._under_demand(seq):
-            self.counters.demand_refusals += 1
+        refusal = first_refusal(self.admission, seq, self.kv) if self.running else None
+        if refusal is not None:
+            setattr(self.counters, refusal.counter, getattr(self.counters, refusal.counter) + 1)
             return 0
         return q_len
 
@@ -339,27 +323,6 @@ class Scheduler:
     def _head_holds(self, seq: Sequence) -> bool:
         """The head of the queue has been bypassed `max_skips` rounds: nobody overtakes it any more."""
         return seq.waited_steps >= self.max_skips and seq is self.order.head(self.waiting)
-
-    def _under_theta(self, seq: Sequence) -> bool:
-        if self.admission_theta >= 1.0:
-            return True
-        need = self.kv.initial_tokens(seq)
-        return self.kv.reserved_tokens + need <= self.admission_theta * self.kv.capacity_tokens
-
-    def _under_demand(self, seq: Sequence) -> bool:
-        if self.admission_demand is None:
-            return True
-        return self._demand + self.final_tokens(seq) <= self.admission_demand * self.kv.capacity_tokens
-
-    @staticmethod
-    def final_tokens(seq: Sequence) -> int:
-        """Tokens `seq` is predicted to hold when it finishes: what it holds now plus its predicted remaining
-        output, within its max_tokens (the whole max_tokens when it has no prediction)."""
-        limit = len(seq.prompt_ids) + seq.params.max_tokens
-        remaining = predicted_remaining(seq)
-        if math.isinf(remaining):
-            return limit
-        return min(limit, seq.num_tokens + math.ceil(remaining))
 
     def _activation_room(self, prefill_tokens: int) -> bool:
         """Ballooning: free the activation room of this step's prefill (segments lent to the KV pool are

@@ -79,8 +79,7 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         swap = HostSwap(backend, runner, OffloadController(OffloadConfig(capacity_bytes=capacity)))
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
                           preempt=config.preempt, swapper=swap, order=config.schedule,
-                          aging_rounds=config.sjf_aging_rounds, admission_theta=config.admission_theta,
-                          admission_demand=config.admission_demand,
+                          aging_rounds=config.sjf_aging_rounds, admission=config.admission_rules(),
                           chunk_prefills=config.chunked_prefill
                           and (not config.balloon or config.balloon_chunked_prefill),
                           clear_window=config.clear_window, prefix_min_tokens=config.prefix_share_min_tokens,
@@ -161,7 +160,7 @@ def _build_paged_worker(config: EngineConfig, device: str, backend: Any, model: 
     preempt = "recompute" if config.preempt == "swap" else config.preempt
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
                           preempt=preempt, order=config.schedule, aging_rounds=config.sjf_aging_rounds,
-                          admission_theta=config.admission_theta, admission_demand=config.admission_demand,
+                          admission=config.admission_rules(),
                           chunk_prefills=config.chunked_prefill, prefill_cost=PrefillCost.for_model(model.config))
     log.info("%s: paged kv, %d pages of %d tokens (%d B/token); preemption: %s; attention: %s", device, pages,
              PAGE_TOKENS, bytes_per_token, preempt, attention_name(runner))
