@@ -3,7 +3,7 @@ latency? A replay's bound comes from recorded answers; a served run samples its 
 takes the lengths the server really produced (`output_tokens` in an `odma-bench serve` or `odma-bench peer`
 result: each request's id and realized length in the order sent), gives each prompt of the burst that length, and
 replays the burst through the serving engine's scheduler on the served model's CPU profile, fcfs against sjf on the
-exact lengths (and, with --predictor, sjf on that predictor). Bursts only: every request arrives at t = 0.
+exact lengths (and, with --predictor, sjf on that predictor), prefilling in chunks as both servers do by default. Bursts only: every request arrives at t = 0.
 
     .venv/bin/python scripts/run_oracle_bound.py RESULT.json --trace runs/alpaca_test_x5.jsonl
         [--stage burst --system vllm] [--predictor smollm2] [--max-batch 64] [--measured -0.19]
@@ -59,14 +59,15 @@ def realized_trace(run: dict, trace: Trace) -> Trace:
     return Trace(f"{trace.name}/served", records, trace.tokenizer, dict(trace.meta))
 
 
-def bound(trace: Trace, predictor: str | None, max_batch: int, max_new_tokens: int, profile: str) -> dict:
+def bound(trace: Trace, predictor: str | None, max_batch: int, max_new_tokens: int, profile: str,
+          chunked: bool = True) -> dict:
     policies = [ORACLE] + (["odma"] if predictor else [])
     out: dict = {}
     for order in ("fcfs", "sjf"):
         spec = ExperimentSpec(trace=trace.name, policies=",".join(policies), predictor=predictor, profile=profile,
                               workload=WorkloadSpec(max_new_tokens=max_new_tokens),
                               engine=EngineSpec(max_batch=max_batch, max_prefill_tokens=2048, scheduler="engine",
-                                                schedule=order))
+                                                schedule=order, chunked_prefill=chunked))
         rows = run_experiment(spec, trace=trace)["policies"]
         out[order] = {p: rows[p]["latency_mean_s"] for p in policies}
     gains = {p: 1 - out["sjf"][p] / out["fcfs"][p] for p in policies}
@@ -83,6 +84,9 @@ def main() -> None:
     p.add_argument("--predictor", default=None, help="also replay sjf on this predictor (its expected share)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--profile", default="cpu-smollm2")
+    p.add_argument("--prefill", choices=("chunked", "whole"), default="chunked",
+                   help="the replayed scheduler's prefill: chunked in 2,048-token steps beside the decodes (vLLM's and "
+                        "odma-serve's default), or whole prompts")
     p.add_argument("--measured", type=float, default=None, help="the real sjf run's change in mean latency")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -93,7 +97,7 @@ def main() -> None:
         raise SystemExit("the result names no max_tokens (`sampling.max_tokens` or `max_tokens`): the replay needs the "
                          "length cap the run was served with")
     served = realized_trace(run, load_trace(args.trace))
-    out = bound(served, args.predictor, args.max_batch, int(max_new), args.profile)
+    out = bound(served, args.predictor, args.max_batch, int(max_new), args.profile, args.prefill == "chunked")
     out["measured"] = args.measured
     line = f"{out['requests']} requests as served: the oracle's sjf {-out['oracle_gain']:+.1%} mean latency"
     if out["predictor_gain"] is not None:

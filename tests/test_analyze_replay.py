@@ -12,7 +12,7 @@ from odma.analyze.experiment import ExperimentSpec, run_experiment
 from odma.analyze.policies import BuildContext, build_manager, parse_policy
 from odma.analyze.predictions import oracle_predictions
 from odma.analyze.profiles import PROFILES, CostModel
-from odma.analyze.replay import EngineSpec, Replay
+from odma.analyze.replay import EngineSpec, EventReplay
 from odma.analyze.workload import WorkloadSpec, build_workload
 from odma.errors import ConfigError
 from odma.traces import Trace, TraceRecord
@@ -105,7 +105,7 @@ def test_replay_drives_the_real_pool():
     spec = parse_policy("odma/scale=0.5")  # reserve half the prediction: growth by migration must happen
     manager = build_manager(spec, ctx)
     assert isinstance(manager, ContiguousKV) and isinstance(manager.pool, KVPool)
-    result = Replay(workload, spec, manager, CostModel(PROFILES["mlu370-qwen7b"]), oracle_predictions(workload)).run()
+    result = EventReplay(workload, spec, manager, CostModel(PROFILES["mlu370-qwen7b"]), oracle_predictions(workload)).run()
     stats = manager.pool.stats()
     assert stats.releases == 30 + result["preemptions"] and stats.live_blocks == 0 and stats.reserved_tokens == 0
     assert stats.migrations == result["migrations"] > 0
@@ -226,3 +226,20 @@ def test_a_growth_hint_makes_one_growth_of_several():
     assert pred["migrations"] == plain["migrations"]  # a hint no larger than what is needed changes nothing
     for r in (plain, oracle, pred):
         assert r["completed"] == 100 and r["lost"] == 0
+
+
+def test_the_engine_scheduler_replays_chunked_prefill_and_the_event_approximation_refuses_it():
+    """Prompts of 300 tokens under a 64-token step budget: chunked, each takes several steps beside the running
+    decodes (so the first tokens come later than with whole prompts, and the steps are more), nothing lost."""
+    with pytest.raises(ConfigError, match="engine scheduler"):
+        EngineSpec(chunked_prefill=True)
+    trace = Trace("long", [TraceRecord(f"l{i}", None, 300, 20) for i in range(6)], "source")
+    rows = {}
+    for chunked in (False, True):
+        spec = ExperimentSpec(trace="long", policies="oracle", predictor="oracle", budget_tokens=8192, buckets=4,
+                              engine=EngineSpec(scheduler="engine", max_prefill_tokens=64, chunked_prefill=chunked),
+                              workload=WorkloadSpec(max_new_tokens=64, max_model_len=1024))
+        rows[chunked] = run_experiment(spec, trace=trace)["policies"]["oracle"]
+        assert rows[chunked]["completed"] == 6 and rows[chunked]["lost"] == 0
+    assert rows[True]["steps"] > rows[False]["steps"]
+    assert rows[True]["ttft_p50_s"] > rows[False]["ttft_p50_s"]

@@ -46,11 +46,16 @@ def _add_experiment_args(p: argparse.ArgumentParser, with_trace: bool = True) ->
     p.add_argument("--on-full", choices=("auto", "stall", "preempt"), default="auto",
                    help="a request that cannot grow: stall, or preempt the newest (auto: preempt for paged only)")
     p.add_argument("--scheduler", choices=SCHEDULERS, default=None,
-                   help="replay: the event-driven loop (fast); engine: the serving engine's own Scheduler, every "
-                        "request advancing every step (default: engine with --schedule, else replay)")
+                   help="event: an event-driven approximation of the engine's scheduler (about 10x faster on large "
+                        "replays, fcfs and whole prompts only); engine: the serving engine's own Scheduler, every "
+                        "request advancing every step (default: engine with --schedule or --chunked-prefill, else "
+                        "event)")
     p.add_argument("--schedule", choices=ORDERS, default=None,
-                   help="the engine scheduler's order of service: fcfs, or sjf (shortest predicted remaining first, "
-                        "with aging); implies --scheduler engine")
+                   help="the engine scheduler's order of service: fcfs, sjf (shortest predicted remaining first, "
+                        "with aging) or adaptive (sjf while more wait than can run); implies --scheduler engine")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="the engine scheduler feeds at most --max-prefill-tokens of prompts per step beside its decodes "
+                        "(odma-serve's and vLLM's default); implies --scheduler engine")
     p.add_argument("--sjf-aging-rounds", type=int, default=256, help="sjf: rounds waited beyond the newest waiting request after which a request goes first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -70,8 +75,9 @@ def _experiment_spec(args: argparse.Namespace, trace: str, policies: str) -> Exp
             max_model_len=args.max_model_len, split=args.split, seed=args.seed,
         ),
         engine=EngineSpec(max_prefill_tokens=args.max_prefill_tokens, max_batch=args.max_batch, on_full=args.on_full,
-                          scheduler=args.scheduler or ("engine" if args.schedule else "replay"),
-                          schedule=args.schedule or "fcfs", sjf_aging_rounds=args.sjf_aging_rounds),
+                          scheduler=args.scheduler or ("engine" if args.schedule or args.chunked_prefill else "event"),
+                          schedule=args.schedule or "fcfs", sjf_aging_rounds=args.sjf_aging_rounds,
+                          chunked_prefill=args.chunked_prefill),
         buckets=args.buckets,
         window=args.window,
         refresh_every_n=args.refresh_every,
@@ -145,7 +151,7 @@ def cmd_table(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="odma-analyze", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("replay", help="discrete-event replay of a trace under several KV policies")
+    p = sub.add_parser("replay", help="replay a trace under several KV policies (the engine's scheduler, or its event-driven approximation)")
     _add_experiment_args(p)
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated: {', '.join(PRESETS)}, 'all', or NAME/key=value... (default: %(default)s)")

@@ -50,7 +50,8 @@ def run_with_engine(workload: Workload, spec: PolicySpec, manager: KVManager, co
     max_batch = spec.max_batch if spec.max_batch is not None else engine.max_batch
     scheduler = Scheduler(manager, max_num_seqs=max_batch or max(1, len(workload.items)),
                           max_prefill_tokens=engine.max_prefill_tokens, preempt=preempt, order=engine.schedule,
-                          aging_rounds=engine.sjf_aging_rounds, admission=admission_rules(demand=spec.demand))
+                          aging_rounds=engine.sjf_aging_rounds, admission=admission_rules(demand=spec.demand),
+                          chunk_prefills=engine.chunked_prefill)
     jobs = jobs_for(workload, spec, predictions)
     sim = simulate(jobs, scheduler, cost)  # a ContiguousKV refreshes its bucket bounds on release
     records = list(sim.records.values())

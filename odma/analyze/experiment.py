@@ -10,7 +10,7 @@ from odma.analyze.engine_replay import run_with_engine
 from odma.analyze.policies import DEFAULT_POLICIES, BuildContext, build_manager, parse_policies
 from odma.analyze.predictions import Predictions, oracle_predictions, predict
 from odma.analyze.profiles import CostModel, load_profile
-from odma.analyze.replay import EngineSpec, Replay
+from odma.analyze.replay import EngineSpec, EventReplay
 from odma.analyze.workload import Workload, WorkloadSpec, build_workload
 from odma.traces import Trace, load_trace
 
@@ -53,7 +53,7 @@ def run_experiment(spec: ExperimentSpec, trace: Trace | None = None, progress: b
         if spec.engine.scheduler == "engine":
             results[policy.name] = run_with_engine(workload, policy, manager, cost, predictions, spec.engine)
         else:
-            results[policy.name] = Replay(workload, policy, manager, cost, predictions, spec.engine, progress).run()
+            results[policy.name] = EventReplay(workload, policy, manager, cost, predictions, spec.engine, progress).run()
         if timings is not None:
             timings[policy.name] = time.perf_counter() - started
     _add_relative(results)

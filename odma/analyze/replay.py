@@ -1,4 +1,11 @@
-"""Discrete-event replay of a continuous-batching engine on a fixed KV budget, through a `KVManager`.
+"""The event-driven replay: an approximation of the serving engine's scheduler (`odma.engine.scheduler`, which
+`--scheduler engine` runs itself) on a fixed KV budget, through the same `KVManager`. It is kept because it is about
+10× faster on large replays (20,000 Alpaca requests at once, three policies: 4.5 s against 48 s), and it is an
+approximation: against the engine's scheduler on that replay, throughput, TTFT and latency (mean, p99) agree within
+2 % for odma, static and paged, but odma's migration count differs by a fifth (22,511 against 18,228); on 2,000
+requests, TTFT p50 differs by up to a third. It orders first-come-first-served only, prefills prompts whole, and
+models preemption its own way (below); every claim about an order of service, chunked prefill or admission rules
+comes from the engine's scheduler.
 
 Each engine step: running requests whose block is full ask to grow (a migration, or a stall when there
 is no room); if nothing at all can progress, the newest request is preempted and later recomputed with
@@ -27,7 +34,7 @@ GROW, DONE = 0, 1
 
 
 ON_FULL = ("auto", "stall", "preempt")
-SCHEDULERS = ("replay", "engine")
+SCHEDULERS = ("event", "engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +46,14 @@ class EngineSpec:
     # running requests until it fits). "auto": preempt for paged (vLLM's behaviour), stall for contiguous.
     on_full: str = "auto"
     stuck_steps: int = 200_000  # steps without any progress before the replay gives up (a bug guard)
-    # "replay": this module's event-driven loop (fast; the recorded tables); "engine": the serving engine's own
-    # Scheduler through the simulation driver (odma.analyze.engine_replay)
-    scheduler: str = "replay"
-    schedule: str = "fcfs"  # the engine scheduler's order of service: fcfs | sjf (odma.engine.ordering)
+    # "event": this module's event-driven approximation (fast; the recorded tables); "engine": the serving engine's
+    # own Scheduler through the simulation driver (odma.analyze.engine_replay)
+    scheduler: str = "event"
+    schedule: str = "fcfs"  # the engine scheduler's order of service: fcfs | sjf | adaptive (odma.engine.ordering)
     sjf_aging_rounds: int = 256
+    # the engine scheduler's chunked prefill (odma-serve's and vLLM's default): a step feeds at most
+    # max_prefill_tokens of prompts beside its decodes, a long prompt over several steps; False: prompts whole
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens < 1 or self.max_batch < 0:
@@ -54,6 +64,8 @@ class EngineSpec:
             raise ConfigError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.schedule != "fcfs" and self.scheduler != "engine":
             raise ConfigError("an order of service other than fcfs is the engine scheduler's: use --scheduler engine")
+        if self.chunked_prefill and self.scheduler != "engine":
+            raise ConfigError("chunked prefill is the engine scheduler's: use --scheduler engine")
 
 
 @dataclass(slots=True)
@@ -76,7 +88,7 @@ class _Req:
         return self.g_base if self.stalled else self.g_base + step - self.step_base
 
 
-class Replay:
+class EventReplay:
     """One policy over one workload; `run()` returns the JSON-ready metrics."""
 
     def __init__(
