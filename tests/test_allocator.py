@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from odma.kv import BucketManager, BucketPolicy, ExactPolicy, KVPool, KVRequest, LARGE, StaticPolicy
+from odma.kv import BalloonPool, BucketManager, BucketPolicy, ExactPolicy, KVPool, KVRequest, LARGE, StaticPolicy
 from odma.config import BucketConfig
 from odma.errors import (
     DuplicateRequestError,
@@ -262,15 +262,16 @@ def test_segments_count_in_sizes_and_stats_until_drained():
     assert pool.max_request_tokens == 256
     with pytest.raises(RequestTooLargeError):
         pool.reserve(KVRequest("big", 100, 300))
-    pool.add_segment(100, 32)  # 512 tokens, apart from the base range
+    balloon = BalloonPool(pool, 512)
+    seg = balloon.inflate()  # 512 tokens, apart from the base range
     assert pool.max_request_tokens == 512 and pool.stats().total_tokens == 768
     assert pool.stats().main_tokens == 768 and pool.stats().free_tokens == 768
     big = pool.reserve(KVRequest("big", 100, 300))
-    assert big.offset == 100 * 16  # only the segment can hold it
+    assert big.offset == seg.offset  # only the segment can hold it
     pool.release("big", 300)
-    pool.fence(100)
+    balloon.fence(seg)
     assert pool.max_request_tokens == 256  # a segment being drained no longer counts
-    assert pool.remove_segment(100) == 512
+    assert balloon.deflate(seg).freed_bytes == 512 * pool.bytes_per_token
     assert pool.stats().total_tokens == 256
     pool.check_invariants()
 

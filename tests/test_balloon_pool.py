@@ -8,6 +8,8 @@ import torch
 
 from backends import CPUBackend, KVLayout
 from odma.kv import ActivationProfile, BalloonPool, KVPool, KVRequest, StaticPolicy
+from odma.kv.balloon import Segment
+from odma.kv.reclaim import clear_window
 from odma.errors import ConfigError, InvalidRequestError
 
 LAYOUT = KVLayout(layers=1, kv_heads=1, head_dim=2)
@@ -73,7 +75,7 @@ def test_deflate_moves_live_blocks_out_intact_and_frees_the_segment():
         if pool.reserve(_req(rid)) is None:
             break
         _write(balloon, pool, rid, float(i + 1))
-    in_seg = pool.live_in(seg.start_unit, seg.units)
+    in_seg = balloon.live_in(seg)
     assert len(in_seg) == 4
     for rid in [r for r in pool.live_requests() if r not in in_seg][:4]:  # room in the base for the evacuation
         pool.release(rid, 0)
@@ -82,7 +84,7 @@ def test_deflate_moves_live_blocks_out_intact_and_frees_the_segment():
     assert result.freed_bytes == 128 * LAYOUT.bytes_per_token
     for rid in in_seg:
         assert pool.block_of(rid).end <= 256 and torch.all(_read(balloon, pool, rid) == float(rid[1:]) + 1)
-    assert pool.segments() == {} and [b for b, _ in balloon.arena.segments()] == [0]
+    assert balloon.segments() == [] and [b for b, _ in balloon.arena.segments()] == [0]
     assert pool.capacity_tokens == 256
     m = balloon.metrics
     assert (m.deflations, m.moved_blocks, m.moved_bytes, m.segment_bytes_now) == (1, 4, 64 * LAYOUT.bytes_per_token, 0)
@@ -103,7 +105,7 @@ def test_deflate_rolls_back_when_a_block_cannot_move():
     assert set(pool.live_requests()) == set(before)  # nobody lost
     for rid in before:
         assert torch.all(_read(balloon, pool, rid) == float(rid[1:]) + 1)  # bytes intact, moved or not
-    assert pool.capacity_tokens == 256 and seg.start_unit in pool.segments()
+    assert pool.capacity_tokens == 256 and seg in balloon.segments()
     pool.check_invariants()
     pool.release("r7", 0)  # the segment is usable again after the rollback
     assert pool.reserve(_req("again")) is not None
@@ -115,12 +117,12 @@ def test_blocks_given_back_inside_a_fence_are_withheld():
     seg = balloon.inflate()
     for i in range(6):
         assert pool.reserve(_req(f"r{i}")) is not None
-    in_seg = pool.live_in(seg.start_unit, seg.units)
-    pool.fence(seg.start_unit)
+    in_seg = balloon.live_in(seg)
+    balloon.fence(seg)
     pool.release(in_seg[0], 0)
     assert pool.reserve(_req("x")) is None  # the freed block in the fence is not handed out
     pool.check_invariants()
-    pool.unfence(seg.start_unit)
+    balloon.unfence(seg)
     assert pool.reserve(_req("x")) is not None
     pool.check_invariants()
 
@@ -130,13 +132,13 @@ def test_remove_segment_refuses_while_blocks_live():
     balloon = BalloonPool(pool, 64)
     seg = balloon.inflate()
     pool.reserve(_req("a")), pool.reserve(_req("b")), pool.reserve(_req("c"))
-    pool.fence(seg.start_unit)
+    balloon.fence(seg)
     with pytest.raises(InvalidRequestError, match="in use"):
-        pool.remove_segment(seg.start_unit)
+        balloon._remove(seg)
     with pytest.raises(InvalidRequestError):
-        pool.add_segment(seg.start_unit + seg.units, 4)  # touches the segment
+        balloon._add(Segment(seg.start_unit + seg.units, 4, seg.region, seg.align))  # touches the segment
     with pytest.raises(InvalidRequestError):
-        pool.add_segment(0, 4)
+        balloon._add(Segment(0, 4, seg.region, seg.align))
 
 
 def test_deflate_without_segments_and_bad_arguments():
@@ -174,10 +176,10 @@ def test_clear_window_moves_the_blocks_in_a_large_requests_way_into_a_segment():
         assert pool.reserve(_req(rid)) is not None
         _write(balloon, pool, rid, float(i + 1))
     big = _req("big", prompt=96, new=32)  # 128 tokens: no range of that size is free
-    assert pool.clear_window(big) == (0, False)  # no room outside any window: nothing moves
-    assert not pool.draining and pool.capacity_tokens == pool.total_tokens  # nothing left fenced or withheld
+    assert clear_window(pool, big) == (0, False)  # no room outside any window: nothing moves
+    assert not balloon.draining and pool.capacity_tokens == pool.total_tokens  # nothing left fenced or withheld
     balloon.inflate()  # 128 tokens of lent room
-    moved, cleared = pool.clear_window(big)
+    moved, cleared = clear_window(pool, big)
     assert (moved, cleared) == (4, True)
     block = pool.reserve(big)
     assert block is not None and block.end <= 256  # in the base range the blocks left
@@ -189,5 +191,5 @@ def test_clear_window_moves_the_blocks_in_a_large_requests_way_into_a_segment():
 
 def test_clear_window_refuses_what_reserve_would_refuse():
     pool, _ = _device_balloon(total=256, segment=128)
-    assert pool.clear_window(_req("huge", prompt=250, new=32)) == (0, False)
+    assert clear_window(pool, _req("huge", prompt=250, new=32)) == (0, False)
     pool.check_invariants()

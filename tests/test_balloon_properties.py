@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from backends import CPUBackend, KVLayout
 from odma.kv import BalloonPool, BucketManager, BucketPolicy, KVPool, KVRequest, StaticPolicy
+from odma.kv.reclaim import clear_window
 from odma.errors import RequestTooLargeError
 
 EXAMPLES = int(os.environ.get("ODMA_BALLOON_EXAMPLES", "150"))
@@ -101,7 +102,7 @@ class BalloonMachine(RuleBasedStateMachine):
         result = self.balloon.deflate(seg)
         key = "deflate_ok_moved" if result.ok and result.moved_blocks else "deflate_ok" if result.ok else "rollback"
         SEEN[key] = SEEN.get(key, 0) + 1
-        assert result.ok == (seg.start_unit not in self.pool.segments())
+        assert result.ok == (seg not in self.balloon.segments())
         for rid in self.lengths:
             self._verify(rid)
 
@@ -110,7 +111,7 @@ class BalloonMachine(RuleBasedStateMachine):
     def clear_window(self, prompt):
         req = KVRequest(f"r{self.next_id}", prompt, MAX_NEW)
         self.next_id += 1
-        moved, cleared = self.pool.clear_window(req)
+        moved, cleared = clear_window(self.pool, req)
         for rid in self.lengths:
             self._verify(rid)
         if cleared:  # the range is free now: the reserve that follows gets it
@@ -133,7 +134,7 @@ class BalloonMachine(RuleBasedStateMachine):
         m = self.balloon.metrics
         assert m.segment_bytes_now == sum(s.tokens for s in segs) * LAYOUT.bytes_per_token
         assert m.inflated_bytes - m.deflated_bytes == m.segment_bytes_now
-        assert not self.pool.draining  # every deflate finished or rolled back (check_invariants: nothing withheld outside a fence)
+        assert not self.balloon.draining  # every deflate finished or rolled back (check_invariants: nothing withheld outside a fence)
 
     def teardown(self):
         if self.pool is None:

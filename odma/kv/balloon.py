@@ -102,7 +102,46 @@ class BalloonPool:
         return self._arenas
 
     def segments(self) -> list[Segment]:
-        return [Segment(s, n, r, self.pool.align) for s, (n, r) in sorted(self.pool.segments().items())]
+        with self.pool.lock:
+            return [Segment(s, n, r, self.pool.align) for s, (n, r) in sorted(self.pool.ranges.segments.items())]
+
+    # -- the pool's ranges: a segment added, fenced, drained ---------------------------------------------
+
+    def _add(self, seg: Segment) -> None:
+        """The segment's units become free space of its region; it must neither overlap nor touch the address
+        space, so no block ever spans two segments."""
+        with self.pool.lock:
+            self.pool.ranges.add(seg.start_unit, seg.units, seg.region)
+
+    def fence(self, seg: Segment) -> None:
+        """Start draining `seg`: its free units and any block given back inside it are withheld (never handed
+        out again) until `unfence` (rollback) or `_remove`."""
+        with self.pool.lock:
+            units, region = self.pool.ranges.segment(seg.start_unit)
+            if seg.start_unit not in self.pool.ranges.fences:
+                self.pool.fence_range(seg.start_unit, units, region)
+
+    def unfence(self, seg: Segment) -> None:
+        """Rollback of `fence`: the segment's withheld units become free again."""
+        with self.pool.lock:
+            units, region = self.pool.ranges.segment(seg.start_unit)
+            if seg.start_unit in self.pool.ranges.fences:
+                self.pool.lift_range(seg.start_unit, units, region)
+
+    @property
+    def draining(self) -> bool:
+        """Is any range of the pool fenced (being drained) now?"""
+        return bool(self.pool.ranges.fences)
+
+    def live_in(self, seg: Segment) -> list[str]:
+        """Requests whose block lies in `seg`."""
+        lo, hi = seg.offset, seg.offset + seg.tokens
+        return [rid for rid, block, _ in self.pool.live_spans() if lo <= block.offset < hi]
+
+    def _remove(self, seg: Segment) -> None:
+        """Drop a fenced segment whose units are all withheld (no live block left)."""
+        with self.pool.lock:
+            self.pool.ranges.remove(seg.start_unit)
 
     # -- inflate ---------------------------------------------------------------------------------------
 
@@ -113,13 +152,13 @@ class BalloonPool:
         if tokens < align or tokens % align:
             raise ConfigError(f"segment size must be a positive multiple of {align} tokens, got {tokens}")
         with self._lock:
-            ends = [self.pool.total_tokens // align] + [s + n for s, (n, _) in self.pool.segments().items()]
+            ends = [self.pool.total_tokens // align] + [s.start_unit + s.units for s in self.segments()]
             seg = Segment(max(ends) + 1, tokens // align, region, align)  # +1: the gap
             if self._arenas is not None:
                 arena = self._backend.create_segment(seg.tokens, self._arenas.layout)
                 self._arenas.add(seg.offset, arena)
             try:
-                self.pool.add_segment(seg.start_unit, seg.units, region)
+                self._add(seg)
             except BaseException:
                 if self._arenas is not None:
                     self._backend.free_arena(self._arenas.remove(seg.offset))
@@ -143,12 +182,12 @@ class BalloonPool:
                 if not candidates:
                     return DeflateResult(False, None, reason="no segment to deflate")
                 segment = min(candidates, key=self.live_tokens_in)
-            elif segment.start_unit not in pool.segments():
+            elif segment not in self.segments():
                 raise ConfigError(f"{segment} is not a segment of this pool")
-            pool.fence(segment.start_unit)
+            self.fence(segment)
             moved_blocks = moved_tokens = 0
             # biggest first: they are the hardest to place, so a doomed evacuation fails before copying much
-            victims = sorted(pool.live_in(segment.start_unit, segment.units),
+            victims = sorted(self.live_in(segment),
                              key=lambda rid: -pool.block_of(rid).capacity)
             for rid in victims:
                 if rid not in pool:  # released meanwhile (its block is then withheld by the fence)
@@ -158,7 +197,7 @@ class BalloonPool:
                     continue  # migrated away meanwhile
                 n = pool.length_of(rid)
                 if pool.relocate(rid) is None:
-                    pool.unfence(segment.start_unit)
+                    self.unfence(segment)
                     self._account_moves(moved_blocks, moved_tokens)
                     self.metrics.deflate_rollbacks += 1
                     self.metrics.history.append(("rollback", self.metrics.segment_bytes_now))
@@ -166,7 +205,7 @@ class BalloonPool:
                                          reason=f"no room outside the segment for {rid} ({block.capacity} tokens)")
                 moved_blocks += 1
                 moved_tokens += n
-            pool.remove_segment(segment.start_unit)
+            self._remove(segment)
             freed = segment.tokens * self.bytes_per_token
             if self._arenas is not None:
                 self._backend.free_arena(self._arenas.remove(segment.offset), return_to_driver=return_to_driver)
@@ -191,7 +230,7 @@ class BalloonPool:
         return results
 
     def live_tokens_in(self, seg: Segment) -> int:
-        return sum(self.pool.length_of(r) for r in self.pool.live_in(seg.start_unit, seg.units))
+        return sum(self.pool.length_of(r) for r in self.live_in(seg))
 
     def _account_moves(self, blocks: int, tokens: int) -> None:
         self.metrics.moved_blocks += blocks

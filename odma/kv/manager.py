@@ -17,6 +17,7 @@ from odma.kv.elastic import ElasticKV
 from odma.kv.placement import DeviceLoad
 from odma.kv.policy import SizedRequest
 from odma.kv.pool import KVPool, PoolStats
+from odma.kv.reclaim import clear_window
 
 
 class KVManager(ABC):
@@ -159,7 +160,7 @@ class ContiguousKV(KVManager):
         return self.pool.migrated_tokens
 
     def make_way(self, req: SizedRequest) -> tuple[int, bool]:
-        return self.pool.clear_window(req)
+        return clear_window(self.pool, req)
 
     def stats(self) -> PoolStats:
         return self.pool.stats()

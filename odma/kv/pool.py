@@ -18,8 +18,9 @@ Strategy (carving, splitting, coalescing; boundaries drift, memory must not stra
   migrates: allocate, copy through the mover, swap, free the old block.
 - Every live request has a `KVHandle` that the pool keeps current across moves.
 
-Ballooning (`odma.kv.balloon`) adds address ranges (segments) and drains them; the pool keeps that state in
-a `SegmentMap` and relocates the blocks of a range being drained.
+Ballooning (`odma.kv.balloon`) adds address ranges (segments) and drains them, and window clearing
+(`odma.kv.reclaim`) empties a range for a large request; the pool keeps the ranges' state in a `SegmentMap` and
+offers the primitives both build on (fence a range, relocate a block), not their policies.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from odma.kv.blocks import LARGE_REGION, MAIN, Block, BlockMover, KVHandle
 from odma.kv.buckets import LARGE
 from odma.kv.extents import ExtentMap
 from odma.kv.policy import Reservation, ReservationPolicy, SizedRequest, validate_request
-from odma.kv.segments import SegmentMap, emptiest_window
+from odma.kv.segments import SegmentMap
 
 _DEFAULTS = PoolConfig()  # one default per setting: the config dataclass's
 
@@ -346,7 +347,7 @@ class KVPool:
         with self._lock:
             self._flush()
 
-    # -- ballooning: segments, fences, relocation ---------------------------------------------------------
+    # -- ranges taken back: segments, fences, relocation ---------------------------------------------------------
 
     @property
     def capacity_tokens(self) -> int:
@@ -354,49 +355,11 @@ class KVPool:
         with self._lock:
             return (self._units + self._seg.units() - self._seg.withheld_units()) * self.align
 
-    def segments(self) -> dict[int, tuple[int, str]]:
-        """start unit → (units, region) of every segment added with `add_segment`."""
-        with self._lock:
-            return dict(self._seg.segments)
-
-    def add_segment(self, start_unit: int, units: int, region: str = MAIN) -> None:
-        """Add [start_unit, start_unit + units) (in allocation units) as free space of `region`. It must
-        neither overlap nor touch the address space, so no block ever spans two segments."""
-        with self._lock:
-            self._seg.add(start_unit, units, region)
-
-    def fence(self, start_unit: int) -> None:
-        """Start draining a segment: its free units and any block given back inside it are withheld (never
-        handed out again) until `unfence` (rollback) or `remove_segment`."""
-        with self._lock:
-            units, region = self._seg.segment(start_unit)
-            if start_unit in self._seg.fences:
-                return
-            self._flush()  # cached blocks inside the segment must not be handed out
-            self._seg.fence(start_unit, units, region)
-
-    def unfence(self, start_unit: int) -> None:
-        """Rollback of `fence`: the segment's withheld units become free again."""
-        with self._lock:
-            units, region = self._seg.segment(start_unit)
-            if start_unit in self._seg.fences:
-                self._seg.lift(start_unit, units, region)
-
     @property
-    def draining(self) -> bool:
-        """Is any range fenced (being drained) now?"""
-        return bool(self._seg.fences)
-
-    def remove_segment(self, start_unit: int) -> int:
-        """Drop a fenced segment whose units are all withheld (no live block left); returns its tokens."""
-        with self._lock:
-            return self._seg.remove(start_unit) * self.align
-
-    def live_in(self, start_unit: int, units: int) -> list[str]:
-        """Requests whose block lies in [start_unit, start_unit + units)."""
-        lo, hi = start_unit * self.align, (start_unit + units) * self.align
-        with self._lock:
-            return [rid for rid, live in self._live.items() if lo <= live.block.offset < hi]
+    def ranges(self) -> SegmentMap:
+        """The segments, fences and withheld units over this pool's free extents; change them under `lock`
+        (ballooning adds and removes segments through it, `odma.kv.balloon`)."""
+        return self._seg
 
     def relocate(self, req: SizedRequest | str) -> Block | None:
         """Migrate a live block to a new block of the same capacity and bucket elsewhere (through the
@@ -418,53 +381,51 @@ class KVPool:
             self._recycle(old)
             return new
 
-    def clear_window(self, req: SizedRequest) -> tuple[int, bool]:
-        """Make room for `reserve(req)` by moving blocks instead of waiting for them to end: take the range it
-        would need where the fewest live tokens sit and, if the free space outside could hold that range's
-        blocks, relocate them (largest first) with the range fenced, so none lands back inside. Returns
-        (blocks moved, cleared); cleared means the range is free now for the reserve that follows. When a
-        block finds no room (fragmentation), the blocks moved so far stay valid where they went."""
+    # the primitives odma.kv.reclaim builds window clearing from; callers hold `lock` across them
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    def reservation_units(self, req: SizedRequest) -> tuple[int, bool] | None:
+        """(units, whether it may lie in the large region) of the block `reserve(req)` would carve now; None when
+        reserve refuses the request as too large for any range."""
         validate_request(req)
         with self._lock:
             if self._units_for(req.prompt_tokens + req.max_new_tokens) > self._largest_range_units():
-                return 0, False  # reserve() refuses it as too large: nothing to make room for
+                return None
             res = self._initial(req)
             units = self._units_for(req.prompt_tokens + res.output_tokens)
-            large = res.bucket == LARGE or units > self._largest_range_units(MAIN)
-            # The window's blocks must fit in the free space outside it, so the pool needs `units` free in
-            # all: checked first, because a held head asks every round while memory stays full.
-            if sum(r.free_units for r in self._regions.values()) + self._free.units < units:
-                return 0, False
-            lives = list(self._live.values())
-            spans = [(live.block, live.length) for live in lives]
-            best = None
-            for lo, size, region in self._base_ranges((MAIN, LARGE_REGION) if large else (MAIN,)):
-                found = emptiest_window(spans, lo, size, units, self.align)
-                if found is not None and (best is None or found[0] < best[0]):
-                    best = (*found, region)
-            if best is None:
-                return 0, False
-            _, start, inside, region = best
-            inside = [lives[i] for i in inside]
-            self._flush()  # cached blocks become free extents (and none inside the range is handed out)
-            self._seg.fence(start, units, region)
-            moved = 0
-            try:
-                # after fencing, the free units counted are those outside the window
-                if sum(live.block.capacity for live in inside) // self.align <= sum(r.free_units for r in self._regions.values()):
-                    for live in sorted(inside, key=lambda l: -l.block.capacity):
-                        if self.relocate(live.request.request_id) is None:
-                            break
-                        moved += 1
-            finally:  # the range's withheld units (those freed by the moves too) are free again
-                self._seg.lift(start, units, region)
-            return moved, moved == len(inside)
+            return units, res.bucket == LARGE or units > self._largest_range_units(MAIN)
 
-    def _base_ranges(self, regions: tuple[str, ...]) -> list[tuple[int, int, str]]:
-        """The base address range (start unit, units, region) of each of `regions`. Segments are never
-        windows: they are small, and they are lent to be taken back."""
-        base = {MAIN: (0, self._main_units), LARGE_REGION: (self._main_units, self._large_units)}
-        return [(*base[r], r) for r in regions if base[r][1] > 0]
+    @property
+    def free_units(self) -> int:
+        """Units not held by a live block nor withheld: free extents and cached blocks."""
+        with self._lock:
+            return sum(r.free_units for r in self._regions.values()) + self._free.units
+
+    def live_spans(self) -> list[tuple[str, Block, int]]:
+        """(request id, block, tokens held) of every live request."""
+        with self._lock:
+            return [(rid, live.block, live.length) for rid, live in self._live.items()]
+
+    def base_ranges(self, large: bool) -> list[tuple[int, int, str]]:
+        """The base address range (start unit, units, region) of the main region and, when `large`, the large
+        one. Segments are never windows: they are small, and they are lent to be taken back."""
+        base = [(0, self._main_units, MAIN), (self._main_units, self._large_units, LARGE_REGION)]
+        return [r for r in base[: 2 if large else 1] if r[1] > 0]
+
+    def fence_range(self, start_unit: int, units: int, region: str) -> None:
+        """Withhold `region`'s free units in [start_unit, start_unit + units) and every block given back there,
+        until `lift_range`; cached blocks go back to the extents first, so none inside is handed out."""
+        with self._lock:
+            self._flush()
+            self._seg.fence(start_unit, units, region)
+
+    def lift_range(self, start_unit: int, units: int, region: str) -> None:
+        """Undo `fence_range`: the range's withheld units are free again."""
+        with self._lock:
+            self._seg.lift(start_unit, units, region)
 
     # -- internals ---------------------------------------------------------------------------------
 

@@ -10,10 +10,6 @@ elsewhere (into lent segments, say) instead of waited for.
 
 from __future__ import annotations
 
-import bisect
-from itertools import accumulate
-from typing import Sequence
-
 from odma.errors import InvalidRequestError
 from odma.kv.blocks import Block
 from odma.kv.extents import ExtentMap
@@ -113,28 +109,3 @@ class SegmentMap:
         for s, n in self.withheld.items():
             assert any(f <= s and s + n <= f + m for f, m in self.fences.items()), f"withheld {s}+{n} unfenced"
 
-
-def emptiest_window(blocks: Sequence[tuple[Block, int]], lo: int, size: int, units: int,
-                    align: int) -> tuple[tuple[int, int], int, list[int]] | None:
-    """((live tokens, blocks), start unit, indexes into `blocks` inside) of the `units` window in [lo, lo + size)
-    that holds the fewest live tokens, or None. `blocks` are (block, live tokens) pairs. Such a window starts or
-    ends at a range end or a block edge; blocks never overlap, so sorted by offset their ends are sorted too,
-    and the blocks a window overlaps are one run of them (found by bisection, their tokens summed by prefix
-    sums)."""
-    if units > size:
-        return None
-    a = align
-    order = sorted((i for i, (b, _) in enumerate(blocks) if lo * a <= b.offset < (lo + size) * a),
-                   key=lambda i: blocks[i][0].offset)
-    offsets = [blocks[i][0].offset for i in order]
-    ends = [blocks[i][0].end for i in order]
-    tokens = list(accumulate((blocks[i][1] for i in order), initial=0))
-    edges = {lo, lo + size} | {o // a for o in offsets} | {e // a for e in ends}
-    best = None
-    for start in sorted({min(max(lo, x - d), lo + size - units) for x in edges for d in (0, units)}):
-        i = bisect.bisect_right(ends, start * a)  # first block ending after the window starts
-        j = bisect.bisect_left(offsets, (start + units) * a)  # first block starting after it ends
-        cost = (tokens[j] - tokens[i], j - i)
-        if best is None or cost < best[0]:
-            best = (cost, start, order[i:j])
-    return best
