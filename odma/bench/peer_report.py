@@ -31,6 +31,10 @@ def ratios(result: dict) -> dict:
                     best = _best({name: _points(r).get(streams) for name, r in llama.items()}, "output_tps")
                     if best:
                         out[f"guidellm_c{streams}{tag} vs {best[0]}"] = _ratio(o[streams], best[1], "output_tps")
+                    ceiling = ceiling_tps(result, streams)
+                    if ceiling:
+                        out[f"guidellm_c{streams}{tag} vs llama-batched-bench"] = {
+                            "throughput": round(o[streams]["output_tps"] / ceiling, 3)}
             continue
         v = runs.get("vllm")
         for label, run in odma.items():
@@ -41,6 +45,57 @@ def ratios(result: dict) -> dict:
             if best:
                 out[f"{stage}{tag} vs {best[0]}"] = _ratio(run, best[1], "throughput_tps")
     return out
+
+
+def ceiling_tps(result: dict, batch: int) -> float | None:
+    """llama.cpp's generation rate without its server (`llama-batched-bench`'s S_TG) at `batch` sequences."""
+    rows = (result.get("llamacpp_ceiling") or {}).get("rows") or []
+    return next((r["s_tg"] for r in rows if r["batch"] == batch), None)
+
+
+def repeats(rounds: list[dict]) -> dict:
+    """Rounds of the same comparison (the order alternating): each ratio's and each row's throughput per round,
+    median, min and max."""
+    import statistics
+
+    def spread(values: list[float]) -> dict:
+        return {"rounds": values, "median": round(statistics.median(values), 3), "min": min(values),
+                "max": max(values)}
+
+    ratios_by_key: dict[str, list[float]] = {}
+    for r in rounds:
+        for key, ratio in r.get("ratios", {}).items():
+            if ratio.get("throughput") is not None:
+                ratios_by_key.setdefault(key, []).append(ratio["throughput"])
+    rows: dict[str, list[float]] = {}
+    for r in rounds:
+        for stage, runs in r.get("stages", {}).items():
+            for label, run in runs.items():
+                if stage == "guidellm":
+                    for streams, p in _points(run).items():
+                        rows.setdefault(f"guidellm c={streams} {label}", []).append(round(p["output_tps"], 1))
+                elif _ok(run) and run.get("throughput_tps"):
+                    rows.setdefault(f"{stage} {label}", []).append(round(run["throughput_tps"], 1))
+        for row in (r.get("llamacpp_ceiling") or {}).get("rows") or []:
+            rows.setdefault(f"llama-batched-bench B={row['batch']} S_TG", []).append(row["s_tg"])
+    first = rounds[0]
+    return {"rounds": len(rounds), "orders": [r.get("order") for r in rounds], "machine": first.get("machine"),
+            "llamacpp": first.get("llamacpp"), "started": first.get("started"), "finished": rounds[-1].get("finished"),
+            "ratios": {k: spread(v) for k, v in ratios_by_key.items()},
+            "throughput_tps": {k: spread(v) for k, v in rows.items()}}
+
+
+def repeats_table(summary: dict) -> str:
+    m = summary.get("machine") or {}
+    lines = [f"{summary['rounds']} rounds, orders {summary['orders']}, {m.get('cpu', '?')}, {m.get('cores', '?')} cores; "
+             f"{summary.get('started')} to {summary.get('finished')}", "",
+             "| throughput, tok/s | median | min | max | rounds |", "|---|---|---|---|---|"]
+    for key, s in summary["throughput_tps"].items():
+        lines.append(f"| {key} | {s['median']} | {s['min']} | {s['max']} | {', '.join(map(str, s['rounds']))} |")
+    lines += ["", "| odma ÷ peer, throughput | median | min | max | rounds |", "|---|---|---|---|---|"]
+    for key, s in summary["ratios"].items():
+        lines.append(f"| {key} | {s['median']} | {s['min']} | {s['max']} | {', '.join(map(str, s['rounds']))} |")
+    return "\n".join(lines) + "\n"
 
 
 def _plugin_ratios(stage: str, runs: dict, out: dict) -> None:
@@ -157,6 +212,12 @@ def table(result: dict) -> str:
             elif stage == "poisson" and _ok(run):
                 name += f", {run.get('num')} at {run.get('rate')}/s"
             lines.append(_row(name, label, run, "throughput_tps"))
+    ceiling = result.get("llamacpp_ceiling") or {}
+    if ceiling.get("rows"):
+        lines += ["", "llama.cpp without its server (`llama-batched-bench`, the same file, threads, KV type, flash "
+                      "attention): generated tok/s " + ", ".join(f"B={r['batch']} {r['s_tg']:.1f}" for r in ceiling["rows"])]
+    elif ceiling.get("error"):
+        lines += ["", f"llama-batched-bench: {ceiling['error']}"]
     lines += ["", "odma ÷ peer (throughput: > 1 is odma faster; TTFT, ITL, latency: < 1 is odma faster):"]
     for key, r in result.get("ratios", {}).items():
         lines.append(f"  {key}: " + ", ".join(f"{k} {v}" for k, v in r.items() if v is not None))

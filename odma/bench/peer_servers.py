@@ -8,12 +8,13 @@ All get the same KV memory in bytes and the same number of compute threads:
   its OpenMP threads bound to T cores (`VLLM_CPU_OMP_THREADS_BIND`; on 2 cores its automatic binding is the same,
   1 compute core and 1 reserved for its engine/API processes). Started as `python -m
   vllm.entrypoints.openai.api_server` because its `vllm` command fails on a package-metadata lookup (vllm-cpu);
-- llama.cpp's llama-server: fp32 K and V (`-ctk f32 -ctv f32`), a context of the tokens the KV bytes hold (`-c`;
+- llama.cpp's llama-server as its maintainers run it: K and V in its default f16 (`-ctk f16 -ctv f16`, written
+  out; f32 as a row), flash attention on (`-fa on`), a context of the tokens the KV bytes hold in that type (`-c`;
   it pads each slot's share up to a multiple of 256 tokens, so static slots get more than the bytes: the log's
   `n_ctx_slot` is recorded), `-t T -tb T`, SLOTS slots (`-np`) over one unified KV pool (`-kvu`) or static
-  per-slot ranges (`-no-kvu`), its default top_k 40 / min_p 0.05 turned off (`--top-k 0 --min-p 0`: the
-  requests' temperature and top_p then sample as on the other servers), no prompt cache in RAM beside the KV
-  (`-cram 0`), and its Prometheus metrics on.
+  per-slot ranges (`-no-kvu`), its default sampler chain (a client that sends no sampling gets llama.cpp's
+  defaults; the replays send their samplers per request, `LLAMACPP_SAMPLERS`), no prompt cache in RAM beside the
+  KV (`-cram 0`: the same memory for every server), and its Prometheus metrics on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ from pathlib import Path
 from typing import Iterator
 
 SERVED_NAME = "smollm2"  # the model id both servers report, so every client sends the same body
+# What a replay request adds for llama-server: its chain reduced to temperature, then top_p over the tempered
+# probabilities, as odma-serve and vLLM apply a request's temperature and top_p (llama.cpp's default chain would
+# add top_k 40 and min_p 0.05 and apply top_p before the temperature).
+LLAMACPP_SAMPLERS = {"samplers": ["temperature", "top_p"]}
+KV_TYPES = ("f16", "f32")  # llama.cpp's KV cache types the harness runs (f16: its default)
+# the cores a server may run on, set before the client pins itself off them (None: the caller's affinity)
+SERVER_CORES: set[int] | None = None
 
 
 SYSTEMS = ("odma", "vllm", "llamacpp")
@@ -48,9 +56,11 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 900.0  # vLLM compiles its graph on a first start (~3 min on 2 busy cores)
     gguf: Path | None = None  # llamacpp: the model file; odma: serve this GGUF with --weights native
-    kv_tokens: int = 0  # llamacpp: its context, the tokens kv_bytes hold in fp32
+    kv_tokens: int = 0  # llamacpp: its context, the tokens kv_bytes hold in kv_type
     slots: int = 0  # llamacpp: -np
     unified: bool = True  # llamacpp: one KV pool for every slot (-kvu), else a static range each (-no-kvu)
+    kv_type: str = "f16"  # llamacpp: -ctk / -ctv
+    request_extra: dict = field(default_factory=dict)  # fields every replay request to this server adds
 
 
 @dataclass(slots=True)
@@ -118,16 +128,18 @@ def command(spec: ServerSpec, port: int) -> tuple[list[str], dict[str, str]]:
         preload = vllm_preload(spec.python)
         if preload:
             env.setdefault("LD_PRELOAD", preload)
-        cores = sorted(os.sched_getaffinity(0))
+        cores = sorted(SERVER_CORES or os.sched_getaffinity(0))
         if spec.threads < len(cores) - 1:  # auto binding takes all cores but one; fewer must be named
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores[: spec.threads]))
     elif spec.system == "llamacpp":
         if spec.gguf is None or spec.kv_tokens < 1 or spec.slots < 1:
             raise ValueError("llamacpp needs a GGUF file, the KV tokens and a slot count")
+        if spec.kv_type not in KV_TYPES:
+            raise ValueError(f"llamacpp KV type must be one of {KV_TYPES}, got {spec.kv_type!r}")
         cmd = [spec.python, "-m", str(spec.gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME,
                "-c", str(spec.kv_tokens), "-np", str(spec.slots), "-kvu" if spec.unified else "-no-kvu",
-               "-ctk", "f32", "-ctv", "f32", "-t", str(spec.threads), "-tb", str(spec.threads),
-               "--top-k", "0", "--min-p", "0", "-cram", "0", "--metrics", "--no-webui", *spec.extra_args]
+               "-ctk", spec.kv_type, "-ctv", spec.kv_type, "-fa", "on", "-t", str(spec.threads),
+               "-tb", str(spec.threads), "-cram", "0", "--metrics", "--no-webui", *spec.extra_args]
     else:
         raise ValueError(f"unknown system {spec.system!r} ({' | '.join(SYSTEMS)})")
     return cmd, env
@@ -152,8 +164,10 @@ def serve(spec: ServerSpec, log_dir: Path) -> Iterator[RunningServer]:
         # own session: the group id is the pid, so the API server, engine core and workers stop together
         # an inherited VLLM_CPU_KVCACHE_SPACE would override the KV bytes given on the command line
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"} | extra_env
+        cores = SERVER_CORES
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=log_dir)  # not the repo: its datasets/ would shadow a package
+                                start_new_session=True, cwd=log_dir,  # not the repo: its datasets/ would shadow a package
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     try:
         while True:
             if proc.poll() is not None:

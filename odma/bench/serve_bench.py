@@ -99,6 +99,7 @@ async def _one(client, url: str, rec, args, start_at: float, t0: float, out: dic
             "stream_options": {"include_usage": True}}
     if getattr(args, "send_seed", True):
         body["seed"] = _req_seed(rec.request_id)
+    body.update(getattr(args, "extra_body", None) or {})  # a server's own fields (llama.cpp's sampler chain)
     sent = time.perf_counter()
     first = None
     tokens = None
