@@ -119,13 +119,16 @@ def test_repeats_give_each_ratio_and_row_its_median_and_spread():
     run = lambda tps: {"throughput_tps": tps, "ttft_p50_s": 1.0, "itl_mean_s": 0.1}  # noqa: E731
     rounds = []
     for i, (odma, llama) in enumerate(((100.0, 50.0), (90.0, 60.0), (120.0, 40.0))):
+        best = "llamacpp-u32" if i < 2 else "llamacpp-s16"  # the best setting of a round may change
         result = {"order": ["odma", "llamacpp"][:: 1 if i % 2 == 0 else -1], "round": i + 1,
-                  "stages": {"nq": {"odma": run(odma), "llamacpp-u32": run(llama)}}}
+                  "stages": {"nq": {"odma": run(odma), best: run(llama), "llamacpp-u64": run(llama / 2)}}}
         result["ratios"] = peer_report.ratios(result)
         rounds.append(result)
     summary = peer_report.repeats(rounds)
-    ratio = summary["ratios"]["nq vs llamacpp-u32"]
+    ratio = summary["ratios"]["nq vs llama.cpp's best"]
     assert ratio["rounds"] == [2.0, 1.5, 3.0] and ratio["median"] == 2.0 and (ratio["min"], ratio["max"]) == (1.5, 3.0)
+    assert ratio["settings"] == ["llamacpp-u32", "llamacpp-u32", "llamacpp-s16"]
     assert summary["throughput_tps"]["nq odma"]["median"] == 100.0
     assert summary["orders"] == [["odma", "llamacpp"], ["llamacpp", "odma"], ["odma", "llamacpp"]]
-    assert "| nq vs llamacpp-u32 | 2.0 | 1.5 | 3.0 |" in peer_report.repeats_table(summary)
+    assert "| nq vs llama.cpp's best | 2.0 | 1.5 | 3.0 | 2.0 (llamacpp-u32), 1.5 (llamacpp-u32), 3.0 (llamacpp-s16) |" \
+        in peer_report.repeats_table(summary)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 NATURAL = {"nq": "NQ, all at once", "sharegpt": "ShareGPT first turns, all at once", "poisson": "NQ, Poisson arrivals",
@@ -63,10 +64,17 @@ def repeats(rounds: list[dict]) -> dict:
                 "max": max(values)}
 
     ratios_by_key: dict[str, list[float]] = {}
+    best_settings: dict[str, list[str]] = {}
     for r in rounds:
         for key, ratio in r.get("ratios", {}).items():
-            if ratio.get("throughput") is not None:
-                ratios_by_key.setdefault(key, []).append(ratio["throughput"])
+            if ratio.get("throughput") is None:
+                continue
+            # llama.cpp's best slot setting may differ between rounds: one key for "its best", the settings kept
+            best = re.search(r" vs (llamacpp-\w+)$", key)
+            if best:
+                key = key[: best.start()] + " vs llama.cpp's best"
+                best_settings.setdefault(key, []).append(best.group(1))
+            ratios_by_key.setdefault(key, []).append(ratio["throughput"])
     rows: dict[str, list[float]] = {}
     for r in rounds:
         for stage, runs in r.get("stages", {}).items():
@@ -81,7 +89,8 @@ def repeats(rounds: list[dict]) -> dict:
     first = rounds[0]
     return {"rounds": len(rounds), "orders": [r.get("order") for r in rounds], "machine": first.get("machine"),
             "llamacpp": first.get("llamacpp"), "started": first.get("started"), "finished": rounds[-1].get("finished"),
-            "ratios": {k: spread(v) for k, v in ratios_by_key.items()},
+            "ratios": {k: {**spread(v), **({"settings": best_settings[k]} if k in best_settings else {})}
+                       for k, v in ratios_by_key.items()},
             "throughput_tps": {k: spread(v) for k, v in rows.items()}}
 
 
@@ -94,7 +103,9 @@ def repeats_table(summary: dict) -> str:
         lines.append(f"| {key} | {s['median']} | {s['min']} | {s['max']} | {', '.join(map(str, s['rounds']))} |")
     lines += ["", "| odma ÷ peer, throughput | median | min | max | rounds |", "|---|---|---|---|---|"]
     for key, s in summary["ratios"].items():
-        lines.append(f"| {key} | {s['median']} | {s['min']} | {s['max']} | {', '.join(map(str, s['rounds']))} |")
+        rounds = ", ".join(f"{v} ({name})" for v, name in zip(s["rounds"], s["settings"])) if "settings" in s \
+            else ", ".join(map(str, s["rounds"]))
+        lines.append(f"| {key} | {s['median']} | {s['min']} | {s['max']} | {rounds} |")
     return "\n".join(lines) + "\n"
 
 
