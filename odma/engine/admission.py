@@ -89,7 +89,7 @@ def final_tokens(seq: Sequence) -> int:
 def admission_rules(theta: float = 1.0, demand: float | None = None) -> list[AdmissionRule]:
     """The rules the engine's settings ask for (`--admission-theta`, `--admission-demand`); none by default."""
     rules: list[AdmissionRule] = []
-    if theta < 1.0 or not 0 < theta <= 1:
+    if theta != 1.0:  # θ = 1 admits whatever the pool holds: no rule (any other value is checked by the rule)
         rules.append(ReservedShare(theta))
     if demand is not None:
         rules.append(PredictedDemand(demand))

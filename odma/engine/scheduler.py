@@ -276,7 +276,7 @@ class Scheduler:
                 return 0
         elif self.elastic is not None and not self._activation_room(prefill + need):
             return 0
-        refusal = first_refusal(self.admission, seq, self.kv) if self.running else None
+        refusal = first_refusal(self.admission, seq, self.kv) if self.running and self.admission else None
         if refusal is not None:
             setattr(self.counters, refusal.counter, getattr(self.counters, refusal.counter) + 1)
             return 0

@@ -21,8 +21,6 @@ class ShortestFirstQueue:
     def __init__(self, remaining: Callable[[Any], float], aging_rounds: int = 256, depth: int = 0) -> None:
         self.order: ShortestFirst = make_order("adaptive" if depth else "sjf", aging_rounds=aging_rounds, depth=depth)
         self._remaining = remaining  # request -> predicted remaining output tokens (inf: no prediction)
-        self.aging_rounds = aging_rounds
-        self.depth = depth
         self.round = 0  # admission rounds so far
         self._arrivals = itertools.count()
         self._born: dict[Any, tuple[int, int]] = {}  # request -> (arrival round, arrival order), kept until forgotten
@@ -118,4 +116,4 @@ class ShortestFirstQueue:
         return self.round - self._born[request][0]
 
     def _shallow(self) -> bool:
-        return len(self._waiting) <= self.depth
+        return len(self._waiting) <= self.order.depth
