@@ -18,8 +18,8 @@ The model: odma's fp32 weights and vLLM read the converted float32 folder. llama
 by default Q4_0, its fastest x86 format (the Q4_1 file requantized by llama-quantize), and odma serves the same
 file's blocks beside it (`--odma-weights auto` → native); the Q4_1 file and the F32 requantization are the other
 rows. llama.cpp runs as its maintainers run it (odma.bench.peer_servers: f16 KV at the same bytes, flash attention
-on, its default sampler chain where the client sends no sampling, the replays' temperature and top_p applied as
-odma applies them), once per slot setting (--llamacpp-slots x --llamacpp-kv: unified KV pool or static slots),
+on, its default sampler chain with the replays' temperature and top_p, or with `--llamacpp-samplers odma` a chain
+that applies them as odma does), once per slot setting (--llamacpp-slots x --llamacpp-kv: unified KV pool or static slots),
 each its own row (llamacpp-u128, llamacpp-s16, ...); the ratios compare odma with the best of them per workload,
 and with `llama-batched-bench`'s generation rate at the same batch (llama.cpp's engine without its server, run at
 the start of each round). `--repeats N` runs N rounds, the systems' order reversed every other round, and reports
@@ -69,10 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "odma's fp32 weights)")
     p.add_argument("--llamacpp-kv-type", default="f16", choices=KV_TYPES,
                    help="llama.cpp's K/V type (-ctk/-ctv; f16 is its default), at the same KV bytes as the others")
-    p.add_argument("--llamacpp-samplers", default="odma", choices=("odma", "default"),
-                   help="the replays' sampler chain on llama.cpp: odma (temperature, then top_p over the tempered "
-                        "probabilities, as odma applies them) or default (its own chain with the request's values: "
-                        "top_k 40 and min_p 0.05 too, top_p before the temperature)")
+    p.add_argument("--llamacpp-samplers", default="default", choices=("default", "odma"),
+                   help="the replays' sampler chain on llama.cpp: default (its own chain with the request's "
+                        "temperature and top_p: top_k 40 and min_p 0.05 too, top_p before the temperature; how its "
+                        "users run it) or odma (temperature, then top_p over the tempered probabilities, as odma "
+                        "applies them: the same sampling semantics, a sort of the whole vocabulary per token)")
     p.add_argument("--llamacpp-slots", default="16,32,64,128", help="llama.cpp slot counts (-np), one run each")
     p.add_argument("--llamacpp-kv", default="unified,static",
                    help="llama.cpp KV layouts, one run each: unified (-kvu, one pool) and/or static (-no-kvu)")

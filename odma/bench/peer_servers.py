@@ -12,9 +12,9 @@ All get the same KV memory in bytes and the same number of compute threads:
   out; f32 as a row), flash attention on (`-fa on`), a context of the tokens the KV bytes hold in that type (`-c`;
   it pads each slot's share up to a multiple of 256 tokens, so static slots get more than the bytes: the log's
   `n_ctx_slot` is recorded), `-t T -tb T`, SLOTS slots (`-np`) over one unified KV pool (`-kvu`) or static
-  per-slot ranges (`-no-kvu`), its default sampler chain (a client that sends no sampling gets llama.cpp's
-  defaults; the replays send their samplers per request, `LLAMACPP_SAMPLERS`), no prompt cache in RAM beside the
-  KV (`-cram 0`: the same memory for every server), and its Prometheus metrics on.
+  per-slot ranges (`-no-kvu`), its default sampler chain (a replay's requests may name odma's instead,
+  `LLAMACPP_SAMPLERS`), no prompt cache in RAM beside the KV (`-cram 0`: the same memory for every server), and
+  its Prometheus metrics on.
 """
 
 from __future__ import annotations
