@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention
     from backends.cpu_linear import LinearKernel
+    from backends.cpu_step import DecodeStepKernel
     from backends.triton_attention import TritonAttention
     from backends.virtual_memory import VirtualMemory
 
@@ -208,6 +209,11 @@ class Backend(ABC):
     def decode_attention(self) -> DecodeAttention | None:
         """A kernel for decode attention over contiguous blocks, where this backend has one (None: the model
         uses torch's SDPA per request)."""
+        return None
+
+    def decode_step(self) -> DecodeStepKernel | None:
+        """A kernel that runs a model's decoder layers for a step of one token per request in one call, where this
+        backend has one (None: the model's own layers)."""
         return None
 
     def attention(self, kind: str = "auto") -> DecodeAttention | TritonAttention | None:

@@ -6,10 +6,11 @@ import os
 
 import torch
 
-from backends import cpu_attention, cpu_linear
+from backends import cpu_attention, cpu_linear, cpu_step
 from backends.base import Backend, Capabilities, MemoryInfo
 from backends.cpu_attention import DecodeAttention
 from backends.cpu_linear import LinearKernel
+from backends.cpu_step import DecodeStepKernel
 from backends.host_vmm import HostVMM, open_host_vmm
 
 
@@ -27,6 +28,9 @@ class CPUBackend(Backend):
 
     def linear_kernel(self) -> LinearKernel | None:
         return cpu_linear.load()
+
+    def decode_step(self) -> DecodeStepKernel | None:
+        return cpu_step.load() if cpu_step.step_mode() == "native" else None
 
     def virtual_memory(self) -> HostVMM | None:
         return open_host_vmm()

@@ -101,6 +101,7 @@ class QuantKernel:
         self._fn = lib.odma_quant_linear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _I]
+        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value  # for kernels that call it from C (cpu_step.py)
         self._dequantize = lib.odma_quant_dequantize
         self._dequantize.restype = ctypes.c_int
         self._dequantize.argtypes = [_P, ctypes.c_int, _I, _I, _P]

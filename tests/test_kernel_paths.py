@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends import ckernels, cpu_attention, cpu_linear, cpu_quant, run_attention
+from backends import ckernels, cpu_attention, cpu_linear, cpu_quant, cpu_step, run_attention
 
 pytestmark = pytest.mark.skipif(ckernels.disabled(), reason="ODMA_CPU_KERNELS=0 turns the C kernels off")
 
@@ -30,3 +30,4 @@ def test_every_instruction_set_this_cpu_runs_builds_its_gemm_kernels():
 def test_the_attention_kernels_build():
     assert cpu_attention.load() is not None, "the CPU decode-attention kernel did not build (its tests would skip)"
     assert run_attention.load() is not None, "the run-reading attention kernel did not build (its tests would skip)"
+    assert cpu_step.load() is not None, "the decode-step kernel did not build (decode steps would run in Python)"

@@ -68,6 +68,30 @@ def test_native_weights_give_the_fp32_paths_greedy_tokens_and_logits(smollm2, sm
         assert a.output_logprobs == b.output_logprobs
 
 
+def test_decode_steps_in_one_native_call_give_the_python_layers_tokens(smollm2):
+    """The default engine runs decode steps through the decode-step kernel; ODMA_CPU_STEP=python runs the model's
+    Python layers: the same greedy tokens on the reference prompts, log-probabilities within float rounding."""
+    import os
+
+    from odma.engine import EngineConfig, LLMEngine, SamplingParams
+
+    if smollm2.runner.model.native_layers is None:
+        pytest.skip("no decode-step kernel here: both engines would run the Python layers")
+    os.environ["ODMA_CPU_STEP"] = "python"
+    try:
+        python = LLMEngine(EngineConfig(kv_budget="64MiB", length_log=None, predictor="median", threads=1))
+    finally:
+        del os.environ["ODMA_CPU_STEP"]
+    assert python.runner.model.native_layers is None
+    prompts = PROMPTS + [p + " Answer in French." for p in PROMPTS[1:]]
+    ids = _chat_ids(smollm2.tokenizer, prompts)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
+    for a, b in zip(smollm2.generate(ids, params), python.generate(ids, params)):
+        assert a.output_ids == b.output_ids
+        native, reference = [t.logprob for t in a.output_logprobs], [t.logprob for t in b.output_logprobs]
+        assert native == pytest.approx(reference, rel=1e-3, abs=1e-4)
+
+
 def _chat_ids(tok, prompts):
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=False), add_special_tokens=False) for p in prompts]

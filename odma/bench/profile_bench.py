@@ -10,6 +10,8 @@ assigned to one share:
 - attention: the CPU decode kernel (a ctypes call, under a range named here) and SDPA for prefill chunks;
 - other ops: every other aten op inside the model (norms, rotary, SiLU, adds, copies, views, the embedding);
 - model python: the model's Python between those ops (module calls, slicing, the per-request loop);
+- native layers: a decode step's decoder layers in one call of the CPU backend's decode-step kernel (its GEMMs,
+  attention, norms and the rest in C: the kernel's inside is not split);
 - sampling: the sampler with its ops; scheduler: the scheduler's (pool) bookkeeping;
 - engine: the rest of the step (runner glue, tagging with the predictor, outputs).
 Profiling inflates small ops, so shares are of the profiled step and the plain wall time is reported apart.
@@ -31,7 +33,7 @@ from contextlib import contextmanager
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_mkl_linear", "mkl::_mkl_linear", "mkldnn::_linear_pointwise"}
 SDPA_PREFIX = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
-RANGES = ("odma.attention", "odma.linear", "odma.sampler", "odma.scheduler", "odma.model")
+RANGES = ("odma.attention", "odma.linear", "odma.sampler", "odma.scheduler", "odma.model", "odma.layers")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,7 +156,7 @@ def _measure(engine, more, args, prefill: bool) -> dict:
     return {"steps": args.steps, "wall_ms_median": round(statistics.median(walls), 2),
             "wall_ms": [round(w, 1) for w in walls], "profiled_ms_per_step": round(prof_ms, 2),
             "shares": shares, "top_ops": _top_ops(prof, args.steps), "per_layer_us": {k: round(v["ms"] * 1e3 / n_layers, 1) for k, v in shares.items()
-                                               if k in ("gemm", "attention", "other ops", "model python")}}
+                                               if k in ("gemm", "attention", "other ops", "model python", "native layers")}}
 
 
 def _shares(prof, total_ms: float, per: int = 1) -> dict:
@@ -184,7 +186,8 @@ def _category(e) -> str:
     scope = _enclosing(e)
     if name in RANGES:  # a range's self time is the Python inside it between profiled ops
         return {"odma.attention": "attention", "odma.linear": "gemm", "odma.sampler": "sampling",
-                "odma.scheduler": "scheduler", "odma.model": "model python"}[name]
+                "odma.scheduler": "scheduler", "odma.model": "model python",
+                "odma.layers": "native layers"}[name]  # the decode-step kernel: GEMMs, attention and the rest in C
     if scope == "odma.attention":
         return "attention"
     if scope == "odma.sampler":
@@ -217,6 +220,7 @@ def _ranges(engine):
     worker = engine.workers[0]
     runner, sched = worker.runner, worker.scheduler
     saved = (runner.model.forward, runner.sampler, runner.attention, sched.schedule)
+    native = runner.model.native_layers
 
     def wrap(fn, name):
         def inner(*a, **k):
@@ -247,10 +251,14 @@ def _ranges(engine):
     sched.schedule = wrap(sched.schedule, "odma.scheduler")
     for m in linears:
         m.kernel = wrap(m.kernel, "odma.linear")
+    if native is not None:
+        native.run = wrap(native.run, "odma.layers")
     try:
         yield
     finally:
         runner.model.forward, runner.sampler, runner.attention, sched.schedule = saved
+        if native is not None:
+            del native.run  # the instance attribute set above: the class's method again
         for m in linears:
             m.kernel = m.kernel.__wrapped__
 

@@ -14,6 +14,7 @@ from odma.engine.logprobs import SampledLogprobs, prompt_logprobs
 from odma.engine.scheduler import Work
 from odma.engine.sampling import Sampler
 from odma.models.cpu_linear import pack_linears
+from odma.models.native_step import NativeLayers
 from odma.models.llama import CausalLM, HiddenCapture, SeqSlot
 
 
@@ -46,6 +47,8 @@ class ModelRunner:
         self.backend = backend
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype)
         self.attention = backend.attention(attention)
+        if backend.name == "cpu" and self.attention is not None:  # steps of one token per request: layers in C
+            model.native_layers = NativeLayers.build(model, backend.decode_step())
         self.page_tokens = page_tokens
         if page_tokens is not None and not isinstance(self.attention, TritonAttention):
             raise BackendError("paged KV is read by the Triton attention only (attention 'triton', or 'auto' on a GPU)")

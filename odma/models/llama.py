@@ -19,6 +19,7 @@ from odma.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from backends.cpu_attention import DecodeAttention, DecodeBatch
+    from odma.models.native_step import NativeLayers
     from backends.triton_attention import TritonAttention, TritonStep
 
 
@@ -193,6 +194,9 @@ class CausalLM(nn.Module):
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        # the decoder layers as the CPU backend's decode-step kernel runs them (set by the model runner where it can:
+        # odma/models/native_step.py); None: every step runs the Python layers below
+        self.native_layers: NativeLayers | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -225,7 +229,8 @@ class CausalLM(nn.Module):
             decode = attention.plan_step(seqs, rotary=self.rotary.table(max(s.start + s.q_len for s in seqs)))
         else:
             decode = attention.plan_step(seqs)
-        if decode is not None and decode.rows is None and decode.rotates:
+        native = self.native_layers if self.native_layers is not None and self.native_layers.serves(decode) else None
+        if native is not None or (decode is not None and decode.rows is None and decode.rotates):
             cos = sin = None  # the kernels rotate
         else:
             cos, sin = self.rotary.cos_sin(positions, self.dtype)
@@ -233,19 +238,23 @@ class CausalLM(nn.Module):
         last = getattr(decode, "last", False) if decode is not None else False
         if last is False:
             last = torch.tensor([s.q_len for s in seqs], device=x.device).cumsum(0) - 1
-        if capture is None:
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, seqs, decode)
-        else:
-            wanted = set(capture.layers)
-            if not wanted <= set(range(len(self.model.layers) + 1)):
-                raise ConfigError(f"capture layers {sorted(wanted)} outside 0..{len(self.model.layers)}")
-            if 0 in wanted:
-                capture.last[0] = (x if last is None else x[last]).float()
-            for i, layer in enumerate(self.model.layers, 1):
-                x = layer(x, cos, sin, seqs, decode)
-                if i in wanted:
-                    capture.last[i] = (x if last is None else x[last]).float()
+        if native is not None:  # one token per request: x's rows are the requests' last positions
+            x = x.contiguous()
+            rotary = self.rotary.table(int(decode.lens.max()))
+        layers = len(self.model.layers)
+        wanted = set(capture.layers) if capture is not None else set()
+        if not wanted <= set(range(layers + 1)):
+            raise ConfigError(f"capture layers {sorted(wanted)} outside 0..{layers}")
+        done = 0
+        for stop in sorted(wanted | {layers}):  # run up to each captured layer, then capture
+            if native is not None and stop > done:
+                x = native.run(x, decode, rotary, done, stop - done)
+            else:
+                for layer in self.model.layers[done:stop]:
+                    x = layer(x, cos, sin, seqs, decode)
+            done = stop
+            if stop in wanted:
+                capture.last[stop] = (x if last is None else x[last]).float()
         return self.lm_head(self.model.norm(x if last is None else x[last])).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> None:

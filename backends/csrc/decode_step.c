@@ -1,0 +1,167 @@
+/* Decoder layers of a decode step in one call (CPU, float32 activations): every request feeds one token.
+ *
+ * Why: a decode step of a small model at one stream is mostly not arithmetic. SmolLM2-135M's step at batch 1
+ * took 10.6 ms on a Zen 5 core, of which ~4.8 ms were Python and small torch ops around 30 layers (norms, the
+ * rotation, slicing, residual adds, ~150 ctypes calls); llama.cpp's whole step took 5.2 ms. Here the layers run
+ * in C, and the Python engine keeps the embedding, the final norm, the LM head, sampling and the KV bookkeeping.
+ *
+ * Per layer, for the B requests at once:
+ *   h = rmsnorm(x) * attn_norm;  qkv = h Wqkv^T (+ b);  q, k rotated at each request's position (the rotary table:
+ *   per position the cos of every frequency, then the sin, as the Python model's `Rotary.table`);  k, v written to
+ *   row len-1 of the request's block and q attended over rows [0, len) (attend.h, the decode-attention kernel's
+ *   loops);  x += attn Wo^T (+ b);  h = rmsnorm(x) * mlp_norm;  g, u = h Wgu^T;  x += (silu(g) * u) Wdown^T.
+ * The GEMMs are the backend's own kernels (linear.c for fp32 panels, quant_linear.c for GGUF blocks), called through
+ * the function pointers the caller passes in `odma_part`: they split their panels over OpenMP threads themselves;
+ * the attention here splits the requests.
+ *
+ * Arithmetic is the Python model's, not its bits: the norms' sums of squares run in another order than torch's
+ * reduction (tests compare within float tolerance and greedy tokens).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "attend.h"
+
+#define MAX_PARTS 4 /* a fused layer of parts in different block types (Q4_K_M: Q4_K q, k beside a Q6_K v) */
+#define KIND_F32 -1 /* odma_part.type of an fp32 panel (linear.c); otherwise the GGUF block type (quant_linear.c) */
+
+typedef int (*f32_gemm)(const float *x, int64_t M, int64_t ldx, const void *packed, int64_t K, int64_t N,
+                        const float *bias, float *y, int64_t ldy, int64_t threads);
+typedef int (*quant_gemm)(const float *x, int64_t M, int64_t ldx, const void *packed, int type, int64_t K,
+                          int64_t N, const float *bias, float *y, int64_t ldy, int64_t threads);
+
+/* One GEMM writing `rows` output columns from column `col` of the layer's output. */
+typedef struct {
+    void *fn;           /* f32_gemm (type KIND_F32) or quant_gemm */
+    const void *packed; /* its packed weights */
+    int64_t type;
+    int64_t rows;
+    int64_t col;
+    const float *bias; /* this part's first column of the bias, or NULL */
+} odma_part;
+
+typedef struct {
+    int64_t in, out, parts;
+    odma_part part[MAX_PARTS];
+} odma_linear;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm; /* [hidden] */
+    odma_linear qkv, o, gate_up, down;
+} odma_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;
+} odma_shape;
+
+/* The step: request b's block at address blocks[b], its layer l's K at l * layer_stride[b] elements, V half_stride[b]
+ * further (decode_attention.c's layout); lens[b] its context including this step's token (at position lens[b]-1). */
+typedef struct {
+    int64_t batch, threads;
+    const int64_t *blocks, *layer_stride, *half_stride, *lens;
+    const float *rotary; /* [positions, head_dim] */
+} odma_step;
+
+int odma_decode_step_max_parts(void) { return MAX_PARTS; }
+
+static int linear(const odma_linear *L, const float *x, int64_t M, float *y, int64_t threads) {
+    for (int64_t i = 0; i < L->parts; i++) {
+        const odma_part *p = &L->part[i];
+        const int code = p->type == KIND_F32
+            ? ((f32_gemm)p->fn)(x, M, L->in, p->packed, L->in, p->rows, p->bias, y + p->col, L->out, threads)
+            : ((quant_gemm)p->fn)(x, M, L->in, p->packed, (int)p->type, L->in, p->rows, p->bias, y + p->col, L->out,
+                                  threads);
+        if (code) return 100 - code; /* the GEMMs answer -1, -2, -3 */
+    }
+    return 0;
+}
+
+/* out [M, H] = rmsnorm(x) * w: float32 statistics, as the Python model's RMSNorm */
+static void rmsnorm(const float *x, const float *w, int64_t M, int64_t H, float eps, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * H;
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) ss += xm[i] * xm[i];
+        const float r = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) out[m * H + i] = w[i] * (xm[i] * r);
+    }
+}
+
+/* heads vectors of head_dim at v, rotated by the table row (cos | sin of head_dim / 2 frequencies) */
+static void rotate(float *v, int64_t heads, int64_t head_dim, const float *table) {
+    const int64_t half = head_dim / 2;
+    const float *c = table, *s = table + half;
+    for (int64_t h = 0; h < heads; h++) {
+        float *a = v + h * head_dim, *b = a + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float x0 = a[i], x1 = b[i];
+            a[i] = x0 * c[i] - x1 * s[i];
+            b[i] = x1 * c[i] + x0 * s[i];
+        }
+    }
+}
+
+/* Layers [first, first + count) of `layers` over x [batch, hidden] in place. Returns 0; 1 for a request without a
+ * position (len < 1), 2 when memory for the step cannot be had, 100 - a GEMM's (negative) code when one fails. */
+int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t first, int64_t count,
+                       const odma_step *step, float *x) {
+    const int64_t B = step->batch, H = S->hidden, D = S->head_dim, heads = S->heads, kvh = S->kv_heads;
+    const int64_t qd = heads * D, kvd = kvh * D, I = S->intermediate, group = heads / kvh;
+    const float scale = 1.f / sqrtf((float)D);
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (step->lens[b] < 1) return 1;
+        if (step->lens[b] > max_len) max_len = step->lens[b];
+    }
+    const int64_t widest = qd + 2 * kvd > 2 * I ? qd + 2 * kvd : 2 * I;
+    /* h: a norm's output (then the MLP's product), wide: qkv or gate_up, att: attention's output, y: a projection */
+    float *h = malloc(sizeof(float) * B * (H > I ? H : I)), *wide = malloc(sizeof(float) * B * widest);
+    float *att = malloc(sizeof(float) * B * qd), *y = malloc(sizeof(float) * B * H);
+    const int64_t threads = step->threads > 0 ? step->threads : 1;
+    float *scores = malloc(sizeof(float) * threads * heads * max_len);
+    int code = 0;
+    if (!h || !wide || !att || !y || !scores) code = 2;
+    for (int64_t l = first; !code && l < first + count; l++) {
+        const odma_layer *L = &layers[l];
+        rmsnorm(x, L->attn_norm, B, H, S->eps, h);
+        if ((code = linear(&L->qkv, h, B, wide, threads))) break;
+        const int64_t row = qd + 2 * kvd;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t n = step->lens[b];
+            float *qb = wide + b * row, *kb = qb + qd, *vb = kb + kvd;
+            const float *table = step->rotary + (n - 1) * D;
+            rotate(qb, heads, D, table);
+            rotate(kb, kvh, D, table);
+            float *K = (float *)(intptr_t)step->blocks[b] + l * step->layer_stride[b];
+            float *V = K + step->half_stride[b];
+            memcpy(K + (n - 1) * kvd, kb, sizeof(float) * kvd);
+            memcpy(V + (n - 1) * kvd, vb, sizeof(float) * kvd);
+#ifdef _OPENMP
+            float *mine = scores + (int64_t)omp_get_thread_num() * heads * max_len;
+#else
+            float *mine = scores;
+#endif
+            attend_any(K, V, n, kvh, qb, att + b * qd, mine, scale, group, D);
+        }
+        if ((code = linear(&L->o, att, B, y, threads))) break;
+        for (int64_t i = 0; i < B * H; i++) x[i] += y[i];
+        rmsnorm(x, L->mlp_norm, B, H, S->eps, h);
+        if ((code = linear(&L->gate_up, h, B, wide, threads))) break;
+        for (int64_t b = 0; b < B; b++) {
+            const float *g = wide + b * 2 * I, *u = g + I;
+            for (int64_t i = 0; i < I; i++) h[b * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        }
+        if ((code = linear(&L->down, h, B, y, threads))) break;
+        for (int64_t i = 0; i < B * H; i++) x[i] += y[i];
+    }
+    free(h), free(wide), free(att), free(y), free(scores);
+    return code;
+}

@@ -1,0 +1,93 @@
+"""A CausalLM's decoder layers handed to the CPU backend's decode-step kernel (backends/cpu_step.py): in a step where
+every request feeds one token, the 30-odd layers run in one native call instead of Python around each.
+
+`NativeLayers.build` describes every layer by what it already holds (fp32 norm weights, linear layers packed for the
+backend's fp32 kernel or kept in GGUF blocks) and returns None, with the reason, where a layer holds anything else
+(bf16 weights, oneDNN's packed layers, F.linear): the model then keeps its Python layers for every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from odma.models.cpu_linear import KernelLinear
+from odma.models.quantized import QuantLinear
+
+if TYPE_CHECKING:
+    from backends.cpu_attention import DecodeBatch
+    from backends.cpu_step import DecodeStepKernel, LinearSpec, PreparedLayers
+
+log = logging.getLogger(__name__)
+
+
+class NativeLayers:
+    """The model's layers as the kernel runs them; `run` is the decode step's layer loop."""
+
+    def __init__(self, kernel: DecodeStepKernel, prepared: PreparedLayers) -> None:
+        self.kernel, self.prepared = kernel, prepared
+
+    @classmethod
+    def build(cls, model: nn.Module, kernel: DecodeStepKernel | None) -> NativeLayers | None:
+        """model: a CausalLM (odma/models/llama.py, which holds the result as `native_layers`)."""
+        from backends.cpu_step import LayerSpec, ModelShape
+
+        if kernel is None:
+            return None
+        c = model.config
+        try:
+            specs = []
+            for layer in model.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                specs.append(LayerSpec(
+                    attn_norm=_norm(layer.input_layernorm.weight), mlp_norm=_norm(layer.post_attention_layernorm.weight),
+                    qkv=_linear(attn.qkv_proj), o=_linear(attn.o_proj), gate_up=_linear(mlp.gate_up_proj),
+                    down=_linear(mlp.down_proj)))
+            shape = ModelShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                               c.rms_norm_eps)
+            return cls(kernel, kernel.prepare(shape, specs))
+        except ValueError as e:
+            log.info("decode steps keep the model's Python layers: %s", e)
+            return None
+
+    def serves(self, decode: object) -> bool:
+        """Whether a step planned as `decode` is one the kernel runs: the CPU's decode attention took every request
+        (each feeds one token)."""
+        from backends.cpu_attention import DecodeBatch
+
+        return isinstance(decode, DecodeBatch) and decode.rows is None
+
+    def run(self, x: torch.Tensor, decode: DecodeBatch, rotary: torch.Tensor, first: int = 0,
+            count: int | None = None) -> torch.Tensor:
+        """Layers [first, first + count) of a step where every request (decode.rows is None) feeds one token; x
+        [B, hidden] fp32 is updated in place and returned."""
+        self.kernel(self.prepared, x, decode.blocks, decode.layer_stride, decode.half_stride, decode.lens, rotary,
+                    first, count)
+        return x
+
+
+def _norm(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != torch.float32:
+        raise ValueError(f"norm weights in {weight.dtype}: the kernel takes fp32")
+    return weight.detach().contiguous()
+
+
+def _linear(module: nn.Module) -> LinearSpec:
+    """The GEMMs of a linear layer packed for the backend's kernels; ValueError for any other."""
+    from backends.cpu_step import FP32_PANELS, GemmPart, LinearSpec
+
+    if isinstance(module, QuantLinear):
+        parts, col = [], 0
+        for p in module.parts:
+            bias = None if module.bias_f32 is None else module.bias_f32[col:]
+            parts.append(GemmPart(module.kernel.address, p.packed, p.ggml_id, p.rows, col, bias))
+            col += p.rows
+        return LinearSpec(module.in_features, module.out_features, tuple(parts))
+    if isinstance(module, KernelLinear) and module.packed.dtype == torch.float32:
+        bias = None if module.bias is None else _norm(module.bias)
+        part = GemmPart(module.kernel.f32_address, module.packed, FP32_PANELS, module.out_features, 0, bias)
+        return LinearSpec(module.in_features, module.out_features, (part,))
+    raise ValueError(f"{type(module).__name__} ({getattr(module, 'extra_repr', lambda: '')()}) has no native GEMM")

@@ -1,0 +1,176 @@
+"""The decode-step kernel (backends/cpu_step.py, csrc/decode_step.c): a step of one token per request through the
+whole decoder in C computes what the model's Python layers compute (logits, the KV rows it writes, captured hidden
+states) for fp32 panels and every GGUF block type, ragged contexts, GQA, biases and fused layers of mixed types;
+bad input is refused before anything is written; models it cannot run keep their Python layers."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from backends import ckernels, cpu_attention, cpu_linear, cpu_quant, cpu_step
+from backends.cpu import CPUBackend
+from backends.errors import BackendError
+from odma.models.cpu_linear import pack_linears
+from odma.models.llama import HiddenCapture, SeqSlot
+from odma.models.native_step import NativeLayers
+from odma.models.tiny import make_tiny_gguf, random_model
+
+pytestmark = pytest.mark.skipif(ckernels.disabled(), reason="ODMA_CPU_KERNELS=0 turns the C kernels off")
+KERNELS = {}
+for _isa in ckernels.ISAS:
+    if ckernels.isa_runs_here(_isa) and cpu_quant.load(_isa) is not None and cpu_linear.load(_isa) is not None:
+        KERNELS.setdefault(cpu_quant.load(_isa).isa, (cpu_quant.load(_isa), cpu_linear.load(_isa)))
+per_isa = pytest.mark.parametrize("kernels", list(KERNELS.values()), ids=list(KERNELS))
+K_QUANTS = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+            "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q8_0"}
+CASES = {  # GGUF files (arch, types, shape), or "fp32": a random model in fp32 panels with GQA 3:1 and head_dim 64
+    "llama-Q4_1": ("llama", {}, {}),
+    "llama-Q4_0-Q8_0": ("llama", {r: "Q4_0" for r in ("attn_q", "attn_k", "attn_output", "ffn_up")}
+                        | {"attn_v": "Q8_0", "ffn_down": "Q8_0"}, {}),
+    "qwen2-Q4_K-Q6_K-bias": ("qwen2", K_QUANTS, {"hidden_size": 256, "intermediate_size": 512}),
+    "fp32": None,
+}
+FP32_SHAPE = dict(model_type="llama", vocab_size=300, hidden_size=192, intermediate_size=320, num_layers=3,
+                  num_heads=6, num_kv_heads=2, head_dim=32 * 2, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  max_position_embeddings=1024, tie_word_embeddings=False, qkv_bias=False, o_bias=False)
+PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(10, 27))]  # ragged contexts; one decoding from its 4th row
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_step.load()
+    assert k is not None, "the decode-step kernel did not build (test_kernel_paths names it too)"
+    return k
+
+
+def build(case, kernels, tmp_path):
+    """The case's model, its float layers packed for odma's fp32 kernel."""
+    from transformers import AutoConfig
+
+    from odma.models.config import ModelConfig
+    from odma.models.gguf import load_native_model
+
+    quant, linear = kernels
+    if CASES[case] is None:
+        model = random_model(FP32_SHAPE, dtype=torch.float32, seed=3)
+        with torch.no_grad():  # norms away from 1, so that a norm read wrongly shows
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+    else:
+        arch, types, shape = CASES[case]
+        path = make_tiny_gguf(tmp_path / "m.gguf", arch, types, **shape)
+        config = ModelConfig.from_hf_dict(AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name).to_dict())
+        model = load_native_model(path, config, quant)
+    pack_linears(model, linear, mode="odma")
+    return model
+
+
+def run_steps(model, attention, decode_steps=4, capture=None):
+    """A prefill of PROMPTS (the Python layers), then decode steps of all three: every step's logits, the blocks,
+    and the captured hidden states of the decode steps."""
+    c = model.config
+    blocks = [torch.zeros(c.num_layers, 2, 64, c.num_kv_heads, c.head_dim) for _ in PROMPTS]
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.tensor([i for p in PROMPTS for i in range(len(p))])
+    logits = [model(ids, positions, [SeqSlot(b, 0, len(p)) for b, p in zip(blocks, PROMPTS)], attention)]
+    lens, captured = [len(p) for p in PROMPTS], []
+    for _ in range(decode_steps):
+        hidden = HiddenCapture(capture) if capture else None
+        step_ids = logits[-1].argmax(-1)
+        logits.append(model(step_ids, torch.tensor(lens), [SeqSlot(b, n, 1) for b, n in zip(blocks, lens)],
+                            attention, capture=hidden))
+        captured.append(hidden.last if hidden else {})
+        lens = [n + 1 for n in lens]
+    return logits, blocks, captured
+
+
+@per_isa
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_native_decode_step_computes_what_the_python_layers_compute(case, kernels, kernel, tmp_path):
+    model = build(case, kernels, tmp_path)
+    attention = cpu_attention.load()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        model.native_layers = None
+        ref_logits, ref_blocks, ref_hidden = run_steps(model, attention, capture=(0, 1, model.config.num_layers))
+        model.native_layers = NativeLayers.build(model, kernel)
+        assert model.native_layers is not None
+        logits, blocks, hidden = run_steps(model, attention, capture=(0, 1, model.config.num_layers))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(logits[0], ref_logits[0])  # the prefill is the Python layers' either way
+    for a, b in zip(logits[1:], ref_logits[1:]):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(blocks, ref_blocks):  # the K and V rows each step wrote, every layer
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert a[:, :, 45:].abs().sum() == 0  # and nothing past the last decoded row (37 + 4 rows at most)
+    for step, ref in zip(hidden, ref_hidden):
+        assert step.keys() == ref.keys()
+        for layer in step:
+            torch.testing.assert_close(step[layer], ref[layer], rtol=1e-4, atol=1e-4)
+
+
+def test_several_threads_split_the_requests_and_give_the_same_step(kernel, tmp_path):
+    model = build("fp32", next(iter(KERNELS.values())), tmp_path)
+    attention = cpu_attention.load()
+    model.native_layers = NativeLayers.build(model, kernel)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_blocks, _ = run_steps(model, attention, decode_steps=2)
+        torch.set_num_threads(2)
+        two, two_blocks, _ = run_steps(model, attention, decode_steps=2)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one + one_blocks, two + two_blocks):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused_before_anything_is_written(kernel, tmp_path):
+    model = build("fp32", next(iter(KERNELS.values())), tmp_path)
+    native = NativeLayers.build(model, kernel)
+    c = model.config
+    block = torch.zeros(c.num_layers, 2, 8, c.num_kv_heads, c.head_dim)
+    x = torch.randn(1, c.hidden_size)
+    table = model.rotary.table(16)
+    args = [torch.tensor([block.data_ptr()]), torch.tensor([block.stride(0)]), torch.tensor([block.stride(1)])]
+    with pytest.raises(RuntimeError, match="code 1"):  # a request at no position
+        kernel(native.prepared, x.clone(), *args, torch.tensor([0]), table)
+    with pytest.raises(ValueError, match="rotary table"):
+        kernel(native.prepared, x.clone(), *args, torch.tensor([table.shape[0] + 1]), table)
+    with pytest.raises(ValueError, match="layers"):
+        kernel(native.prepared, x.clone(), *args, torch.tensor([3]), table, first=1, count=c.num_layers)
+    with pytest.raises(ValueError, match="int64"):
+        kernel(native.prepared, x.clone(), *args, torch.tensor([3], dtype=torch.int32), table)
+    assert block.abs().sum() == 0
+    spec = native.prepared.specs[0]
+    wrong = cpu_step.ModelShape(c.hidden_size, c.num_heads, c.num_heads, c.head_dim, c.intermediate_size, 1e-5)
+    with pytest.raises(ValueError, match="qkv"):  # sizes the model's shape contradicts
+        kernel.prepare(wrong, [spec])
+
+
+def test_models_the_kernel_cannot_run_keep_their_python_layers(kernel, caplog):
+    bf16 = random_model(FP32_SHAPE, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="odma.models.native_step"):
+        assert NativeLayers.build(bf16, kernel) is None
+    assert "fp32" in caplog.text
+    fp32 = random_model(FP32_SHAPE, dtype=torch.float32)
+    pack_linears(fp32, None, mode="onednn")  # oneDNN's packed layers: no entry point the kernel can call
+    assert NativeLayers.build(fp32, kernel) is None
+    assert NativeLayers.build(fp32, None) is None
+
+
+def test_the_switch_is_checked_and_python_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("ODMA_CPU_STEP", "nativ")
+    with pytest.raises(BackendError, match="ODMA_CPU_STEP"):
+        CPUBackend().decode_step()
+    monkeypatch.setenv("ODMA_CPU_STEP", "python")
+    assert CPUBackend().decode_step() is None
+    monkeypatch.setenv("ODMA_CPU_STEP", "native")
+    assert CPUBackend().decode_step() is cpu_step.load()
