@@ -31,8 +31,8 @@ class LinearKernel:
         self._fns = {torch.float32: lib.odma_linear_f32, torch.bfloat16: lib.odma_linear_bf16}
         for fn in self._fns.values():
             fn.restype, fn.argtypes = ctypes.c_int, _ARGS
-        # the fp32 entry point's address, for kernels that call it from C (backends/cpu_step.py)
-        self.f32_address = ctypes.cast(lib.odma_linear_f32, ctypes.c_void_p).value
+        # the entry points' addresses by weight dtype, for kernels that call them from C (backends/cpu_step.py)
+        self.addresses = {dtype: ctypes.cast(fn, ctypes.c_void_p).value for dtype, fn in self._fns.items()}
         self.panel = int(lib.odma_linear_panel())
         self.parallel = bool(lib.odma_linear_openmp())
         self.isa = ISA_NAMES.get(int(lib.odma_linear_isa()), "none")  # avx512 | avx2: which path this build runs

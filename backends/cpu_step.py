@@ -24,7 +24,8 @@ from backends.errors import BackendError
 SOURCE = ckernels.CSRC / "decode_step.c"
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 _PORTABLE = ("-O3", "-ffast-math", "-fPIC")
-FP32_PANELS = -1  # GemmPart.type of linear.c's fp32 panels; otherwise the GGUF block type of quant_linear.c
+# GemmPart.type of linear.c's fp32 and bf16 panels; otherwise the GGUF block type of quant_linear.c
+FP32_PANELS, BF16_PANELS = -1, -2
 MODES = ("native", "python")
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
@@ -42,12 +43,12 @@ def step_mode() -> str:
 class GemmPart:
     """One GEMM of a linear layer: `rows` output columns from `col`, through the kernel entry point `fn`."""
 
-    fn: int  # address of odma_linear_f32 (type FP32_PANELS) or odma_quant_linear
+    fn: int  # address of odma_linear_f32 (FP32_PANELS), odma_linear_bf16 (BF16_PANELS) or odma_quant_linear
     packed: torch.Tensor
     type: int
     rows: int
     col: int
-    bias: torch.Tensor | None  # fp32, this part's columns
+    bias: torch.Tensor | None  # this part's columns: bf16 for BF16_PANELS, else fp32
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,7 @@ class LinearSpec:
 
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
-    attn_norm: torch.Tensor  # fp32 [hidden]
+    attn_norm: torch.Tensor  # fp32 [hidden] (a bf16 model's weights widened: exact)
     mlp_norm: torch.Tensor
     qkv: LinearSpec  # q, k, v columns in that order
     o: LinearSpec
@@ -75,6 +76,7 @@ class ModelShape:
     head_dim: int
     intermediate: int
     eps: float
+    bf16: bool = False  # a bf16 model: activations rounded to bf16 where its torch ops round them
 
 
 class _Part(ctypes.Structure):
@@ -83,7 +85,7 @@ class _Part(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("intermediate", _I64),
-                ("eps", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("bf16", _I64)]
 
 
 class _Step(ctypes.Structure):
@@ -128,11 +130,11 @@ class DecodeStepKernel:
         array = (self._layer_t * len(layers))()
         for i, spec in enumerate(layers):
             for norm in (spec.attn_norm, spec.mlp_norm):
-                _check_fp32(norm, s.hidden, f"layer {i}'s norm")
+                _check_vector(norm, s.hidden, torch.float32, f"layer {i}'s norm")
             array[i].attn_norm, array[i].mlp_norm = spec.attn_norm.data_ptr(), spec.mlp_norm.data_ptr()
             for name, (k, n) in widths.items():
                 setattr(array[i], name, self._linear(getattr(spec, name), k, n, f"layer {i}'s {name}"))
-        c_shape = _Shape(s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.eps)
+        c_shape = _Shape(s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.eps, int(s.bf16))
         return PreparedLayers(c_shape, array, tuple(layers))
 
     def _linear(self, spec: LinearSpec, k: int, n: int, what: str):
@@ -146,7 +148,8 @@ class DecodeStepKernel:
             if p.col != covered or not p.packed.is_contiguous():
                 raise ValueError(f"{what}: parts must be contiguous and cover the output columns in order")
             if p.bias is not None:
-                _check_fp32(p.bias, p.rows, f"{what}'s bias")
+                _check_vector(p.bias, p.rows, torch.bfloat16 if p.type == BF16_PANELS else torch.float32,
+                              f"{what}'s bias")
             out.part[j] = _Part(p.fn, p.packed.data_ptr(), p.type, p.rows, p.col,
                                 None if p.bias is None else p.bias.data_ptr())
             covered += p.rows
@@ -176,10 +179,10 @@ class DecodeStepKernel:
                                f"[{first}, {first + count})")
 
 
-def _check_fp32(t: torch.Tensor, n: int, what: str) -> None:
-    """t: a contiguous fp32 vector on the CPU of at least n elements (a bias part may run on into later parts')."""
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() or t.numel() < n:
-        raise ValueError(f"{what}: expected a contiguous fp32 vector of {n} on the CPU, got {tuple(t.shape)} "
+def _check_vector(t: torch.Tensor, n: int, dtype: torch.dtype, what: str) -> None:
+    """t: a contiguous vector of `dtype` on the CPU, at least n long (a bias part may run on into later parts')."""
+    if t.dtype != dtype or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() or t.numel() < n:
+        raise ValueError(f"{what}: expected a contiguous {dtype} vector of {n} on the CPU, got {tuple(t.shape)} "
                          f"{t.dtype} on {t.device}")
 
 

@@ -15,7 +15,9 @@
  * the attention here splits the requests.
  *
  * Arithmetic is the Python model's, not its bits: the norms' sums of squares run in another order than torch's
- * reduction (tests compare within float tolerance and greedy tokens).
+ * reduction (tests compare within float tolerance and greedy tokens). A bf16 model's activations are rounded to bf16
+ * wherever its torch ops round them (`as_model`), and its GEMMs are linear.c's bf16 ones; fp32 and GGUF-block models
+ * keep fp32 activations throughout, as theirs do.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,23 +29,28 @@
 #endif
 
 #include "attend.h"
+#include "bf16.h"
 
 #define MAX_PARTS 4 /* a fused layer of parts in different block types (Q4_K_M: Q4_K q, k beside a Q6_K v) */
-#define KIND_F32 -1 /* odma_part.type of an fp32 panel (linear.c); otherwise the GGUF block type (quant_linear.c) */
+/* odma_part.type: linear.c's fp32 or bf16 panels, else the GGUF block type of quant_linear.c */
+#define KIND_F32 -1
+#define KIND_BF16 -2
 
 typedef int (*f32_gemm)(const float *x, int64_t M, int64_t ldx, const void *packed, int64_t K, int64_t N,
                         const float *bias, float *y, int64_t ldy, int64_t threads);
+typedef int (*bf16_gemm)(const uint16_t *x, int64_t M, int64_t ldx, const void *packed, int64_t K, int64_t N,
+                         const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t threads);
 typedef int (*quant_gemm)(const float *x, int64_t M, int64_t ldx, const void *packed, int type, int64_t K,
                           int64_t N, const float *bias, float *y, int64_t ldy, int64_t threads);
 
 /* One GEMM writing `rows` output columns from column `col` of the layer's output. */
 typedef struct {
-    void *fn;           /* f32_gemm (type KIND_F32) or quant_gemm */
+    void *fn;           /* f32_gemm, bf16_gemm or quant_gemm, by type */
     const void *packed; /* its packed weights */
     int64_t type;
     int64_t rows;
     int64_t col;
-    const float *bias; /* this part's first column of the bias, or NULL */
+    const void *bias; /* this part's first column of the bias (fp32; bf16 for KIND_BF16), or NULL */
 } odma_part;
 
 typedef struct {
@@ -59,6 +66,7 @@ typedef struct {
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps;
+    int64_t bf16; /* a bf16 model: activations rounded to bf16 where its torch ops round them */
 } odma_shape;
 
 /* The step: request b's block at address blocks[b], its layer l's K at l * layer_stride[b] elements, V half_stride[b]
@@ -71,39 +79,58 @@ typedef struct {
 
 int odma_decode_step_max_parts(void) { return MAX_PARTS; }
 
-static int linear(const odma_linear *L, const float *x, int64_t M, float *y, int64_t threads) {
+/* y [M, out] = x [M, in] W^T (+ b), fp32 in and out; bf16 panels read x narrowed into xs and write ys (both
+ * [M, widest]), widened back into y: exact, x holding bf16 values. */
+static int linear(const odma_linear *L, const float *x, int64_t M, float *y, int64_t threads, uint16_t *xs,
+                  uint16_t *ys) {
+    int narrowed = 0;
     for (int64_t i = 0; i < L->parts; i++) {
         const odma_part *p = &L->part[i];
-        const int code = p->type == KIND_F32
-            ? ((f32_gemm)p->fn)(x, M, L->in, p->packed, L->in, p->rows, p->bias, y + p->col, L->out, threads)
-            : ((quant_gemm)p->fn)(x, M, L->in, p->packed, (int)p->type, L->in, p->rows, p->bias, y + p->col, L->out,
-                                  threads);
+        int code;
+        if (p->type == KIND_F32) {
+            code = ((f32_gemm)p->fn)(x, M, L->in, p->packed, L->in, p->rows, p->bias, y + p->col, L->out, threads);
+        } else if (p->type == KIND_BF16) {
+            if (!narrowed) {
+                for (int64_t j = 0; j < M * L->in; j++) xs[j] = to_bf16(x[j]);
+                narrowed = 1;
+            }
+            code = ((bf16_gemm)p->fn)(xs, M, L->in, p->packed, L->in, p->rows, p->bias, ys, p->rows, threads);
+            for (int64_t m = 0; !code && m < M; m++)
+                for (int64_t j = 0; j < p->rows; j++) y[m * L->out + p->col + j] = from_bf16(ys[m * p->rows + j]);
+        } else {
+            code = ((quant_gemm)p->fn)(x, M, L->in, p->packed, (int)p->type, L->in, p->rows, p->bias, y + p->col,
+                                       L->out, threads);
+        }
         if (code) return 100 - code; /* the GEMMs answer -1, -2, -3 */
     }
     return 0;
 }
 
-/* out [M, H] = rmsnorm(x) * w: float32 statistics, as the Python model's RMSNorm */
-static void rmsnorm(const float *x, const float *w, int64_t M, int64_t H, float eps, float *out) {
+/* v as the model holds it: rounded to bf16 by every torch op of a bf16 model */
+static inline float as_model(float v, int64_t bf16) { return bf16 ? from_bf16(to_bf16(v)) : v; }
+
+/* out [M, H] = rmsnorm(x) * w: float32 statistics, as the Python model's RMSNorm (its normalized x rounded to the
+ * model's dtype, then the product) */
+static void rmsnorm(const float *x, const float *w, int64_t M, int64_t H, float eps, int64_t bf16, float *out) {
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * H;
         float ss = 0.f;
         for (int64_t i = 0; i < H; i++) ss += xm[i] * xm[i];
         const float r = 1.f / sqrtf(ss / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) out[m * H + i] = w[i] * (xm[i] * r);
+        for (int64_t i = 0; i < H; i++) out[m * H + i] = as_model(w[i] * as_model(xm[i] * r, bf16), bf16);
     }
 }
 
-/* heads vectors of head_dim at v, rotated by the table row (cos | sin of head_dim / 2 frequencies) */
-static void rotate(float *v, int64_t heads, int64_t head_dim, const float *table) {
+/* heads vectors of head_dim at v, rotated by the table row (cos | sin of head_dim / 2 frequencies); a bf16 model
+ * rounds cos and sin, each product and the sum, as `x * cos + rotate_half(x) * sin` does in bf16 */
+static void rotate(float *v, int64_t heads, int64_t head_dim, const float *table, int64_t bf16) {
     const int64_t half = head_dim / 2;
-    const float *c = table, *s = table + half;
     for (int64_t h = 0; h < heads; h++) {
         float *a = v + h * head_dim, *b = a + half;
         for (int64_t i = 0; i < half; i++) {
-            const float x0 = a[i], x1 = b[i];
-            a[i] = x0 * c[i] - x1 * s[i];
-            b[i] = x1 * c[i] + x0 * s[i];
+            const float c = as_model(table[i], bf16), s = as_model(table[half + i], bf16), x0 = a[i], x1 = b[i];
+            a[i] = as_model(as_model(x0 * c, bf16) - as_model(x1 * s, bf16), bf16);
+            b[i] = as_model(as_model(x1 * c, bf16) + as_model(x0 * s, bf16), bf16);
         }
     }
 }
@@ -126,20 +153,23 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
     float *att = malloc(sizeof(float) * B * qd), *y = malloc(sizeof(float) * B * H);
     const int64_t threads = step->threads > 0 ? step->threads : 1;
     float *scores = malloc(sizeof(float) * threads * heads * max_len);
+    const int64_t ins = H > I ? (H > qd ? H : qd) : (I > qd ? I : qd); /* the widest GEMM input */
+    const int64_t bf16 = S->bf16, narrow = bf16 ? B * (widest > ins ? widest : ins) : 1;
+    uint16_t *xs = malloc(sizeof(uint16_t) * narrow), *ys = malloc(sizeof(uint16_t) * narrow);
     int code = 0;
-    if (!h || !wide || !att || !y || !scores) code = 2;
+    if (!h || !wide || !att || !y || !scores || !xs || !ys) code = 2;
     for (int64_t l = first; !code && l < first + count; l++) {
         const odma_layer *L = &layers[l];
-        rmsnorm(x, L->attn_norm, B, H, S->eps, h);
-        if ((code = linear(&L->qkv, h, B, wide, threads))) break;
+        rmsnorm(x, L->attn_norm, B, H, S->eps, bf16, h);
+        if ((code = linear(&L->qkv, h, B, wide, threads, xs, ys))) break;
         const int64_t row = qd + 2 * kvd;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
         for (int64_t b = 0; b < B; b++) {
             const int64_t n = step->lens[b];
             float *qb = wide + b * row, *kb = qb + qd, *vb = kb + kvd;
             const float *table = step->rotary + (n - 1) * D;
-            rotate(qb, heads, D, table);
-            rotate(kb, kvh, D, table);
+            rotate(qb, heads, D, table, bf16);
+            rotate(kb, kvh, D, table, bf16);
             float *K = (float *)(intptr_t)step->blocks[b] + l * step->layer_stride[b];
             float *V = K + step->half_stride[b];
             memcpy(K + (n - 1) * kvd, kb, sizeof(float) * kvd);
@@ -149,19 +179,22 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
 #else
             float *mine = scores;
 #endif
-            attend_any(K, V, n, kvh, qb, att + b * qd, mine, scale, group, D);
+            float *ob = att + b * qd;
+            attend_any(K, V, n, kvh, qb, ob, mine, scale, group, D);
+            if (bf16)
+                for (int64_t i = 0; i < qd; i++) ob[i] = as_model(ob[i], bf16);
         }
-        if ((code = linear(&L->o, att, B, y, threads))) break;
-        for (int64_t i = 0; i < B * H; i++) x[i] += y[i];
-        rmsnorm(x, L->mlp_norm, B, H, S->eps, h);
-        if ((code = linear(&L->gate_up, h, B, wide, threads))) break;
+        if ((code = linear(&L->o, att, B, y, threads, xs, ys))) break;
+        for (int64_t i = 0; i < B * H; i++) x[i] = as_model(x[i] + y[i], bf16);
+        rmsnorm(x, L->mlp_norm, B, H, S->eps, bf16, h);
+        if ((code = linear(&L->gate_up, h, B, wide, threads, xs, ys))) break;
         for (int64_t b = 0; b < B; b++) {
             const float *g = wide + b * 2 * I, *u = g + I;
-            for (int64_t i = 0; i < I; i++) h[b * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            for (int64_t i = 0; i < I; i++) h[b * I + i] = as_model(as_model(g[i] / (1.f + expf(-g[i])), bf16) * u[i], bf16);
         }
-        if ((code = linear(&L->down, h, B, y, threads))) break;
-        for (int64_t i = 0; i < B * H; i++) x[i] += y[i];
+        if ((code = linear(&L->down, h, B, y, threads, xs, ys))) break;
+        for (int64_t i = 0; i < B * H; i++) x[i] = as_model(x[i] + y[i], bf16);
     }
-    free(h), free(wide), free(att), free(y), free(scores);
+    free(h), free(wide), free(att), free(y), free(scores), free(xs), free(ys);
     return code;
 }

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define PREFETCH_AHEAD 8192 /* bytes (~43 steps of an AVX-512 panel) ahead; 4-32 KB measured within 3 % */
 #define W_F32 0
@@ -104,14 +106,6 @@ ALWAYS_INLINE vmask first_n(int64_t n) {
 
 #define PANEL (3 * VW) /* output columns per panel: 3 vector registers */
 
-/* fp32 → bf16, rounding to nearest even (a quiet NaN stays a NaN) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* A float buffer grown on demand and kept: each file holds its own per thread (`static __thread`). */
 typedef struct {
     float *data;
@@ -126,13 +120,6 @@ static inline float *grown(grow_buffer *b, int64_t floats) {
         b->floats = floats;
     }
     return b->data;
-}
-
-static inline float from_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 #ifdef ODMA_HAVE_PANEL

@@ -239,7 +239,6 @@ class CausalLM(nn.Module):
         if last is False:
             last = torch.tensor([s.q_len for s in seqs], device=x.device).cumsum(0) - 1
         if native is not None:  # one token per request: x's rows are the requests' last positions
-            x = x.contiguous()
             rotary = self.rotary.table(int(decode.lens.max()))
         layers = len(self.model.layers)
         wanted = set(capture.layers) if capture is not None else set()

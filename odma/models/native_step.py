@@ -1,9 +1,10 @@
 """A CausalLM's decoder layers handed to the CPU backend's decode-step kernel (backends/cpu_step.py): in a step where
 every request feeds one token, the 30-odd layers run in one native call instead of Python around each.
 
-`NativeLayers.build` describes every layer by what it already holds (fp32 norm weights, linear layers packed for the
-backend's fp32 kernel or kept in GGUF blocks) and returns None, with the reason, where a layer holds anything else
-(bf16 weights, oneDNN's packed layers, F.linear): the model then keeps its Python layers for every step.
+`NativeLayers.build` describes every layer by what it already holds (norm weights, linear layers packed for the
+backend's fp32 or bf16 kernel or kept in GGUF blocks) and returns None, with the reason, where a layer holds anything
+else (oneDNN's packed layers, F.linear): the model then keeps its Python layers for every step. A bf16 model's
+activations are rounded to bf16 inside the kernel wherever its torch ops round them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ log = logging.getLogger(__name__)
 class NativeLayers:
     """The model's layers as the kernel runs them; `run` is the decode step's layer loop."""
 
-    def __init__(self, kernel: DecodeStepKernel, prepared: PreparedLayers) -> None:
-        self.kernel, self.prepared = kernel, prepared
+    def __init__(self, kernel: DecodeStepKernel, prepared: PreparedLayers, dtype: torch.dtype) -> None:
+        self.kernel, self.prepared, self.dtype = kernel, prepared, dtype
 
     @classmethod
     def build(cls, model: nn.Module, kernel: DecodeStepKernel | None) -> NativeLayers | None:
@@ -38,6 +39,7 @@ class NativeLayers:
         if kernel is None:
             return None
         c = model.config
+        bf16 = model.model.norm.weight.dtype == torch.bfloat16
         try:
             specs = []
             for layer in model.model.layers:
@@ -47,8 +49,8 @@ class NativeLayers:
                     qkv=_linear(attn.qkv_proj), o=_linear(attn.o_proj), gate_up=_linear(mlp.gate_up_proj),
                     down=_linear(mlp.down_proj)))
             shape = ModelShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                               c.rms_norm_eps)
-            return cls(kernel, kernel.prepare(shape, specs))
+                               c.rms_norm_eps, bf16)
+            return cls(kernel, kernel.prepare(shape, specs), torch.bfloat16 if bf16 else torch.float32)
         except ValueError as e:
             log.info("decode steps keep the model's Python layers: %s", e)
             return None
@@ -63,21 +65,22 @@ class NativeLayers:
     def run(self, x: torch.Tensor, decode: DecodeBatch, rotary: torch.Tensor, first: int = 0,
             count: int | None = None) -> torch.Tensor:
         """Layers [first, first + count) of a step where every request (decode.rows is None) feeds one token; x
-        [B, hidden] fp32 is updated in place and returned."""
-        self.kernel(self.prepared, x, decode.blocks, decode.layer_stride, decode.half_stride, decode.lens, rotary,
+        [B, hidden] in the model's dtype; returns the layers' output (fp32 x updated in place)."""
+        wide = x.float().contiguous()  # the kernel's activations are fp32 (a bf16 model's: bf16 values, exact)
+        self.kernel(self.prepared, wide, decode.blocks, decode.layer_stride, decode.half_stride, decode.lens, rotary,
                     first, count)
-        return x
+        return wide.to(self.dtype)
 
 
 def _norm(weight: torch.Tensor) -> torch.Tensor:
-    if weight.dtype != torch.float32:
-        raise ValueError(f"norm weights in {weight.dtype}: the kernel takes fp32")
-    return weight.detach().contiguous()
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"norm weights in {weight.dtype}: the kernel takes fp32 and bf16 models")
+    return weight.detach().float().contiguous()  # a bf16 weight widened: exact
 
 
 def _linear(module: nn.Module) -> LinearSpec:
     """The GEMMs of a linear layer packed for the backend's kernels; ValueError for any other."""
-    from backends.cpu_step import FP32_PANELS, GemmPart, LinearSpec
+    from backends.cpu_step import BF16_PANELS, FP32_PANELS, GemmPart, LinearSpec
 
     if isinstance(module, QuantLinear):
         parts, col = [], 0
@@ -86,8 +89,10 @@ def _linear(module: nn.Module) -> LinearSpec:
             parts.append(GemmPart(module.kernel.address, p.packed, p.ggml_id, p.rows, col, bias))
             col += p.rows
         return LinearSpec(module.in_features, module.out_features, tuple(parts))
-    if isinstance(module, KernelLinear) and module.packed.dtype == torch.float32:
-        bias = None if module.bias is None else _norm(module.bias)
-        part = GemmPart(module.kernel.f32_address, module.packed, FP32_PANELS, module.out_features, 0, bias)
+    if isinstance(module, KernelLinear) and module.packed.dtype in (torch.float32, torch.bfloat16):
+        dtype = module.packed.dtype
+        bias = None if module.bias is None else module.bias.detach().to(dtype).contiguous()
+        kind = FP32_PANELS if dtype == torch.float32 else BF16_PANELS
+        part = GemmPart(module.kernel.addresses[dtype], module.packed, kind, module.out_features, 0, bias)
         return LinearSpec(module.in_features, module.out_features, (part,))
     raise ValueError(f"{type(module).__name__} ({getattr(module, 'extra_repr', lambda: '')()}) has no native GEMM")
