@@ -31,8 +31,6 @@ class LinearKernel:
         self._fns = {torch.float32: lib.odma_linear_f32, torch.bfloat16: lib.odma_linear_bf16}
         for fn in self._fns.values():
             fn.restype, fn.argtypes = ctypes.c_int, _ARGS
-        # the entry points' addresses by weight dtype, for kernels that call them from C (backends/cpu_step.py)
-        self.addresses = {dtype: ctypes.cast(fn, ctypes.c_void_p).value for dtype, fn in self._fns.items()}
         self.panel = int(lib.odma_linear_panel())
         self.parallel = bool(lib.odma_linear_openmp())
         self.isa = ISA_NAMES.get(int(lib.odma_linear_isa()), "none")  # avx512 | avx2: which path this build runs
@@ -50,6 +48,10 @@ class LinearKernel:
             return torch.equal(self(x, self.pack(w), None, 1), torch.full((1, 1), 4.0, dtype=dtype))
         except RuntimeError:  # code -1: no AVX-512 (for bf16: no AVX512_BF16)
             return False
+
+    def address(self, dtype: torch.dtype) -> int:
+        """The entry point for weights of `dtype`, for kernels that call it from C (backends/cpu_step.py)."""
+        return ctypes.cast(self._fns[dtype], ctypes.c_void_p).value
 
     def serves(self, weight: torch.Tensor) -> bool:
         """Whether this build multiplies by `weight` (its dtype on this CPU; bf16 needs an even K) at torch's thread

@@ -101,7 +101,6 @@ class QuantKernel:
         self._fn = lib.odma_quant_linear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _I]
-        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value  # for kernels that call it from C (cpu_step.py)
         self._dequantize = lib.odma_quant_dequantize
         self._dequantize.restype = ctypes.c_int
         self._dequantize.argtypes = [_P, ctypes.c_int, _I, _I, _P]
@@ -112,6 +111,11 @@ class QuantKernel:
         self.isa = ISA_NAMES.get(int(lib.odma_quant_isa()), "none")
         if self.isa == "none":
             raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA")
+
+    @property
+    def address(self) -> int:
+        """The GEMM's entry point, for kernels that call it from C (backends/cpu_step.py)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
 
     def serves(self) -> bool:
         """Whether this build runs at torch's thread count (a serial build would leave threads idle)."""

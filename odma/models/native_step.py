@@ -93,6 +93,6 @@ def _linear(module: nn.Module) -> LinearSpec:
         dtype = module.packed.dtype
         bias = None if module.bias is None else module.bias.detach().to(dtype).contiguous()
         kind = FP32_PANELS if dtype == torch.float32 else BF16_PANELS
-        part = GemmPart(module.kernel.addresses[dtype], module.packed, kind, module.out_features, 0, bias)
+        part = GemmPart(module.kernel.address(dtype), module.packed, kind, module.out_features, 0, bias)
         return LinearSpec(module.in_features, module.out_features, (part,))
     raise ValueError(f"{type(module).__name__} ({getattr(module, 'extra_repr', lambda: '')()}) has no native GEMM")
