@@ -45,6 +45,11 @@ BLOCK_TYPES = {t.ggml_id: t for t in (
 )}
 
 
+# the kernel's q are unsigned, w = s * (q - centre) (+ o) (csrc/quant_linear.c); `unpack_blocks` gives Q4_0's nibble,
+# Q8_0's and Q6_K's signed q, which `pack` shifts by this much
+TO_UNSIGNED = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 128, "Q4_K": 0, "Q6_K": 32}
+
+
 def block_type(ggml_id: int) -> BlockType:
     try:
         return BLOCK_TYPES[int(ggml_id)]
@@ -132,9 +137,14 @@ class QuantKernel:
             a = a.reshape(panels, p, *a.shape[1:])
             return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
+        q = (q.astype(np.int16) + TO_UNSIGNED[t.name]).astype(np.uint8)  # unsigned: Q8_0 + 128, Q6_K + 32
         q = by_panel(q.reshape(n, subs, t.sub))  # [panels, subs, sub, P]
-        if t.nibbles:
-            q = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).astype(np.uint8)  # depth 2i low, 2i + 1 high
+        if t.nibbles:  # groups of 8 depths: byte b of a column's lane holds depth 8g + b low, 8g + 4 + b high
+            q = q.reshape(panels, subs, t.sub // 8, 2, 4, p)
+            q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [panels, subs, groups, 4, P]
+        else:  # groups of 4 depths, byte b of a column's lane holding depth 4g + b
+            q = q.reshape(panels, subs, t.sub // 4, 4, p)
+        q = np.ascontiguousarray(np.swapaxes(q, -1, -2))  # [panels, subs, groups, P, 4]: one 32-bit lane a column
         parts = [by_panel(s).view(np.uint8).reshape(panels, subs, -1)]
         if o is not None:
             parts.append(by_panel(o).view(np.uint8).reshape(panels, subs, -1))

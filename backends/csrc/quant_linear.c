@@ -9,8 +9,11 @@
  * of linear.c (PANEL columns, panel.h) and per sub-block of a panel writes
  *   s[PANEL] (fp16 as in the file for Q4_0, Q4_1, Q8_0; fp32 for the K-quants, whose s = d * sc is a product),
  *   o[PANEL] (Q4_1: m; Q4_K: -dmin * m; none for the others),
- *   q: 4-bit types as B/2 rows of PANEL bytes, depth 2i in the low nibble and 2i+1 in the high one; Q8_0 and Q6_K
- *      (6-bit q - 32 widened to a byte) as B rows of PANEL signed bytes.
+ *   q: unsigned, the centre c of the type subtracted on use (w = s * (q - c) (+ o): Q4_0 c = 8, Q8_0 128 (the
+ *      file's signed byte + 128), Q6_K 32 (its 6-bit q widened to a byte), 0 for Q4_1 and Q4_K), in 32-bit lanes of
+ *      4 consecutive depths of one column, what vpdpbusd multiplies: byte types as B/4 groups of [PANEL][4] bytes
+ *      (group g, column j, byte b: depth 4g + b); 4-bit types as B/8 groups of [PANEL][4] bytes, byte b of column j
+ *      in group g holding depth 8g + b in its low nibble and depth 8g + 4 + b in its high one.
  * Dequantization rounds as the reference (gguf-py's, what transformers and odma's fp32 cache use) does: s * q
  * rounded, then + o rounded (the library is built with -ffp-contract=off), so a panel holds the very floats of the
  * dequantized fp32 model, and the FMAs after it (panel.h's, in k order) give the fp32 kernel's bits.
@@ -35,21 +38,28 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type ids */
 
+/* each type's qformat fields in order, the constant arguments of the specialised kernels below */
+#define F_Q4_0 32, 1, 0, 1, 8
+#define F_Q4_1 32, 1, 1, 1, 0
+#define F_Q8_0 32, 1, 0, 0, 128
+#define F_Q4_K 32, 0, 1, 1, 0
+#define F_Q6_K 16, 0, 0, 0, 32
+
 typedef struct {
     int sub;      /* depths per sub-block */
     int scale16;  /* s and o in fp16 (else fp32) */
     int offset;   /* o present */
     int nibbles;  /* 4-bit q (else one byte each) */
-    int centre;   /* subtracted from a 4-bit q before scaling (Q4_0: 8) */
+    int centre;   /* subtracted from q before scaling */
 } qformat;
 
 static int format_of(int type, qformat *f) {
     switch (type) {
-    case Q4_0: *f = (qformat){32, 1, 0, 1, 8}; return 0;
-    case Q4_1: *f = (qformat){32, 1, 1, 1, 0}; return 0;
-    case Q8_0: *f = (qformat){32, 1, 0, 0, 0}; return 0;
-    case Q4_K: *f = (qformat){32, 0, 1, 1, 0}; return 0;
-    case Q6_K: *f = (qformat){16, 0, 0, 0, 0}; return 0;
+    case Q4_0: *f = (qformat){F_Q4_0}; return 0;
+    case Q4_1: *f = (qformat){F_Q4_1}; return 0;
+    case Q8_0: *f = (qformat){F_Q8_0}; return 0;
+    case Q4_K: *f = (qformat){F_Q4_K}; return 0;
+    case Q6_K: *f = (qformat){F_Q6_K}; return 0;
     default: return -1;
     }
 }
@@ -80,6 +90,15 @@ int64_t odma_quant_panel_bytes(int type, int64_t K) {
 #ifdef ODMA_HAVE_PANEL
 ALWAYS_INLINE vec load_scale(const char *p, const int SCALE16) { return SCALE16 ? load_half(p) : vload(p); }
 
+/* depths per group of lanes: 8 for 4-bit q, 4 for bytes (NIBBLES is in scope at every use) */
+#define GROUP (NIBBLES ? 8 : 4)
+
+/* q of depth b (< GROUP) of a group, from the group's lanes, as int32 */
+ALWAYS_INLINE ivec lane_q(ivec v, int b, const int NIBBLES) {
+    if (NIBBLES) return ivand(ivshr(v, b < 4 ? 8 * b : 8 * (b - 4) + 4), iset1(15));
+    return ivand(ivshr(v, 8 * b), iset1(255));
+}
+
 /* One panel's K depths into dst [K][PANEL] fp32. The format's fields are constants at each call site below. */
 ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const int SUB, const int SCALE16,
                                  const int OFFSET, const int NIBBLES, const int CENTRE) {
@@ -92,21 +111,12 @@ ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const i
             const vec sc = load_scale(s + c * VW * ss, SCALE16);
             const vec oc = OFFSET ? load_scale(o + c * VW * ss, SCALE16) : vzero();
             float *d = dst + k0 * PANEL + c * VW;
-            if (NIBBLES) {
-                for (int i = 0; i < SUB / 2; i++) {
-                    const ivec b = widen_u8(q + i * PANEL + c * VW);
-                    ivec lo = ivand(b, iset1(15)), hi = ivshr(b, 4);
-                    if (CENTRE) lo = ivadd(lo, iset1(-CENTRE)), hi = ivadd(hi, iset1(-CENTRE));
-                    vec even = vmul(vcvt_i32(lo), sc), odd = vmul(vcvt_i32(hi), sc);
-                    if (OFFSET) even = vadd(even, oc), odd = vadd(odd, oc);
-                    vstore(d + (2 * i) * PANEL, even);
-                    vstore(d + (2 * i + 1) * PANEL, odd);
-                }
-            } else {
-                for (int i = 0; i < SUB; i++) {
-                    vec w = vmul(vcvt_i32(widen_i8(q + i * PANEL + c * VW)), sc);
+            for (int g = 0; g < SUB / GROUP; g++) {
+                const ivec v = iload(q + g * PANEL * 4 + c * VW * 4);
+                for (int b = 0; b < GROUP; b++) {
+                    vec w = vmul(vcvt_i32(ivadd(lane_q(v, b, NIBBLES), iset1(-CENTRE))), sc);
                     if (OFFSET) w = vadd(w, oc);
-                    vstore(d + i * PANEL, w);
+                    vstore(d + (g * GROUP + b) * PANEL, w);
                 }
             }
         }
@@ -121,21 +131,12 @@ ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const i
     {                                                                                              \
         const vec sc = load_scale(s + c * VW * ss, SCALE16);                                       \
         const vec oc = OFFSET ? load_scale(o + c * VW * ss, SCALE16) : vzero();                    \
-        if (NIBBLES) {                                                                             \
-            for (int i = 0; i < SUB / 2; i++) {                                                    \
-                const ivec b = widen_u8(q + i * PANEL + c * VW);                                   \
-                ivec lo = ivand(b, iset1(15)), hi = ivshr(b, 4);                                   \
-                if (CENTRE) lo = ivadd(lo, iset1(-CENTRE)), hi = ivadd(hi, iset1(-CENTRE));        \
-                vec even = vmul(vcvt_i32(lo), sc), odd = vmul(vcvt_i32(hi), sc);                   \
-                if (OFFSET) even = vadd(even, oc), odd = vadd(odd, oc);                            \
-                MAC_ALL(c, k0 + 2 * i, even)                                                       \
-                MAC_ALL(c, k0 + 2 * i + 1, odd)                                                    \
-            }                                                                                      \
-        } else {                                                                                   \
-            for (int i = 0; i < SUB; i++) {                                                        \
-                vec w = vmul(vcvt_i32(widen_i8(q + i * PANEL + c * VW)), sc);                      \
+        for (int g = 0; g < SUB / GROUP; g++) {                                                    \
+            const ivec v = iload(q + g * PANEL * 4 + c * VW * 4);                                  \
+            for (int b = 0; b < GROUP; b++) {                                                      \
+                vec w = vmul(vcvt_i32(ivadd(lane_q(v, b, NIBBLES), iset1(-CENTRE))), sc);          \
                 if (OFFSET) w = vadd(w, oc);                                                       \
-                MAC_ALL(c, k0 + i, w)                                                              \
+                MAC_ALL(c, k0 + g * GROUP + b, w)                                                  \
             }                                                                                      \
         }                                                                                          \
     }
@@ -159,11 +160,11 @@ ALWAYS_INLINE void fused_rows(const float *x, int64_t ldx, const char *src, int6
 
 #define FUSED_TYPE(R)                                                                                   \
     switch (type) {                                                                                     \
-    case Q4_0: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 32, 1, 0, 1, 8); break;                \
-    case Q4_1: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 32, 1, 1, 1, 0); break;                \
-    case Q8_0: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 32, 1, 0, 0, 0); break;                \
-    case Q4_K: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 32, 0, 1, 1, 0); break;                \
-    case Q6_K: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 16, 0, 0, 0, 0); break;                \
+    case Q4_0: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q4_0); break;                           \
+    case Q4_1: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q4_1); break;                           \
+    case Q8_0: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q8_0); break;                           \
+    case Q4_K: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q4_K); break;                           \
+    case Q6_K: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q6_K); break;                           \
     }
 #define FUSED_CASE(n) case n: FUSED_TYPE(n < ROWS ? n : ROWS) break;
 
@@ -183,11 +184,11 @@ static void panel_f32(const float *x, int64_t M, int64_t ldx, const float *w, in
 
 static void dequant_any(int type, const char *src, int64_t K, float *dst) {
     switch (type) {
-    case Q4_0: dequant_panel(src, K, dst, 32, 1, 0, 1, 8); break;
-    case Q4_1: dequant_panel(src, K, dst, 32, 1, 1, 1, 0); break;
-    case Q8_0: dequant_panel(src, K, dst, 32, 1, 0, 0, 0); break;
-    case Q4_K: dequant_panel(src, K, dst, 32, 0, 1, 1, 0); break;
-    case Q6_K: dequant_panel(src, K, dst, 16, 0, 0, 0, 0); break;
+    case Q4_0: dequant_panel(src, K, dst, F_Q4_0); break;
+    case Q4_1: dequant_panel(src, K, dst, F_Q4_1); break;
+    case Q8_0: dequant_panel(src, K, dst, F_Q8_0); break;
+    case Q4_K: dequant_panel(src, K, dst, F_Q4_K); break;
+    case Q6_K: dequant_panel(src, K, dst, F_Q6_K); break;
     }
 }
 
