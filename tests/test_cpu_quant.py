@@ -233,3 +233,18 @@ def test_the_activations_switch_is_checked(monkeypatch):
     for q, _ in KERNELS.values():
         with pytest.raises(BackendError, match="expected one of"):
             q.activations = "fp32"
+
+
+@TYPES
+def test_int8_activations_give_the_same_bits_on_every_build(ggml_id):
+    """Exact int32 sums and the same fp32 steps after them: VNNI and vpmaddubsw builds agree bit for bit."""
+    builds = [q for q, _ in KERNELS.values() if q.int8 != "none"]
+    if len(builds) < 2:
+        pytest.skip("fewer than two builds with integer dot products here")
+    blocks = random_blocks(ggml_id, 100, 512, seed=5)
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(5))
+    outs = []
+    for q in builds:
+        with activations(q, "int8"):
+            outs.append(q(x, q.pack(ggml_id, blocks, 512), ggml_id, 100))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
