@@ -201,6 +201,10 @@ def test_zero_and_large_activation_blocks(kernels):
     w = reference(2, blocks).reshape(n, k).double()
     assert torch.equal(out[0], torch.zeros(n))
     torch.testing.assert_close(out.double(), F.linear(quantized_activations(x), w), rtol=1e-5, atol=0)
+    x[0, 40] = float("nan")  # a NaN reaches y, as on the fp32 path
+    with activations(q, "int8"):
+        out = q(x, q.pack(2, blocks, k), 2, n)
+    assert out[0].isnan().all() and not out[1].isnan().any()
 
 
 @per_isa

@@ -49,7 +49,6 @@ typedef __mmask16 vmask;
 #define vfma(a, b, acc) _mm512_fmadd_ps(a, b, acc)
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
-#define vmax(a, b) _mm512_max_ps(a, b)
 #define vabs(v) _mm512_abs_ps(v)
 #define vcvt_round(v) _mm512_cvtps_epi32(v) /* to int32, rounding to nearest even */
 #define vstore(p, v) _mm512_storeu_ps(p, v)
@@ -82,7 +81,6 @@ typedef __m256i vmask;
 #define vfma(a, b, acc) _mm256_fmadd_ps(a, b, acc)
 #define vadd(a, b) _mm256_add_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
-#define vmax(a, b) _mm256_max_ps(a, b)
 #define vabs(v) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)
 #define vcvt_round(v) _mm256_cvtps_epi32(v)
 #define vstore(p, v) _mm256_storeu_ps(p, v)

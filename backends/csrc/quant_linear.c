@@ -296,10 +296,11 @@ typedef struct {
     int32_t *sum;
 } qrows;
 
-ALWAYS_INLINE float hmax(vec v) {
-    float lanes[VW], m = 0;
+/* max(m, v's lanes), a NaN kept (then d is NaN, and so is y, as on the fp32 path) */
+ALWAYS_INLINE float hmax(vec v, float m) {
+    float lanes[VW];
     vstore(lanes, v);
-    for (int i = 0; i < VW; i++) m = lanes[i] > m ? lanes[i] : m;
+    for (int i = 0; i < VW; i++) m = lanes[i] > m || lanes[i] != lanes[i] ? lanes[i] : m;
     return m;
 }
 
@@ -316,9 +317,9 @@ static void quantize_rows(const float *x, int64_t M, int64_t ldx, int64_t K, qro
     for (int64_t r = 0; r < M; r++) {
         for (int64_t k0 = 0; k0 < K; k0 += XB) {
             const float *xb = x + r * ldx + k0;
-            vec m = vzero();
-            for (int i = 0; i < XB; i += VW) m = vmax(m, vabs(vload(xb + i)));
-            const float d = hmax(m) / 127.0f, id = d ? 1.0f / d : 0.0f;
+            float m = 0;
+            for (int i = 0; i < XB; i += VW) m = hmax(vabs(vload(xb + i)), m);
+            const float d = m / 127.0f, id = d ? 1.0f / d : 0.0f;
             int8_t *q = a.q + r * K + k0;
             for (int i = 0; i < XB; i += VW) store_i8(q + i, vcvt_round(vmul(vload(xb + i), vset1(id))));
             int32_t sum = 0;
