@@ -4,12 +4,19 @@ Q4_K and Q6_K blocks kept quantized in memory, dequantized panel by panel inside
 `pack` reads a tensor's raw GGUF blocks (what gguf-py's reader maps: uint8 rows of blocks) and regroups them into
 the kernel's column panels (the layout: csrc/quant_linear.c). Built like the fp32 kernel (backends/cpu_linear.py):
 for this CPU's AVX-512 or AVX2 + FMA, `ODMA_CPU_ISA=avx2` forcing the AVX2 build; None where neither builds.
+
+Activations: the kernel can quantize x to int8 per row and block of 16 depths and take integer dot products with
+the weights' q (AVX512-VNNI, AVX-VNNI, or AVX2's vpmaddubsw): faster, but not the fp32 model's bits.
+`ODMA_QUANT_ACTIVATIONS` picks: `auto` (default) int8 up to `INT8_ROWS` rows of the type, `f32` never (every
+product in fp32: the dequantized fp32 model's bits), `int8` at every row count; read when the kernel loads (the
+kernel's `activations` attribute changes it later).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +24,7 @@ import torch
 
 from backends import ckernels
 from backends.cpu_linear import ISA_NAMES
+from backends.errors import BackendError
 
 SOURCE = ckernels.CSRC / "quant_linear.c"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -43,6 +51,29 @@ BLOCK_TYPES = {t.ggml_id: t for t in (
     BlockType("Q4_K", 12, 256, 144, 32, False, True, True),
     BlockType("Q6_K", 14, 256, 210, 16, False, False, False),
 )}
+
+
+# the kernel's q are unsigned, w = s * (q - centre) (+ o) (csrc/quant_linear.c); `unpack_blocks` gives Q4_0's nibble,
+# Q8_0's and Q6_K's signed q, which `pack` shifts by this much
+TO_UNSIGNED = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 128, "Q4_K": 0, "Q6_K": 32}
+
+
+ACTIVATIONS_VARIABLE = "ODMA_QUANT_ACTIVATIONS"
+ACTIVATIONS = ("auto", "f32", "int8")
+# `auto`: up to how many rows int8 activations are taken, per type (None: every row count). Measured with
+# scripts/gemm_int8_rows.py (SmolLM2's shapes, one thread, Zen 5): int8 faster at every row count tried, 1 to 512
+# rows, for every type and both builds (AVX512-VNNI 1.2-2.7x, AVX2 vpmaddubsw 1.4-3.9x; Q4_0 and Q4_1 on AVX-512
+# still 1.23x at 2,048 rows), so no type has a limit.
+INT8_ROWS: dict[str, int | None] = {"Q4_0": None, "Q4_1": None, "Q8_0": None, "Q4_K": None, "Q6_K": None}
+INT8_ISA_NAMES = {0: "none", 1: "avx2_maddubs", 2: "avx_vnni", 3: "avx512_vnni"}
+
+
+def requested_activations() -> str:
+    """ODMA_QUANT_ACTIVATIONS, checked: a typo must not silently change the model's numbers."""
+    value = os.environ.get(ACTIVATIONS_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in ACTIVATIONS:
+        raise BackendError(f"{ACTIVATIONS_VARIABLE}={value!r}: expected one of {', '.join(ACTIVATIONS)}")
+    return value
 
 
 def block_type(ggml_id: int) -> BlockType:
@@ -100,7 +131,7 @@ class QuantKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.odma_quant_linear
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _I]
+        self._fn.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _I]
         self._dequantize = lib.odma_quant_dequantize
         self._dequantize.restype = ctypes.c_int
         self._dequantize.argtypes = [_P, ctypes.c_int, _I, _I, _P]
@@ -111,6 +142,26 @@ class QuantKernel:
         self.isa = ISA_NAMES.get(int(lib.odma_quant_isa()), "none")
         if self.isa == "none":
             raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA")
+        self.int8 = INT8_ISA_NAMES.get(int(lib.odma_quant_int8_isa()), "none")  # the integer dot product's path
+        self.activations = requested_activations()
+
+    @property
+    def activations(self) -> str:
+        """`auto`, `f32` or `int8` (see the module's docstring); settable."""
+        return self._activations
+
+    @activations.setter
+    def activations(self, value: str) -> None:
+        if value not in ACTIVATIONS:
+            raise BackendError(f"activations {value!r}: expected one of {', '.join(ACTIVATIONS)}")
+        if value == "int8" and self.int8 == "none":
+            raise BackendError(f"{ACTIVATIONS_VARIABLE}=int8: this build ({self.isa}) has no integer dot product "
+                               "(AVX-512 without VNNI)")
+        self._activations = value
+        every = 2**62
+        self._int8_rows = {  # the kernel's int8_rows argument per type: int8 up to this many rows
+            t.ggml_id: 0 if value == "f32" or self.int8 == "none" else every if value == "int8"
+            else every if INT8_ROWS[t.name] is None else INT8_ROWS[t.name] for t in BLOCK_TYPES.values()}
 
     @property
     def address(self) -> int:
@@ -137,9 +188,14 @@ class QuantKernel:
             a = a.reshape(panels, p, *a.shape[1:])
             return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
+        q = (q.astype(np.int16) + TO_UNSIGNED[t.name]).astype(np.uint8)  # unsigned: Q8_0 + 128, Q6_K + 32
         q = by_panel(q.reshape(n, subs, t.sub))  # [panels, subs, sub, P]
-        if t.nibbles:
-            q = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).astype(np.uint8)  # depth 2i low, 2i + 1 high
+        if t.nibbles:  # groups of 8 depths: byte b of a column's lane holds depth 8g + b low, 8g + 4 + b high
+            q = q.reshape(panels, subs, t.sub // 8, 2, 4, p)
+            q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [panels, subs, groups, 4, P]
+        else:  # groups of 4 depths, byte b of a column's lane holding depth 4g + b
+            q = q.reshape(panels, subs, t.sub // 4, 4, p)
+        q = np.ascontiguousarray(np.swapaxes(q, -1, -2))  # [panels, subs, groups, P, 4]: one 32-bit lane a column
         parts = [by_panel(s).view(np.uint8).reshape(panels, subs, -1)]
         if o is not None:
             parts.append(by_panel(o).view(np.uint8).reshape(panels, subs, -1))
@@ -161,7 +217,7 @@ class QuantKernel:
         if m:
             code = self._fn(x.data_ptr(), m, x.stride(0), packed.data_ptr(), ggml_id, k, out_features,
                             None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-                            torch.get_num_threads())
+                            torch.get_num_threads(), self._int8_rows[ggml_id])
             if code:
                 raise RuntimeError(f"quantized linear kernel failed (code {code}) on x {tuple(x.shape)}, "
                                    f"type {ggml_id}")

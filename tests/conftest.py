@@ -62,14 +62,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def pytest_report_header(config):
     """The CPU GEMM paths this run tests: the kernel tests run once per instruction set this CPU runs (their ids
     name it), so a log says which path a CI machine exercised."""
-    from backends import ckernels, cpu_linear
+    from backends import ckernels, cpu_linear, cpu_quant
 
     paths = []
     for isa in ckernels.ISAS:
         try:
             kernel = cpu_linear.load(isa) if ckernels.isa_runs_here(isa) else None
+            quant = cpu_quant.load(isa) if kernel else None
         except Exception as exc:  # noqa: BLE001 - a header must not stop the run; the tests report the failure
             paths.append(f"{isa}: {exc}")
             continue
-        paths.append(f"ODMA_CPU_ISA={isa}: " + (f"{kernel.isa} (bf16 {kernel.bf16})" if kernel else "no kernel"))
+        int8 = f", int8 {quant.int8}" if quant else ""
+        paths.append(f"ODMA_CPU_ISA={isa}: " + (f"{kernel.isa} (bf16 {kernel.bf16}{int8})" if kernel else "no kernel"))
     return "odma CPU GEMM paths: " + "; ".join(paths)

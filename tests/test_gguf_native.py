@@ -73,9 +73,10 @@ def test_native_weights_compute_the_dequantized_fp32_models_bits(case, kernels, 
     assert isinstance(native.model.embed_tokens, QuantEmbedding)
     if case.startswith("qwen2"):  # q, k Q4_K beside v Q6_K: two parts of one layer; the F32 head stays a float layer
         assert [len(m.parts) for m in quantized[:1]] == [2] and type(native.lm_head) is nn.Linear
-    before = torch.get_num_threads()
+    before, activations = torch.get_num_threads(), q.activations
     try:
         torch.set_num_threads(1)  # one thread: every fp32 layer through odma's kernel (no oneDNN for large steps)
+        q.activations = "f32"  # fp32 activations: the dequantized model's bits (int8 ones: test_cpu_quant.py)
         pack_linears(dense, f, mode="odma")
         pack_linears(native, f, mode="odma")  # float layers of the native model (an F32 head), if any
         assert not any(type(m) is nn.Linear for m in [*dense.modules(), *native.modules()])
@@ -83,6 +84,7 @@ def test_native_weights_compute_the_dequantized_fp32_models_bits(case, kernels, 
             assert torch.equal(a, b)
     finally:
         torch.set_num_threads(before)
+        q.activations = activations
     assert weight_bytes(native) < weight_bytes(dense) / 2
 
 

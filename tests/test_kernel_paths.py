@@ -27,6 +27,19 @@ def test_every_instruction_set_this_cpu_runs_builds_its_gemm_kernels():
         assert "avx2" in paths["linear"] and "avx2" in paths["quantized"], paths
 
 
+def test_every_integer_dot_product_this_cpu_runs_builds():
+    """The quantized kernel's int8-activation path per build (its tests in test_cpu_quant.py run on each): vpmaddubsw
+    in the AVX2 build, AVX512-VNNI in the native one where the CPU has it."""
+    flags = ckernels.cpu_flags()
+    if ckernels.isa_runs_here("avx2"):
+        assert cpu_quant.load("avx2").int8 == "avx2_maddubs"
+    native = cpu_quant.load("auto")
+    if native is not None and native.isa == "avx512" and {"avx512_vnni", "avx512bw"} <= flags:
+        assert native.int8 == "avx512_vnni"
+    elif native is not None and native.isa == "avx2" and "avx_vnni" in flags:
+        assert native.int8 == "avx_vnni"
+
+
 def test_the_attention_kernels_build():
     assert cpu_attention.load() is not None, "the CPU decode-attention kernel did not build (its tests would skip)"
     assert run_attention.load() is not None, "the run-reading attention kernel did not build (its tests would skip)"

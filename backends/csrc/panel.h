@@ -51,6 +51,8 @@ typedef __mmask16 vmask;
 #define vfma(a, b, acc) _mm512_fmadd_ps(a, b, acc)
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
+#define vabs(v) _mm512_abs_ps(v)
+#define vcvt_round(v) _mm512_cvtps_epi32(v) /* to int32, rounding to nearest even */
 #define vstore(p, v) _mm512_storeu_ps(p, v)
 #define iload(p) _mm512_loadu_si512((const void *)(p))
 #define as_vec(i) _mm512_castsi512_ps(i)
@@ -60,6 +62,7 @@ typedef __mmask16 vmask;
 #define ivadd(a, b) _mm512_add_epi32(a, b)
 #define iset1(v) _mm512_set1_epi32(v)
 #define ivand(a, b) _mm512_and_si512(a, b)
+#define ivxor(a, b) _mm512_xor_si512(a, b)
 #define ivshr(a, n) _mm512_srli_epi32(a, n)
 #define widen_u8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))    /* VW bytes → VW int32 */
 #define widen_i8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
@@ -80,6 +83,8 @@ typedef __m256i vmask;
 #define vfma(a, b, acc) _mm256_fmadd_ps(a, b, acc)
 #define vadd(a, b) _mm256_add_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
+#define vabs(v) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)
+#define vcvt_round(v) _mm256_cvtps_epi32(v)
 #define vstore(p, v) _mm256_storeu_ps(p, v)
 #define iload(p) _mm256_loadu_si256((const __m256i *)(p))
 #define as_vec(i) _mm256_castsi256_ps(i)
@@ -89,6 +94,7 @@ typedef __m256i vmask;
 #define ivadd(a, b) _mm256_add_epi32(a, b)
 #define iset1(v) _mm256_set1_epi32(v)
 #define ivand(a, b) _mm256_and_si256(a, b)
+#define ivxor(a, b) _mm256_xor_si256(a, b)
 #define ivshr(a, n) _mm256_srli_epi32(a, n)
 #define widen_u8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define widen_i8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))

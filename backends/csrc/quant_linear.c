@@ -9,13 +9,16 @@
  * of linear.c (PANEL columns, panel.h) and per sub-block of a panel writes
  *   s[PANEL] (fp16 as in the file for Q4_0, Q4_1, Q8_0; fp32 for the K-quants, whose s = d * sc is a product),
  *   o[PANEL] (Q4_1: m; Q4_K: -dmin * m; none for the others),
- *   q: 4-bit types as B/2 rows of PANEL bytes, depth 2i in the low nibble and 2i+1 in the high one; Q8_0 and Q6_K
- *      (6-bit q - 32 widened to a byte) as B rows of PANEL signed bytes.
+ *   q: unsigned, the centre c of the type subtracted on use (w = s * (q - c) (+ o): Q4_0 c = 8, Q8_0 128 (the
+ *      file's signed byte + 128), Q6_K 32 (its 6-bit q widened to a byte), 0 for Q4_1 and Q4_K), in 32-bit lanes of
+ *      4 consecutive depths of one column, what vpdpbusd multiplies: byte types as B/4 groups of [PANEL][4] bytes
+ *      (group g, column j, byte b: depth 4g + b); 4-bit types as B/8 groups of [PANEL][4] bytes, byte b of column j
+ *      in group g holding depth 8g + b in its low nibble and depth 8g + 4 + b in its high one.
  * Dequantization rounds as the reference (gguf-py's, what transformers and odma's fp32 cache use) does: s * q
  * rounded, then + o rounded (the library is built with -ffp-contract=off), so a panel holds the very floats of the
  * dequantized fp32 model, and the FMAs after it (panel.h's, in k order) give the fp32 kernel's bits.
  *
- * Three ways through a panel, the same sums in the same order each way:
+ * With fp32 activations, three ways through a panel, the same sums in the same order each way:
  * - up to ROWS rows (a decode step of a few requests): dequantized in registers, sub-block by sub-block, each vector
  *   of weights multiplied at once by every row; the weights never touch memory as floats;
  * - up to TILE_ROWS_MAX rows (a decode step of many requests): TILE_K depths of the panel at a time are
@@ -26,6 +29,7 @@
  *   and panel.h's fp32 passes run over it as over an fp32 panel: moving every row's accumulators through y at each
  *   tile cost more than it saved there (SmolLM2's layers, one thread, Xeon: at 2,048 rows 4.1 s tiled, 3.1 s from
  *   the buffer, 2.9 s for the fp32 kernel; at 128 rows 189, 204 and 203 ms; level at 256).
+ * With int8 activations (the caller's choice, int8_rows): integer dot products per 16 depths, below.
  * Threads: OpenMP splits the panels; each thread has its own buffer.
  */
 #include "panel.h"
@@ -35,21 +39,28 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type ids */
 
+/* each type's qformat fields in order, the constant arguments of the specialised kernels below */
+#define F_Q4_0 32, 1, 0, 1, 8
+#define F_Q4_1 32, 1, 1, 1, 0
+#define F_Q8_0 32, 1, 0, 0, 128
+#define F_Q4_K 32, 0, 1, 1, 0
+#define F_Q6_K 16, 0, 0, 0, 32
+
 typedef struct {
     int sub;      /* depths per sub-block */
     int scale16;  /* s and o in fp16 (else fp32) */
     int offset;   /* o present */
     int nibbles;  /* 4-bit q (else one byte each) */
-    int centre;   /* subtracted from a 4-bit q before scaling (Q4_0: 8) */
+    int centre;   /* subtracted from q before scaling */
 } qformat;
 
 static int format_of(int type, qformat *f) {
     switch (type) {
-    case Q4_0: *f = (qformat){32, 1, 0, 1, 8}; return 0;
-    case Q4_1: *f = (qformat){32, 1, 1, 1, 0}; return 0;
-    case Q8_0: *f = (qformat){32, 1, 0, 0, 0}; return 0;
-    case Q4_K: *f = (qformat){32, 0, 1, 1, 0}; return 0;
-    case Q6_K: *f = (qformat){16, 0, 0, 0, 0}; return 0;
+    case Q4_0: *f = (qformat){F_Q4_0}; return 0;
+    case Q4_1: *f = (qformat){F_Q4_1}; return 0;
+    case Q8_0: *f = (qformat){F_Q8_0}; return 0;
+    case Q4_K: *f = (qformat){F_Q4_K}; return 0;
+    case Q6_K: *f = (qformat){F_Q6_K}; return 0;
     default: return -1;
     }
 }
@@ -80,6 +91,15 @@ int64_t odma_quant_panel_bytes(int type, int64_t K) {
 #ifdef ODMA_HAVE_PANEL
 ALWAYS_INLINE vec load_scale(const char *p, const int SCALE16) { return SCALE16 ? load_half(p) : vload(p); }
 
+/* depths per group of lanes: 8 for 4-bit q, 4 for bytes (NIBBLES is in scope at every use) */
+#define GROUP (NIBBLES ? 8 : 4)
+
+/* q of depth b (< GROUP) of a group, from the group's lanes, as int32 */
+ALWAYS_INLINE ivec lane_q(ivec v, int b, const int NIBBLES) {
+    if (NIBBLES) return ivand(ivshr(v, b < 4 ? 8 * b : 8 * (b - 4) + 4), iset1(15));
+    return ivand(ivshr(v, 8 * b), iset1(255));
+}
+
 /* One panel's K depths into dst [K][PANEL] fp32. The format's fields are constants at each call site below. */
 ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const int SUB, const int SCALE16,
                                  const int OFFSET, const int NIBBLES, const int CENTRE) {
@@ -92,21 +112,12 @@ ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const i
             const vec sc = load_scale(s + c * VW * ss, SCALE16);
             const vec oc = OFFSET ? load_scale(o + c * VW * ss, SCALE16) : vzero();
             float *d = dst + k0 * PANEL + c * VW;
-            if (NIBBLES) {
-                for (int i = 0; i < SUB / 2; i++) {
-                    const ivec b = widen_u8(q + i * PANEL + c * VW);
-                    ivec lo = ivand(b, iset1(15)), hi = ivshr(b, 4);
-                    if (CENTRE) lo = ivadd(lo, iset1(-CENTRE)), hi = ivadd(hi, iset1(-CENTRE));
-                    vec even = vmul(vcvt_i32(lo), sc), odd = vmul(vcvt_i32(hi), sc);
-                    if (OFFSET) even = vadd(even, oc), odd = vadd(odd, oc);
-                    vstore(d + (2 * i) * PANEL, even);
-                    vstore(d + (2 * i + 1) * PANEL, odd);
-                }
-            } else {
-                for (int i = 0; i < SUB; i++) {
-                    vec w = vmul(vcvt_i32(widen_i8(q + i * PANEL + c * VW)), sc);
+            for (int g = 0; g < SUB / GROUP; g++) {
+                const ivec v = iload(q + g * PANEL * 4 + c * VW * 4);
+                for (int b = 0; b < GROUP; b++) {
+                    vec w = vmul(vcvt_i32(ivadd(lane_q(v, b, NIBBLES), iset1(-CENTRE))), sc);
                     if (OFFSET) w = vadd(w, oc);
-                    vstore(d + i * PANEL, w);
+                    vstore(d + (g * GROUP + b) * PANEL, w);
                 }
             }
         }
@@ -121,21 +132,12 @@ ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const i
     {                                                                                              \
         const vec sc = load_scale(s + c * VW * ss, SCALE16);                                       \
         const vec oc = OFFSET ? load_scale(o + c * VW * ss, SCALE16) : vzero();                    \
-        if (NIBBLES) {                                                                             \
-            for (int i = 0; i < SUB / 2; i++) {                                                    \
-                const ivec b = widen_u8(q + i * PANEL + c * VW);                                   \
-                ivec lo = ivand(b, iset1(15)), hi = ivshr(b, 4);                                   \
-                if (CENTRE) lo = ivadd(lo, iset1(-CENTRE)), hi = ivadd(hi, iset1(-CENTRE));        \
-                vec even = vmul(vcvt_i32(lo), sc), odd = vmul(vcvt_i32(hi), sc);                   \
-                if (OFFSET) even = vadd(even, oc), odd = vadd(odd, oc);                            \
-                MAC_ALL(c, k0 + 2 * i, even)                                                       \
-                MAC_ALL(c, k0 + 2 * i + 1, odd)                                                    \
-            }                                                                                      \
-        } else {                                                                                   \
-            for (int i = 0; i < SUB; i++) {                                                        \
-                vec w = vmul(vcvt_i32(widen_i8(q + i * PANEL + c * VW)), sc);                      \
+        for (int g = 0; g < SUB / GROUP; g++) {                                                    \
+            const ivec v = iload(q + g * PANEL * 4 + c * VW * 4);                                  \
+            for (int b = 0; b < GROUP; b++) {                                                      \
+                vec w = vmul(vcvt_i32(ivadd(lane_q(v, b, NIBBLES), iset1(-CENTRE))), sc);          \
                 if (OFFSET) w = vadd(w, oc);                                                       \
-                MAC_ALL(c, k0 + i, w)                                                              \
+                MAC_ALL(c, k0 + g * GROUP + b, w)                                                  \
             }                                                                                      \
         }                                                                                          \
     }
@@ -159,11 +161,11 @@ ALWAYS_INLINE void fused_rows(const float *x, int64_t ldx, const char *src, int6
 
 #define FUSED_TYPE(R)                                                                                   \
     switch (type) {                                                                                     \
-    case Q4_0: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 32, 1, 0, 1, 8); break;                \
-    case Q4_1: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 32, 1, 1, 1, 0); break;                \
-    case Q8_0: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 32, 1, 0, 0, 0); break;                \
-    case Q4_K: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 32, 0, 1, 1, 0); break;                \
-    case Q6_K: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, 16, 0, 0, 0, 0); break;                \
+    case Q4_0: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q4_0); break;                           \
+    case Q4_1: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q4_1); break;                           \
+    case Q8_0: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q8_0); break;                           \
+    case Q4_K: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q4_K); break;                           \
+    case Q6_K: fused_rows(x, ldx, src, K, bias, cols, y, ldy, R, F_Q6_K); break;                           \
     }
 #define FUSED_CASE(n) case n: FUSED_TYPE(n < ROWS ? n : ROWS) break;
 
@@ -183,11 +185,11 @@ static void panel_f32(const float *x, int64_t M, int64_t ldx, const float *w, in
 
 static void dequant_any(int type, const char *src, int64_t K, float *dst) {
     switch (type) {
-    case Q4_0: dequant_panel(src, K, dst, 32, 1, 0, 1, 8); break;
-    case Q4_1: dequant_panel(src, K, dst, 32, 1, 1, 1, 0); break;
-    case Q8_0: dequant_panel(src, K, dst, 32, 1, 0, 0, 0); break;
-    case Q4_K: dequant_panel(src, K, dst, 32, 0, 1, 1, 0); break;
-    case Q6_K: dequant_panel(src, K, dst, 16, 0, 0, 0, 0); break;
+    case Q4_0: dequant_panel(src, K, dst, F_Q4_0); break;
+    case Q4_1: dequant_panel(src, K, dst, F_Q4_1); break;
+    case Q8_0: dequant_panel(src, K, dst, F_Q8_0); break;
+    case Q4_K: dequant_panel(src, K, dst, F_Q4_K); break;
+    case Q6_K: dequant_panel(src, K, dst, F_Q6_K); break;
     }
 }
 
@@ -247,11 +249,193 @@ static void tile_all_rows(const float *x, int64_t M, int64_t ldx, const float *w
 }
 #endif
 
+
+/* Integer dot products: each row's activations quantized per block of XB depths as llama.cpp's quantize_row_q8_0
+ * does per 32 (d = max|x| / 127 in fp32, q = x * (1 / d) rounded to nearest even, in [-127, 127]), and per XB
+ * depths and column an int32 sum of q_w * q_x, then in fp32 y += (s * d) * (isum - centre * xsum) (+ o * d * xsum),
+ * xsum the row's sum of q_x over those depths. Not the fp32 model's bits: the caller picks this path (int8_rows).
+ * Rows go INT_ROWS at a time, the panel read from cache after the first pass.
+ * The unsigned weight bytes (0..255) times the signed activations are what vpdpbusd multiplies. Without VNNI,
+ * vpmaddubsw + vpmaddwd: a pair of products must fit int16, so the 4-bit q (<= 15) and Q6_K's (<= 63) go as they
+ * are, and Q8_0's (q - 128 up to 128 in size) as |q - 128| times q_x carrying q - 128's sign, the centre already
+ * out (llama.cpp's trick). */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INT8_ISA 3
+#define dot4(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#elif !defined(__AVX512F__) && defined(__AVX2__) && defined(__AVXVNNI__)
+#define INT8_ISA 2
+#define dot4(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif !defined(__AVX512F__) && defined(ODMA_HAVE_PANEL)
+#define INT8_ISA 1
+ALWAYS_INLINE ivec dot4(ivec acc, ivec u, ivec s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+ALWAYS_INLINE ivec sign8(ivec x, ivec s) { return _mm256_sign_epi8(x, s); }
+ALWAYS_INLINE ivec abs8(ivec v) { return _mm256_abs_epi8(v); }
+#else
+#define INT8_ISA 0 /* AVX-512 without VNNI: the fp32 path only */
+#endif
+
+/* 0: no integer path in this build; 1: vpmaddubsw (AVX2), 2: AVX-VNNI, 3: AVX512-VNNI */
+int odma_quant_int8_isa(void) { return INT8_ISA; }
+
+#if INT8_ISA
+#if INT8_ISA > 1 /* never reached: the sign trick is for vpmaddubsw only */
+ALWAYS_INLINE ivec sign8(ivec x, ivec s) { (void)s; return x; }
+ALWAYS_INLINE ivec abs8(ivec v) { return v; }
+#endif
+#define INT_ROWS (ROWS / 2) /* rows per pass: 3 * INT_ROWS fp32 and INT_ROWS int32 accumulators fit the registers */
+#define SIGNED_Q8 (INT8_ISA == 1 && CENTRE == 128) /* Q8_0 by the sign trick: no centre to take out */
+
+#define XB 16 /* depths per activation scale: SmolLM2's perplexity moved +0.66 % with 32, -0.07 % with 16 */
+
+/* Quantized activations of M rows: per row, K int8, and per XB depths a scale and the sum of the int8. */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *sum;
+} qrows;
+
+/* max(m, v's lanes), a NaN kept (then d is NaN, and so is y, as on the fp32 path) */
+ALWAYS_INLINE float hmax(vec v, float m) {
+    float lanes[VW];
+    vstore(lanes, v);
+    for (int i = 0; i < VW; i++) m = lanes[i] > m || lanes[i] != lanes[i] ? lanes[i] : m;
+    return m;
+}
+
+ALWAYS_INLINE void store_i8(int8_t *p, ivec v) { /* VW int32 in [-127, 127] → VW bytes */
+#if defined(__AVX512F__)
+    _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(v));
+#else
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w, w));
+#endif
+}
+
+static void quantize_rows(const float *x, int64_t M, int64_t ldx, int64_t K, qrows a) {
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t k0 = 0; k0 < K; k0 += XB) {
+            const float *xb = x + r * ldx + k0;
+            float m = 0;
+            for (int i = 0; i < XB; i += VW) m = hmax(vabs(vload(xb + i)), m);
+            const float d = m / 127.0f, id = d ? 1.0f / d : 0.0f;
+            int8_t *q = a.q + r * K + k0;
+            for (int i = 0; i < XB; i += VW) store_i8(q + i, vcvt_round(vmul(vload(xb + i), vset1(id))));
+            int32_t sum = 0;
+            for (int i = 0; i < XB; i++) sum += q[i];
+            a.d[r * (K / XB) + k0 / XB] = d;
+            a.sum[r * (K / XB) + k0 / XB] = sum;
+        }
+    }
+}
+
+/* named per row, as the fp32 accumulators (panel.h's DECLARE) */
+#define INT_DECLARE(r) ivec i##r = iset1(0);
+/* every row r < R: i_r += the 4 products of lane bytes w with the row's x at depths k..k+3 (sign trick: each x takes
+ * the sign of sw's byte) */
+#define INT_DOT(r, w, sw, k)                                                                       \
+    if (R > r) {                                                                                   \
+        int32_t xk;                                                                                \
+        memcpy(&xk, a.q + r * K + (k), 4);                                                         \
+        i##r = dot4(i##r, w, SIGNED_Q8 ? sign8(iset1(xk), sw) : iset1(xk));                        \
+    }
+#define INT_DOT_ALL(w, sw, k) INT_DOT(0, w, sw, k) INT_DOT(1, w, sw, k) INT_DOT(2, w, sw, k) INT_DOT(3, w, sw, k)
+/* a row's sums over XB depths (part h of the sub-block) into its fp32 accumulator of column vector c */
+#define INT_FOLD(r, c, h)                                                                          \
+    if (R > r) {                                                                                   \
+        const ivec t = SIGNED_Q8 || !CENTRE ? i##r : ivadd(i##r, iset1(-CENTRE * xs##r[h]));       \
+        a##r##c = vfma(vmul(sc, vset1(d##r[h])), vcvt_i32(t), a##r##c);                           \
+        if (OFFSET) a##r##c = vfma(oc, vset1(d##r[h] * (float)xs##r[h]), a##r##c);                \
+        i##r = iset1(0);                                                                           \
+    }
+/* row r's activation scales and sums over the sub-block's SUB / XB parts */
+#define INT_ROW_SCALARS(r)                                                                         \
+    float d##r[SUB / XB];                                                                          \
+    int32_t xs##r[SUB / XB];                                                                       \
+    for (int h = 0; h < SUB / XB; h++) {                                                           \
+        d##r[h] = R > r ? a.d[r * (K / XB) + k0 / XB + h] : 0;                                     \
+        xs##r[h] = R > r ? a.sum[r * (K / XB) + k0 / XB + h] : 0;                                  \
+    }
+#define INT_COL(c)                                                                                 \
+    {                                                                                              \
+        const vec sc = load_scale(s + c * VW * ss, SCALE16);                                       \
+        const vec oc = OFFSET ? load_scale(o + c * VW * ss, SCALE16) : vzero();                    \
+        for (int g = 0; g < SUB / GROUP; g++) {                                                    \
+            const ivec v = iload(q + g * PANEL * 4 + c * VW * 4);                                  \
+            if (NIBBLES) {                                                                         \
+                const ivec lo = ivand(v, iset1(0x0F0F0F0F)), hi = ivand(ivshr(v, 4), iset1(0x0F0F0F0F)); \
+                INT_DOT_ALL(lo, v, k0 + 8 * g)                                                     \
+                INT_DOT_ALL(hi, v, k0 + 8 * g + 4)                                                 \
+            } else if (SIGNED_Q8) {                                                                \
+                const ivec sw = ivxor(v, iset1((int)0x80808080u)); /* q - 128, signed */           \
+                INT_DOT_ALL(abs8(sw), sw, k0 + 4 * g)                                              \
+            } else {                                                                               \
+                INT_DOT_ALL(v, v, k0 + 4 * g)                                                      \
+            }                                                                                      \
+            if ((g + 1) * GROUP % XB == 0) { /* the end of an activation block */                  \
+                const int h = g * GROUP / XB;                                                      \
+                INT_FOLD(0, c, h) INT_FOLD(1, c, h) INT_FOLD(2, c, h) INT_FOLD(3, c, h)            \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* R (<= INT_ROWS) quantized rows times one packed panel, y = acc + bias */
+ALWAYS_INLINE void int8_rows(qrows a, int64_t K, const char *src, const float *bias, int64_t cols, float *y,
+                             int64_t ldy, const int R, const int SUB, const int SCALE16, const int OFFSET,
+                             const int NIBBLES, const int CENTRE) {
+    const int MODE = W_F32, ss = SCALE16 ? 2 : 4;
+    const int64_t sub_bytes = PANEL * ss * (OFFSET ? 2 : 1) + (NIBBLES ? SUB / 2 : SUB) * PANEL;
+    DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3)
+    INT_DECLARE(0) INT_DECLARE(1) INT_DECLARE(2) INT_DECLARE(3)
+    for (int64_t k0 = 0; k0 < K; k0 += SUB) {
+        const char *s = src, *o = src + PANEL * ss, *q = src + PANEL * ss * (OFFSET ? 2 : 1);
+        for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(src + PREFETCH_AHEAD + line, _MM_HINT_T0);
+        INT_ROW_SCALARS(0) INT_ROW_SCALARS(1) INT_ROW_SCALARS(2) INT_ROW_SCALARS(3)
+        INT_COL(0) INT_COL(1) INT_COL(2)
+        src += sub_bytes;
+    }
+    const vmask m0 = first_n(cols), m1 = first_n(cols - VW), m2 = first_n(cols - 2 * VW);
+    const vec b0 = load_bias(bias, 0, m0, MODE), b1 = load_bias(bias, VW, m1, MODE), b2 = load_bias(bias, 2 * VW, m2, MODE);
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3)
+}
+
+#define INT8_TYPE(R)                                                                               \
+    switch (type) {                                                                                \
+    case Q4_0: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q4_0); break;                       \
+    case Q4_1: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q4_1); break;                       \
+    case Q8_0: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q8_0); break;                       \
+    case Q4_K: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q4_K); break;                       \
+    case Q6_K: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q6_K); break;                       \
+    }
+
+/* every quantized row times one packed panel, INT_ROWS at a time (the panel stays in cache after the first pass) */
+static void int8_panel(int type, qrows a, int64_t M, int64_t K, const char *src, const float *bias, int64_t cols,
+                       float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M; m += INT_ROWS) {
+        const qrows am = {a.q + m * K, a.d + m * (K / XB), a.sum + m * (K / XB)};
+        float *ym = y + m * ldy;
+        switch (M - m < INT_ROWS ? M - m : INT_ROWS) {
+        case 1: INT8_TYPE(1) break;
+#if INT_ROWS > 2
+        case 2: INT8_TYPE(2) break;
+        case 3: INT8_TYPE(3) break;
+#endif
+        default: INT8_TYPE(INT_ROWS)
+        }
+    }
+}
+
+/* the calling thread's quantized activations */
+static __thread grow_buffer act_buf;
+#endif /* INT8_ISA */
+
 /* x [M, K] (row stride ldx), packed W of `type` (N columns in ceil(N / PANEL) panels), bias [N] or NULL, y [M, N]
- * (row stride ldy). Returns 0; -1 where this build has no panel kernel, -2 on bad sizes or an unknown type, -3 when
- * a thread's buffer cannot be allocated. */
+ * (row stride ldy); up to int8_rows rows (in a build with the integer path) by integer dot products on int8
+ * activations, more rows in fp32. Returns 0; -1 where this build has no panel kernel, -2 on bad
+ * sizes or an unknown type, -3 when a buffer cannot be allocated. */
 int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *packed, int type, int64_t K, int64_t N,
-                      const float *bias, float *y, int64_t ldy, int64_t threads) {
+                      const float *bias, float *y, int64_t ldy, int64_t threads, int64_t int8_rows) {
 #ifdef ODMA_HAVE_PANEL
     const int64_t panel_bytes = odma_quant_panel_bytes(type, K);
     if (panel_bytes < 0 || M < 0 || N < 1 || ldx < K || ldy < N) return -2;
@@ -262,6 +446,24 @@ int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *pac
     const int64_t panels = (N + PANEL - 1) / PANEL;
     int failed = 0;
     (void)threads;
+#if INT8_ISA
+    if (M <= int8_rows) { /* K is a multiple of the sub-block, so of XB */
+        /* a row's scales (K / XB floats), sums (K / XB int32) and int8 (K / 4 floats' bytes) */
+        float *buf = grown(&act_buf, M * (2 * K / XB + K / 4));
+        if (!buf) return -3;
+        const qrows a = {(int8_t *)(buf + M * 2 * K / XB), buf, (int32_t *)(buf + M * K / XB)};
+        quantize_rows(x, M, ldx, K, a);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t col = p * PANEL, cols = N - col < PANEL ? N - col : PANEL;
+            int8_panel(type, a, M, K, (const char *)packed + p * panel_bytes, bias ? bias + col : 0, cols, y + col,
+                       ldy);
+        }
+        return 0;
+    }
+#else
+    (void)int8_rows;
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1) reduction(| : failed)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t col = p * PANEL, cols = N - col < PANEL ? N - col : PANEL;
@@ -290,7 +492,7 @@ int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *pac
     return failed ? -3 : 0;
 #else
     (void)x; (void)M; (void)ldx; (void)packed; (void)type; (void)K; (void)N; (void)bias; (void)y; (void)ldy;
-    (void)threads;
+    (void)threads; (void)int8_rows;
     return -1;
 #endif
 }

@@ -4,7 +4,8 @@ Every request's K/V sits in its own contiguous block (as in the engine) and the 
 forward. The mixes (weights dtype / KV dtype), each with torch's SDPA per request and with the CPU backend's
 decode-attention kernel (fp32 caches only), are timed interleaved, round by round, so that a shared machine's
 noise falls on all of them alike. This is what chose bf16 weights over an fp32 cache on CPU, and measures
-what the kernel is worth.
+what the kernel is worth. `--linear native`: the model's GGUF blocks as the engine serves them (`--weights native`,
+float32 mixes), once per --activations mode of the quantized kernel (ODMA_QUANT_ACTIVATIONS: f32, int8, auto).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear", default="torch",
                    help="linear-layer variants: torch (F.linear), onednn (weights packed once for oneDNN: fp32, and "
                         "bf16 where oneDNN has it), odma (the CPU backend's fp32 kernel, as the engine runs on CPU; "
-                        "odma/models/cpu_linear.py); 'torch,onednn,odma' times all three")
+                        "odma/models/cpu_linear.py), native (the GGUF's quantized blocks, float32 mixes); "
+                        "'torch,onednn,odma' times three")
+    p.add_argument("--activations", default="f32,int8",
+                   help="with --linear native: the quantized kernel's activations to time (f32, int8, auto)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8, help="timed steps per mix (interleaved)")
 
@@ -62,23 +66,34 @@ def run(args: argparse.Namespace) -> dict:
     if "kernel" in variants and kernel is None:
         raise ConfigError("the CPU decode-attention kernel could not be built here (see the log)")
     linears = [x.strip() for x in args.linear.split(",") if x.strip()]
-    if not linears or set(linears) - {"torch", "onednn", "odma"}:
-        raise ConfigError(f"--linear takes torch, onednn and/or odma, got {args.linear!r}")
-    folder = resolve_model(args.model)
-    models = {w: load_model(folder, dtype=DTYPES[w]) for w in {w for w, _ in mixes}}
-    packed = {}
+    if not linears or set(linears) - {"torch", "onednn", "odma", "native"}:
+        raise ConfigError(f"--linear takes torch, onednn, odma and/or native, got {args.linear!r}")
+    modes = [a.strip() for a in args.activations.split(",") if a.strip()]
+    quant, packed = None, {}
+    if "native" in linears:
+        from backends import cpu_quant
+        from odma.models.weights import load_served_model
+
+        quant = cpu_quant.load()
+        before = quant.activations
+        for mode in modes:
+            quant.activations = mode  # checked here, before anything is timed
+        packed["native", "float32"] = load_served_model(args.model, weights="native")[0]
+    dense = set(linears) - {"native"}  # the variants that run the dense model
+    folder = resolve_model(args.model) if dense else None
+    models = {w: load_model(folder, dtype=DTYPES[w]) for w in {w for w, _ in mixes}} if dense else {}
     linear_kernel = get_backend("cpu").linear_kernel() if "odma" in linears else None
     if "odma" in linears and linear_kernel is None:
         raise ConfigError("the CPU linear kernel could not be built here (it needs AVX-512; see the log)")
     from odma.models.cpu_linear import pack_linears
 
-    for linear in set(linears) - {"torch"}:
+    for linear in set(linears) - {"torch", "native"}:
         for w in models:
             m = load_model(folder, dtype=DTYPES[w])
             # fp32, bf16 where oneDNN has it; odma: the kernel for fp32, oneDNN for the rest
             if pack_linears(m, linear_kernel, mode=linear):
                 packed[linear, w] = m
-    c = models[mixes[0][0]].config
+    c = (models.get(mixes[0][0]) or packed["native", "float32"]).config
     capacity = args.context + 16
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (args.batch,), generator=gen)
@@ -89,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
         arena = torch.randn(args.batch, c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim, generator=gen).to(DTYPES[kv])
         seqs = [SeqSlot(arena[b], args.context, 1) for b in range(args.batch)]
         for linear in linears:
-            model = models[weights] if linear == "torch" else packed.get((linear, weights))
+            model = models.get(weights) if linear == "torch" else packed.get((linear, weights))
             if model is None:
                 continue
             for attention in variants:
@@ -97,7 +112,16 @@ def run(args: argparse.Namespace) -> dict:
                     continue  # the kernel reads fp32 caches only
                 k = kernel if attention == "kernel" else None
                 name = f"{weights}/{kv} {attention}" + ("" if linear == "torch" else f" {linear}")
-                steps[name] = lambda model=model, seqs=seqs, k=k: model(ids, positions, seqs, k)
+                if linear != "native":
+                    steps[name] = lambda model=model, seqs=seqs, k=k: model(ids, positions, seqs, k)
+                    continue
+                for mode in modes:
+
+                    def step(model=model, seqs=seqs, k=k, mode=mode):
+                        quant.activations = mode
+                        return model(ids, positions, seqs, k)
+
+                    steps[f"{name} {mode}"] = step
     times: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():  # warm-up
         fn()
@@ -106,6 +130,8 @@ def run(args: argparse.Namespace) -> dict:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
+    if quant is not None:
+        quant.activations = before
     base = statistics.median(times[next(iter(times))])
     return {
         "model": args.model, "batch": args.batch, "context": args.context, "threads": args.threads,
