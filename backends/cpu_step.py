@@ -49,6 +49,7 @@ class GemmPart:
     rows: int
     col: int
     bias: torch.Tensor | None  # this part's columns: bf16 for BF16_PANELS, else fp32
+    int8_rows: int | None = None  # GGUF blocks: address of the GEMM's current int8_rows argument (QuantKernel's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,8 @@ class ModelShape:
 
 
 class _Part(ctypes.Structure):
-    _fields_ = [("fn", _P), ("packed", _P), ("type", _I64), ("rows", _I64), ("col", _I64), ("bias", _P)]
+    _fields_ = [("fn", _P), ("packed", _P), ("type", _I64), ("rows", _I64), ("col", _I64), ("bias", _P),
+                ("int8_rows", _P)]
 
 
 class _Shape(ctypes.Structure):
@@ -150,8 +152,10 @@ class DecodeStepKernel:
             if p.bias is not None:
                 _check_vector(p.bias, p.rows, torch.bfloat16 if p.type == BF16_PANELS else torch.float32,
                               f"{what}'s bias")
+            if p.type not in (FP32_PANELS, BF16_PANELS) and not p.int8_rows:
+                raise ValueError(f"{what}: a part in GGUF blocks needs the address of its int8_rows argument")
             out.part[j] = _Part(p.fn, p.packed.data_ptr(), p.type, p.rows, p.col,
-                                None if p.bias is None else p.bias.data_ptr())
+                                None if p.bias is None else p.bias.data_ptr(), p.int8_rows)
             covered += p.rows
         if covered != n:
             raise ValueError(f"{what}: parts cover {covered} of {n} output columns")

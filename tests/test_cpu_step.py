@@ -96,9 +96,11 @@ def test_a_native_decode_step_computes_what_the_python_layers_compute(case, kern
     if case == "bf16" and torch.bfloat16 not in kernels[1].dtypes:
         pytest.skip("this build has no bf16 GEMM")
     attention = cpu_attention.load()
-    threads = torch.get_num_threads()
+    threads, activations = torch.get_num_threads(), kernels[0].activations
     try:
         torch.set_num_threads(1)
+        # fp32 activations: int8 ones would turn the norms' last-bit differences into whole quantization steps
+        kernels[0].activations = "f32"
         model.native_layers = None
         ref_logits, ref_blocks, ref_hidden = run_steps(model, attention, capture=(0, 1, model.config.num_layers))
         model.native_layers = NativeLayers.build(model, kernel)
@@ -106,6 +108,7 @@ def test_a_native_decode_step_computes_what_the_python_layers_compute(case, kern
         logits, blocks, hidden = run_steps(model, attention, capture=(0, 1, model.config.num_layers))
     finally:
         torch.set_num_threads(threads)
+        kernels[0].activations = activations
     # the norms' sums of squares run in another order; in bf16 (equal here) that may move a rounding by one bf16 ulp
     tol = dict(rtol=1e-4, atol=1e-4) if case != "bf16" else dict(rtol=1e-2, atol=1e-3)
     assert torch.equal(logits[0], ref_logits[0])  # the prefill is the Python layers' either way
@@ -119,6 +122,34 @@ def test_a_native_decode_step_computes_what_the_python_layers_compute(case, kern
         assert step.keys() == ref.keys()
         for layer in step:
             torch.testing.assert_close(step[layer], ref[layer], **tol)
+
+
+@per_isa
+def test_the_native_step_follows_the_quantized_kernels_activations(kernels, kernel, tmp_path):
+    """int8 activations set on the quantized kernel after the layers were prepared reach the native step too: its
+    logits move from fp32 activations' as the Python layers' do, and stay close to theirs."""
+    quant = kernels[0]
+    if quant.int8 == "none":
+        pytest.skip("this build has no integer dot product")
+    model = build("llama-Q4_0-Q8_0", kernels, tmp_path)
+    attention = cpu_attention.load()
+    model.native_layers = NativeLayers.build(model, kernel)
+    native_layers, activations, threads = model.native_layers, quant.activations, torch.get_num_threads()
+    runs = {}
+    try:
+        torch.set_num_threads(1)
+        for mode in ("f32", "int8"):
+            quant.activations = mode
+            for path in ("native", "python"):
+                model.native_layers = native_layers if path == "native" else None
+                runs[mode, path] = run_steps(model, attention, decode_steps=2)[0][1:]
+    finally:
+        torch.set_num_threads(threads)
+        quant.activations = activations
+    for step in range(2):
+        moved = runs["int8", "native"][step] - runs["f32", "native"][step]
+        assert moved.abs().max() > 1e-3  # int8 reached the native GEMMs
+        torch.testing.assert_close(runs["int8", "native"][step], runs["int8", "python"][step], rtol=0.05, atol=0.05)
 
 
 def test_several_threads_split_the_requests_and_give_the_same_step(kernel, tmp_path):

@@ -83,9 +83,10 @@ def test_native_weights_give_the_fp32_paths_greedy_tokens_and_logits(smollm2, sm
         assert a.output_logprobs == b.output_logprobs
 
 
-def test_decode_steps_in_one_native_call_give_the_python_layers_tokens(smollm2):
+def test_decode_steps_in_one_native_call_give_the_python_layers_tokens(smollm2, f32_activations):
     """The default engine runs decode steps through the decode-step kernel; ODMA_CPU_STEP=python runs the model's
-    Python layers: the same greedy tokens on the reference prompts, log-probabilities within float rounding."""
+    Python layers: the same greedy tokens on the reference prompts, log-probabilities within float rounding (on fp32
+    activations: int8 ones turn last-bit differences into quantization steps; test_cpu_step.py compares those)."""
     import os
 
     from odma.engine import EngineConfig, LLMEngine, SamplingParams

@@ -41,7 +41,7 @@ typedef int (*f32_gemm)(const float *x, int64_t M, int64_t ldx, const void *pack
 typedef int (*bf16_gemm)(const uint16_t *x, int64_t M, int64_t ldx, const void *packed, int64_t K, int64_t N,
                          const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t threads);
 typedef int (*quant_gemm)(const float *x, int64_t M, int64_t ldx, const void *packed, int type, int64_t K,
-                          int64_t N, const float *bias, float *y, int64_t ldy, int64_t threads);
+                          int64_t N, const float *bias, float *y, int64_t ldy, int64_t threads, int64_t int8_rows);
 
 /* One GEMM writing `rows` output columns from column `col` of the layer's output. */
 typedef struct {
@@ -51,6 +51,7 @@ typedef struct {
     int64_t rows;
     int64_t col;
     const void *bias; /* this part's first column of the bias (fp32; bf16 for KIND_BF16), or NULL */
+    const int64_t *int8_rows; /* GGUF blocks: the GEMM's int8_rows argument, read at each call (it may change) */
 } odma_part;
 
 typedef struct {
@@ -99,7 +100,7 @@ static int linear(const odma_linear *L, const float *x, int64_t M, float *y, int
                 for (int64_t j = 0; j < p->rows; j++) y[m * L->out + p->col + j] = from_bf16(ys[m * p->rows + j]);
         } else {
             code = ((quant_gemm)p->fn)(x, M, L->in, p->packed, (int)p->type, L->in, p->rows, p->bias, y + p->col,
-                                       L->out, threads);
+                                       L->out, threads, *p->int8_rows);
         }
         if (code) return 100 - code; /* the GEMMs answer -1, -2, -3 */
     }

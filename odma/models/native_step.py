@@ -86,7 +86,8 @@ def _linear(module: nn.Module) -> LinearSpec:
         parts, col = [], 0
         for p in module.parts:
             bias = None if module.bias_f32 is None else module.bias_f32[col:]
-            parts.append(GemmPart(module.kernel.address, p.packed, p.ggml_id, p.rows, col, bias))
+            parts.append(GemmPart(module.kernel.address, p.packed, p.ggml_id, p.rows, col, bias,
+                                  module.kernel.int8_rows_address(p.ggml_id)))
             col += p.rows
         return LinearSpec(module.in_features, module.out_features, tuple(parts))
     if isinstance(module, KernelLinear) and module.packed.dtype in (torch.float32, torch.bfloat16):
