@@ -159,18 +159,16 @@ class QuantKernel:
                                "(AVX-512 without VNNI)")
         self._activations = value
         every = 2**62
-        self._int8_rows = {  # the kernel's int8_rows argument per type: int8 up to this many rows
-            t.ggml_id: 0 if value == "f32" or self.int8 == "none" else every if value == "int8"
-            else every if INT8_ROWS[t.name] is None else INT8_ROWS[t.name] for t in BLOCK_TYPES.values()}
-        if not hasattr(self, "_int8_table"):  # the same, where kernels calling from C read it at each call
-            self._int8_table = torch.zeros(max(BLOCK_TYPES) + 1, dtype=torch.int64)
-        for ggml_id, rows in self._int8_rows.items():
-            self._int8_table[ggml_id] = rows
+        if not hasattr(self, "_int8_rows"):  # by ggml id; a C array, read at each call by kernels calling from C too
+            self._int8_rows = (ctypes.c_int64 * (max(BLOCK_TYPES) + 1))()
+        for t in BLOCK_TYPES.values():  # the kernel's int8_rows argument per type: int8 up to this many rows
+            self._int8_rows[t.ggml_id] = (0 if value == "f32" or self.int8 == "none" else every if value == "int8"
+                                          else every if INT8_ROWS[t.name] is None else INT8_ROWS[t.name])
 
     def int8_rows_address(self, ggml_id: int) -> int:
         """Where the current int8_rows argument for `ggml_id` lives (it follows `activations`), for kernels that call
         the GEMM from C (backends/cpu_step.py)."""
-        return self._int8_table.data_ptr() + int(ggml_id) * self._int8_table.element_size()
+        return ctypes.addressof(self._int8_rows) + int(ggml_id) * ctypes.sizeof(ctypes.c_int64)
 
     @property
     def address(self) -> int:

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from backends import ckernels, cpu_attention, cpu_linear, cpu_quant, cpu_step
+from backends import ckernels, cpu_attention, cpu_step
 from backends.cpu import CPUBackend
 from backends.errors import BackendError
 from odma.models.cpu_linear import pack_linears
@@ -18,19 +18,14 @@ from odma.models.llama import HiddenCapture, SeqSlot
 from odma.models.native_step import NativeLayers
 from odma.models.tiny import make_tiny_gguf, random_model
 
+from test_gguf_native import K_QUANTS, KERNELS, per_isa  # noqa: E402 (the quantized and fp32 kernels per ISA)
+
 pytestmark = pytest.mark.skipif(ckernels.disabled(), reason="ODMA_CPU_KERNELS=0 turns the C kernels off")
-KERNELS = {}
-for _isa in ckernels.ISAS:
-    if ckernels.isa_runs_here(_isa) and cpu_quant.load(_isa) is not None and cpu_linear.load(_isa) is not None:
-        KERNELS.setdefault(cpu_quant.load(_isa).isa, (cpu_quant.load(_isa), cpu_linear.load(_isa)))
-per_isa = pytest.mark.parametrize("kernels", list(KERNELS.values()), ids=list(KERNELS))
-K_QUANTS = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
-            "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q8_0"}
 CASES = {  # GGUF files (arch, types, shape), or a random model's dtype (panels of odma's kernel; GQA 3:1, head_dim 64)
     "llama-Q4_1": ("llama", {}, {}),
     "llama-Q4_0-Q8_0": ("llama", {r: "Q4_0" for r in ("attn_q", "attn_k", "attn_output", "ffn_up")}
                         | {"attn_v": "Q8_0", "ffn_down": "Q8_0"}, {}),
-    "qwen2-Q4_K-Q6_K-bias": ("qwen2", K_QUANTS, {"hidden_size": 256, "intermediate_size": 512}),
+    "qwen2-Q4_K-Q6_K-bias": ("qwen2", K_QUANTS | {"output": "Q8_0"}, {"hidden_size": 256, "intermediate_size": 512}),
     "fp32": torch.float32,
     "bf16": torch.bfloat16,  # activations rounded where the Python layers round them: close, not equal
 }

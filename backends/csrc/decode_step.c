@@ -1,17 +1,18 @@
-/* Decoder layers of a decode step in one call (CPU, float32 activations): every request feeds one token.
+/* Decoder layers of a decode step in one call (CPU): every request feeds one token.
  *
  * Why: a decode step of a small model at one stream is mostly not arithmetic. SmolLM2-135M's step at batch 1
  * took 10.6 ms on a Zen 5 core, of which ~4.8 ms were Python and small torch ops around 30 layers (norms, the
  * rotation, slicing, residual adds, ~150 ctypes calls); llama.cpp's whole step took 5.2 ms. Here the layers run
- * in C, and the Python engine keeps the embedding, the final norm, the LM head, sampling and the KV bookkeeping.
+ * in C (the same step: 6.1 ms), and the Python engine keeps the embedding, the final norm, the LM head, sampling
+ * and the KV bookkeeping.
  *
  * Per layer, for the B requests at once:
  *   h = rmsnorm(x) * attn_norm;  qkv = h Wqkv^T (+ b);  q, k rotated at each request's position (the rotary table:
  *   per position the cos of every frequency, then the sin, as the Python model's `Rotary.table`);  k, v written to
  *   row len-1 of the request's block and q attended over rows [0, len) (attend.h, the decode-attention kernel's
  *   loops);  x += attn Wo^T (+ b);  h = rmsnorm(x) * mlp_norm;  g, u = h Wgu^T;  x += (silu(g) * u) Wdown^T.
- * The GEMMs are the backend's own kernels (linear.c for fp32 panels, quant_linear.c for GGUF blocks), called through
- * the function pointers the caller passes in `odma_part`: they split their panels over OpenMP threads themselves;
+ * The GEMMs are the backend's own kernels (linear.c for fp32 and bf16 panels, quant_linear.c for GGUF blocks),
+ * called through the function pointers the caller passes in `odma_part`: they split their panels over OpenMP threads themselves;
  * the attention here splits the requests.
  *
  * Arithmetic is the Python model's, not its bits: the norms' sums of squares run in another order than torch's
@@ -191,7 +192,8 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
         if ((code = linear(&L->gate_up, h, B, wide, threads, xs, ys))) break;
         for (int64_t b = 0; b < B; b++) {
             const float *g = wide + b * 2 * I, *u = g + I;
-            for (int64_t i = 0; i < I; i++) h[b * I + i] = as_model(as_model(g[i] / (1.f + expf(-g[i])), bf16) * u[i], bf16);
+            for (int64_t i = 0; i < I; i++)
+                h[b * I + i] = as_model(as_model(g[i] / (1.f + expf(-g[i])), bf16) * u[i], bf16);
         }
         if ((code = linear(&L->down, h, B, y, threads, xs, ys))) break;
         for (int64_t i = 0; i < B * H; i++) x[i] = as_model(x[i] + y[i], bf16);

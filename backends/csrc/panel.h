@@ -26,8 +26,8 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "hints.h"
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define PREFETCH_AHEAD 8192 /* bytes (~43 steps of an AVX-512 panel) ahead; 4-32 KB measured within 3 % */
 #define W_F32 0
 #define W_DPBF16 1

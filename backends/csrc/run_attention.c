@@ -20,16 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(p) __builtin_prefetch(p)
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-#else
-#define PREFETCH(p) ((void)(p))
-#define ALWAYS_INLINE static inline
-#endif
+#include "hints.h"
 #define TILE 32           /* rows scored before their V rows are summed: 32 x 512 B of SmolLM2 stays in L1 */
 #define PREFETCH_ROWS 4   /* rows ahead of the one being scored */
-#define LINE_FLOATS 16    /* one 64-byte cache line */
 #define MAX_GROUP 16      /* query heads per KV head this kernel takes */
 #define MAX_DIM 256
 

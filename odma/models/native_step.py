@@ -45,7 +45,8 @@ class NativeLayers:
             for layer in model.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 specs.append(LayerSpec(
-                    attn_norm=_norm(layer.input_layernorm.weight), mlp_norm=_norm(layer.post_attention_layernorm.weight),
+                    attn_norm=_norm(layer.input_layernorm.weight),
+                    mlp_norm=_norm(layer.post_attention_layernorm.weight),
                     qkv=_linear(attn.qkv_proj), o=_linear(attn.o_proj), gate_up=_linear(mlp.gate_up_proj),
                     down=_linear(mlp.down_proj)))
             shape = ModelShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
