@@ -143,6 +143,9 @@ class QuantKernel:
         if self.isa == "none":
             raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA")
         self.int8 = INT8_ISA_NAMES.get(int(lib.odma_quant_int8_isa()), "none")  # the integer dot product's path
+        # the GEMM's int8_rows argument by ggml id (set by `activations`): a C array, which kernels calling the GEMM
+        # from C read at each call too
+        self._int8_rows = (ctypes.c_int64 * (max(BLOCK_TYPES) + 1))()
         self.activations = requested_activations()
 
     @property
@@ -159,9 +162,7 @@ class QuantKernel:
                                "(AVX-512 without VNNI)")
         self._activations = value
         every = 2**62
-        if not hasattr(self, "_int8_rows"):  # by ggml id; a C array, read at each call by kernels calling from C too
-            self._int8_rows = (ctypes.c_int64 * (max(BLOCK_TYPES) + 1))()
-        for t in BLOCK_TYPES.values():  # the kernel's int8_rows argument per type: int8 up to this many rows
+        for t in BLOCK_TYPES.values():  # int8 up to this many rows
             self._int8_rows[t.ggml_id] = (0 if value == "f32" or self.int8 == "none" else every if value == "int8"
                                           else every if INT8_ROWS[t.name] is None else INT8_ROWS[t.name])
 

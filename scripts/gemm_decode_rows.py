@@ -52,6 +52,8 @@ def random_blocks(ggml_id: int, n: int, k: int, seed: int) -> np.ndarray:
     rows[..., 0:2] = np.full(rows.shape[:-1] + (1,), 0.01, np.float16).view(np.uint8)
     if t.offset:
         rows[..., 2:4] = np.full(rows.shape[:-1] + (1,), -0.05, np.float16).view(np.uint8)
+    if t.name == "Q6_K":  # its scale d is the block's last two bytes
+        rows[..., -2:] = np.full(rows.shape[:-1] + (1,), 0.001, np.float16).view(np.uint8)
     return rows.reshape(n, -1)
 
 

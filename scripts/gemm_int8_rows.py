@@ -16,19 +16,8 @@ import json
 
 import torch
 
-import numpy as np
-
 from backends import cpu_quant
 from gemm_decode_rows import SHAPES, interleaved_ms, random_blocks
-
-
-def blocks(ggml_id: int, n: int, k: int, seed: int) -> np.ndarray:
-    """random_blocks, with Q6_K's scale (the block's last two bytes) set too"""
-    rows = random_blocks(ggml_id, n, k, seed)
-    if cpu_quant.BLOCK_TYPES[ggml_id].name == "Q6_K":
-        b = rows.reshape(n, -1, 210)
-        b[..., 208:210] = np.full(b.shape[:-1] + (1,), 0.001, np.float16).view(np.uint8)
-    return rows
 
 
 def main() -> None:
@@ -50,7 +39,7 @@ def main() -> None:
         for shape in args.shapes.split(","):
             k, n = SHAPES[shape]
             k = -(-k // t.block) * t.block
-            packed = [kernel.pack(t.ggml_id, blocks(t.ggml_id, n, k, seed), k)
+            packed = [kernel.pack(t.ggml_id, random_blocks(t.ggml_id, n, k, seed), k)
                       for seed in range(1 if shape == "lm_head" else 30)]
             for m in rows:
                 x = torch.randn(m, k)

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from backends.cpu_attention import DecodeBatch
+from backends.cpu_step import (BF16_PANELS, FP32_PANELS, GemmPart, LayerSpec, LinearSpec, ModelShape,
+                               PreparedLayers)
 from odma.models.cpu_linear import KernelLinear
 from odma.models.quantized import QuantLinear
 
 if TYPE_CHECKING:
-    from backends.cpu_attention import DecodeBatch
-    from backends.cpu_step import DecodeStepKernel, LinearSpec, PreparedLayers
+    from backends.cpu_step import DecodeStepKernel
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +30,13 @@ log = logging.getLogger(__name__)
 class NativeLayers:
     """The model's layers as the kernel runs them; `run` is the decode step's layer loop."""
 
-    def __init__(self, kernel: DecodeStepKernel, prepared: PreparedLayers, dtype: torch.dtype) -> None:
-        self.kernel, self.prepared, self.dtype = kernel, prepared, dtype
+    def __init__(self, kernel: DecodeStepKernel, prepared: PreparedLayers) -> None:
+        self.kernel, self.prepared = kernel, prepared
+        self.dtype = torch.bfloat16 if prepared.shape.bf16 else torch.float32  # the model's activations
 
     @classmethod
     def build(cls, model: nn.Module, kernel: DecodeStepKernel | None) -> NativeLayers | None:
         """model: a CausalLM (odma/models/llama.py, which holds the result as `native_layers`)."""
-        from backends.cpu_step import LayerSpec, ModelShape
-
         if kernel is None:
             return None
         c = model.config
@@ -51,7 +52,7 @@ class NativeLayers:
                     down=_linear(mlp.down_proj)))
             shape = ModelShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                                c.rms_norm_eps, bf16)
-            return cls(kernel, kernel.prepare(shape, specs), torch.bfloat16 if bf16 else torch.float32)
+            return cls(kernel, kernel.prepare(shape, specs))
         except ValueError as e:
             log.info("decode steps keep the model's Python layers: %s", e)
             return None
@@ -59,8 +60,6 @@ class NativeLayers:
     def serves(self, decode: object) -> bool:
         """Whether a step planned as `decode` is one the kernel runs: the CPU's decode attention took every request
         (each feeds one token)."""
-        from backends.cpu_attention import DecodeBatch
-
         return isinstance(decode, DecodeBatch) and decode.rows is None
 
     def run(self, x: torch.Tensor, decode: DecodeBatch, rotary: torch.Tensor, first: int = 0,
@@ -81,8 +80,6 @@ def _norm(weight: torch.Tensor) -> torch.Tensor:
 
 def _linear(module: nn.Module) -> LinearSpec:
     """The GEMMs of a linear layer packed for the backend's kernels; ValueError for any other."""
-    from backends.cpu_step import BF16_PANELS, FP32_PANELS, GemmPart, LinearSpec
-
     if isinstance(module, QuantLinear):
         parts, col = [], 0
         for p in module.parts:
