@@ -26,6 +26,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class RunAttention:
+    dtypes = (torch.float32,)  # the caches it reads
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._decode = lib.odma_run_decode_f32
         self._decode.restype = ctypes.c_int
@@ -39,11 +41,12 @@ class RunAttention:
 
     def decode(self, planes: torch.Tensor, block_size: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                q_rows: torch.Tensor, q: torch.Tensor, out: torch.Tensor, scale: float, *, coalesce: bool = True,
-               workers: int = 1) -> None:
+               workers: int = 1, longest: int | None = None) -> None:
         """planes: [kv_heads, blocks * block_size, 2 * head_dim] float32, rows contiguous (one layer's cache);
         block_table int32 [requests, width]; seq_lens int32 [requests] (tokens to attend, this step's included);
         q_rows int64 [requests]: each request's row of q [tokens, heads, head_dim] and of out (same shape), which
-        is written."""
+        is written. `longest` (the Triton kernels' split hint) means nothing here."""
+        del longest
         kv_heads, rows, width = planes.shape
         heads, dim = q.shape[1], q.shape[2]
         _check(planes, q, out, block_table, seq_lens, q_rows)

@@ -3,7 +3,8 @@
 #   1. the GPU tests (CUDA conformance, Triton kernels, the engine through them, decode graphs, the driver's virtual
 #      memory), at most TESTS_CAP seconds (150);
 #   2. odma-bench gpu: contiguous vs paged decode kernels (context 1K/4K/16K x batch 1/16/64, GB/s against the
-#      measured copy bandwidth, error against SDPA), one growth step's mapping vs moving a 1/4 GiB block, a decode
+#      measured copy bandwidth, error against SDPA), the same for odma's vLLM backend (one-run vs scattered blocks in
+#      vLLM's per-head planes, beside torch's SDPA over dense K/V), one growth step's mapping vs moving a 1/4 GiB block, a decode
 #      step of the 7B shape at batch 16 as a CUDA graph and eagerly (host vs device time), and the engine with random
 #      weights of the paper model's shape on a natural-length trace, odma vs static vs paged (vs odma growing by
 #      mapping) on one KV budget. Each part has a time cap (6.5 minutes in all); each measurement is tried on its own.
@@ -50,12 +51,12 @@ if torch.cuda.is_available():
 PYEOF
 
 TESTS="tests/test_backends_conformance.py tests/test_triton_attention.py tests/test_engine_triton.py
-       tests/test_decode_graphs.py tests/test_cuda_vmm.py"
+       tests/test_decode_graphs.py tests/test_cuda_vmm.py tests/test_triton_runs.py"
 if [ "$CPU" = 1 ]; then
   export TRITON_INTERPRET=1
   # the same stage, one quick test per file: the orchestration is what the dry run checks
-  PICK=(-k "identity or single_token_block or paged_needs or buckets_cover or without_a_gpu")
-  BENCH=(--device cpu --tiny --rounds 1 --caps kernels=120,vmm=60,step=120,engine=300)
+  PICK=(-k "identity or single_token_block or paged_needs or buckets_cover or without_a_gpu or found_on_the_device")
+  BENCH=(--device cpu --tiny --rounds 1 --caps kernels=120,runs=60,vmm=60,step=120,engine=300)
   TESTS_CAP=${TESTS_CAP:-300}
 else
   PICK=()

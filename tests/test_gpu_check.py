@@ -37,6 +37,11 @@ def test_the_dry_run_covers_every_part(dry_run):
         assert r["contiguous_error_vs_sdpa"] < 1e-4 and r["paged_error_vs_sdpa"] < 1e-4, r
         assert r["contiguous_us"] > 0 and r["paged_us"] > 0
     assert any(r["splits"] > 1 for r in rows)
+    runs = result["runs"]  # odma's vLLM backend on an accelerator: one-run and scattered blocks, the same K/V
+    assert [(r["context"], r["batch"]) for r in runs["rows"]] == [(64, 1), (64, 4), (256, 1), (256, 4)]
+    for r in (row["result"] for row in runs["rows"]):
+        assert r["runs_error_vs_sdpa"] < 1e-4 and r["paged_error_vs_sdpa"] < 1e-4, r
+        assert r["runs_us"] > 0 and r["paged_us"] > 0 and r["sdpa_dense_us"] > 0
     vmm = result["vmm"]["rows"]  # the host's virtual memory stands in for CUDA's
     assert [r["block_bytes"] for r in vmm] == [1 << 20, 4 << 20]
     assert all(r["result"]["map_step_ms"] > 0 and r["result"]["copy_block_ms"] > 0 for r in vmm)

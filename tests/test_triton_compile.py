@@ -22,11 +22,13 @@ import torch
 triton = pytest.importorskip("triton")
 
 from backends.triton_attention import TritonAttention, Tuning  # noqa: E402
+from backends.triton_runs import TritonRunAttention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE_TRITON = ROOT / ".triton-device"
 SM90 = ["cuda", 90, 32]
 READERS = ("kv_write_kernel", "decode_kernel", "prefill_kernel")
+RUN_READERS = ("run_decode_kernel",)  # over vLLM's per-head planes (backends/triton_runs.py)
 
 
 class Recorder:
@@ -114,6 +116,27 @@ def _record_launches() -> list[dict]:
         static = att.static_decode(16, arena, kv_heads, dim, rotary=rotary)
         static.fill([1] * 3, [(0, 2 * 64 * kv_heads * dim, 64 * kv_heads * dim)] * 3, [5, 6, 7])
         static.step(16).attend(0, *_qkv(16, heads, kv_heads, dim, dtype))
+    return list(recorder.launches.values()) + _record_run_launches()
+
+
+def _record_run_launches() -> list[dict]:
+    """odma's vLLM backend on an accelerator: decode over per-head planes (runs and blocks in one batch, split and
+    not) and the K/V write, in each dtype."""
+    att = TritonRunAttention(torch.device("cpu"), Tuning())
+    recorder = Recorder(att.run_kernels)
+    att.run_kernels, att.kernels = recorder, Recorder(att.kernels)
+    block = 16
+    for heads, kv_heads, dim, dtype in [(28, 4, 128, torch.bfloat16), (28, 4, 128, torch.float16),
+                                        (9, 3, 64, torch.float32)]:
+        planes = torch.zeros(kv_heads, 512 * block, 2 * dim, dtype=dtype)
+        table = torch.arange(512, dtype=torch.int32).view(64, 8)
+        for n, longest in ((2, 128), (64, 64)):  # split over the context, and enough requests not to
+            lens = torch.full((n,), longest, dtype=torch.int32)
+            q = torch.zeros(n, heads, dim, dtype=dtype)
+            att.decode(planes, block, table[:n], lens, torch.arange(n), q, torch.zeros_like(q), dim ** -0.5,
+                       longest=longest)
+        kv = torch.zeros(3, kv_heads, dim, dtype=dtype)
+        att.write(planes, kv, kv, torch.arange(3))
     return list(recorder.launches.values())
 
 
@@ -150,13 +173,17 @@ def _vector_loads(loads: dict[str, int]) -> int:
 def _check(result: dict) -> None:
     seen = set()
     for kernel in result["kernels"]:
-        if kernel["kernel"] not in READERS:
-            continue
-        seen.add((kernel["kernel"], kernel["constexprs"]["PAGE"] > 0))
         what = f"{kernel['kernel']} {kernel['constexprs']} under Triton {result['triton']}: {kernel['loads']}"
-        assert _scalar_loads(kernel["loads"]) == 0, "element-wise loads in " + what
-        assert _vector_loads(kernel["loads"]) > 0, "no vector loads in " + what
-    assert seen == {(k, paged) for k in READERS for paged in (False, True)}
+        if kernel["kernel"] in READERS:
+            seen.add((kernel["kernel"], kernel["constexprs"]["PAGE"] > 0))
+            assert _scalar_loads(kernel["loads"]) == 0, "element-wise loads in " + what
+            assert _vector_loads(kernel["loads"]) > 0, "no vector loads in " + what
+        elif kernel["kernel"] in RUN_READERS:
+            seen.add((kernel["kernel"], kernel["constexprs"]["SPLIT"]))
+            # a request's int32 length is one word; K and V elements are never read one at a time
+            assert _scalar_loads(kernel["loads"]) <= 1, "element-wise loads in " + what
+    assert seen == {(k, paged) for k in READERS for paged in (False, True)} | \
+        {(k, split) for k in RUN_READERS for split in (False, True)}
 
 
 def test_every_kernel_variant_reads_kv_in_vectors_on_sm90(launches):

@@ -34,13 +34,13 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from backends import triton_kernels
+    from backends import triton_kernels, triton_run_kernels
 
     spec = json.load(sys.stdin)
     target = GPUTarget(*spec["target"])
     out = []
     for launch in spec["launches"]:
-        fn = getattr(triton_kernels, launch["kernel"])
+        fn = getattr(triton_kernels, launch["kernel"], None) or getattr(triton_run_kernels, launch["kernel"])
         signature = dict(launch["signature"])
         for name in launch["constexprs"]:
             signature[name] = "constexpr"

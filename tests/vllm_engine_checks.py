@@ -321,11 +321,13 @@ def op_checks() -> dict:
                                         v_scale=1.0, kv_cache_dtype="auto")
         # odma: the LHBNC cache [blocks, kv_heads, block_size, 2 * dim] with heads outermost in memory
         ours = {}
-        for reading in ("runs", "paged"):
+        for reading in ("runs", "paged", "triton"):
             store = torch.zeros(kv_heads, blocks, bs, 2 * dim)
             kv = store.permute(1, 0, 2, 3)
             impl = OdmaAttentionImpl(heads, dim, scale, kv_heads, None, None, "auto")
-            impl.coalesce = reading == "runs"
+            impl.coalesce = reading != "paged"
+            if reading == "triton":  # the accelerator's kernels (backends/triton_runs.py), in Triton's interpreter
+                impl.kernel = _interpreted_triton_kernel()
             impl.do_kv_cache_update(None, past_k[prior_t], past_v[prior_t], kv, prior_t)
             impl.do_kv_cache_update(None, k_new, v_new, kv, slots_t)
             common = CommonAttentionMetadata(
@@ -342,8 +344,19 @@ def op_checks() -> dict:
         out[key] = {"vllm_vs_reference": float((vllm_out.double() - ref).abs().max()),
                     **{f"{r}_vs_reference": float((o.double() - ref).abs().max()) for r, o in ours.items()},
                     "runs_vs_vllm": float((ours["runs"] - vllm_out).abs().max()),
+                    "triton_vs_vllm": float((ours["triton"] - vllm_out).abs().max()),
                     "runs_vs_paged": float((ours["runs"] - ours["paged"]).abs().max())}
     return out
+
+
+def _interpreted_triton_kernel():
+    """The Triton run kernels on CPU tensors, in Triton's interpreter (TRITON_INTERPRET=1 from the process's start:
+    Triton reads it when it is first imported; vLLM's CPU build uses no Triton either way)."""
+    import torch
+
+    from backends.triton_runs import TritonRunAttention
+
+    return TritonRunAttention(torch.device("cpu"))
 
 
 def _float64_reference(reqs, q, k_new, v_new, past_k, past_v, bs):

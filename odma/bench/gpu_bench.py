@@ -6,6 +6,11 @@
   written by one large copy, STREAM's convention), the error of each against torch's SDPA over the same K/V, and
   that old device path's time (SDPA once per request) where it is cheap enough to time. The shape is the paper
   model's attention (28 query heads, 4 KV heads, head_dim 128).
+- runs: odma's vLLM backend on an accelerator (backends/triton_runs.py): decode attention over vLLM's per-head
+  planes (LHBNC) with each request's blocks one run of consecutive ids, read as one range, and the same K/V on
+  scattered blocks of 16 tokens read through the block table (the same kernel: the layout's effect alone); beside
+  them torch's own SDPA over the same K/V held dense per request (batched: a dense kernel's time for the same
+  reads), GB/s against the copy bandwidth and errors against SDPA.
 - vmm: what growth by mapping saves. One growth step of a block (a step of every one of its 2 x layers planes mapped
   behind it, the 7B shape's geometry: 56 granules) against the copy that moves the whole block into a larger one,
   which is what growth costs without virtual memory; blocks of 1 GiB and 4 GiB.
@@ -37,8 +42,8 @@ import sys
 import time
 from typing import Any, Callable
 
-PARTS = ("kernels", "vmm", "step", "engine")
-DEFAULT_CAPS = {"kernels": 80, "vmm": 30, "step": 60, "engine": 220}  # seconds: 6.5 minutes in all
+PARTS = ("kernels", "runs", "vmm", "step", "engine")
+DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220}  # seconds: 7.2 minutes in all
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -264,6 +269,97 @@ def _kernel_row(att, device, dtype, ctx, batch, heads, kv_heads, dim, gen, elem,
         loop = _median_ms(lambda: _sdpa_loop(contiguous, q, k, v), device, rounds, max(1, iters // 4))
         row["sdpa_loop_us"] = round(loop * 1e3, 1)
         row["kernel_vs_sdpa_loop"] = round(loop / times["contiguous"], 2)
+    return row
+
+
+# -- odma's vLLM backend on an accelerator ------------------------------------------------------------------------
+
+
+def bench_runs(args, device, dtype, report: Report, cap: Cap) -> dict:
+    import torch
+
+    from backends.triton_runs import TritonRunAttention
+
+    heads, kv_heads, dim = (4, 2, 16) if args.tiny else (28, 4, 128)
+    contexts = _ints(args.contexts, "64,256" if args.tiny else "1024,4096,16384")
+    batches = _ints(args.batches, "1,4" if args.tiny else "1,16,64")
+    out: dict = {"shape": {"q_heads": heads, "kv_heads": kv_heads, "head_dim": dim, "dtype": str(dtype),
+                           "block_size": 16}, "rows": [], "skipped": []}
+    report.result["runs"] = out
+    kernel = TritonRunAttention(device)
+    bandwidth = report.result.get("kernels", {}).get("copy_gbps")
+    if not isinstance(bandwidth, float):
+        bandwidth = _attempt(out, "copy_gbps", lambda: round(copy_bandwidth(
+            device, (8 << 20) if args.tiny else (2 << 30), args.rounds), 1), report)
+    copy_gbps = bandwidth if isinstance(bandwidth, float) else None
+    iters = 1 if args.tiny else 20
+    gen = torch.Generator(device=device).manual_seed(0)
+    for ctx in contexts:
+        for batch in batches:
+            if cap.left() <= 0:
+                out["skipped"].append({"context": ctx, "batch": batch, "why": "time cap"})
+                report.save()
+                continue
+            row = {"context": ctx, "batch": batch}
+            out["rows"].append(row)
+            _attempt(row, "result", lambda: _runs_row(kernel, device, dtype, ctx, batch, heads, kv_heads, dim, gen,
+                                                      copy_gbps, args.rounds, iters), report)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
+def _runs_row(kernel, device, dtype, ctx, batch, heads, kv_heads, dim, gen, copy_gbps, rounds, iters) -> dict:
+    """One context x batch: every request `ctx` tokens (this step's included), its blocks one run in one cache and
+    scattered in another holding the same K/V."""
+    import torch
+    import torch.nn.functional as F
+
+    bs = 16
+    per = -(-ctx // bs)
+    n_blocks = batch * (per + 1) + 8  # a block's gap between runs, a few never used
+    k = torch.randn(batch, kv_heads, ctx, dim, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(batch, kv_heads, ctx, dim, generator=gen, device=device, dtype=dtype)
+    q = torch.randn(batch, heads, dim, generator=gen, device=device, dtype=dtype)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    rows = torch.arange(batch, device=device)
+    run_ids = torch.tensor([[i * (per + 1) + j for j in range(per)] for i in range(batch)], dtype=torch.int32)
+    order = list(range(n_blocks))
+    random.Random(0).shuffle(order)
+    scattered_ids = torch.tensor(order[:batch * per], dtype=torch.int32).view(batch, per)
+    caches = {}
+    for name, ids in (("runs", run_ids), ("paged", scattered_ids)):
+        planes = torch.zeros(kv_heads, n_blocks * bs, 2 * dim, dtype=dtype, device=device)
+        token_rows = (ids.to(torch.int64)[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :ctx].to(device)
+        for b in range(batch):
+            planes[:, token_rows[b], :dim] = k[b]
+            planes[:, token_rows[b], dim:] = v[b]
+        caches[name] = (planes, ids.to(device))
+    scale = dim ** -0.5
+    reference = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0].float()
+    top = max(reference.abs().max().item(), 1e-30)
+    kv_bytes = batch * ctx * 2 * kv_heads * dim * k.element_size()
+    row: dict = {"kv_mib": round(kv_bytes / 2**20, 1)}
+    times = {}
+    for name, (planes, table) in caches.items():
+        o = torch.empty_like(q)
+
+        def call(planes=planes, table=table, o=o):
+            kernel.decode(planes, bs, table, lens, rows, q, o, scale, coalesce=True, longest=ctx)
+
+        call()
+        row[f"{name}_error_vs_sdpa"] = round((o.float() - reference).abs().max().item() / top, 6)
+        times[name] = _median_ms(call, device, rounds, iters)
+    times["sdpa_dense"] = _median_ms(
+        lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True), device, rounds,
+        iters)
+    for name, ms in times.items():
+        row[f"{name}_us"] = round(ms * 1e3, 1)
+        row[f"{name}_gbps"] = round(kv_bytes / ms / 1e6, 1)
+        if copy_gbps:
+            row[f"{name}_share_of_copy"] = round(kv_bytes / ms / 1e6 / copy_gbps, 3)
+    row["runs_vs_paged"] = round(times["paged"] / times["runs"], 3)
+    row["runs_vs_sdpa_dense"] = round(times["sdpa_dense"] / times["runs"], 3)
     return row
 
 
@@ -588,6 +684,7 @@ def run(args: argparse.Namespace) -> dict:
     report.save()
     started = time.perf_counter()
     bench = {"kernels": lambda cap: bench_kernels(args, device, DTYPES[dtype_name], report, cap),
+             "runs": lambda cap: bench_runs(args, device, DTYPES[dtype_name], report, cap),
              "vmm": lambda cap: bench_vmm(args, device, DTYPES[dtype_name], report, cap),
              "step": lambda cap: bench_step(args, device, dtype_name, report, cap),
              "engine": lambda cap: bench_engine(args, device, dtype_name, report, cap)}

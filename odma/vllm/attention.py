@@ -1,17 +1,20 @@
-"""odma's attention backend for vLLM's CPU platform: contiguous block runs read as one range.
+"""odma's attention backend for vLLM: contiguous block runs read as one range.
 
 vLLM lets a plugin override an attention backend (`register_backend`), and a backend chooses its KV cache's layout.
 This one asks for LHBNC: within a layer, each KV head's plane holds every block in block-id order, a row per token
 (its K, then its V). So a request whose block table is one run of consecutive ids (what odma.vllm's scheduler gives
 a request sized by its predicted length) is one range of rows per head, and decode attention reads it as one
-sequential stream; any other request is read run by run, or block by block. The kernel is odma's C kernel for that
-layout (backends/run_attention.py): decode rows go through it, one call per layer for the whole step; prefill
-chunks go through torch's SDPA over the request's rows (a view where they are one run, a gather otherwise); the
-step's new K/V rows are written at their slots by the same library.
+sequential stream; any other request is read run by run, or block by block. Decode rows go through one kernel call
+per layer for the whole step: on vLLM's CPU platform odma's C kernel for that layout (backends/run_attention.py,
+float32), on an accelerator the Triton kernels (backends/triton_runs.py; float32, bf16, fp16). Prefill chunks go
+through torch's SDPA over the request's rows (a view where they are one run, a gather otherwise); the step's new
+K/V rows are written at their slots by the same kernels.
 
-Settings (PluginConfig.attention): "runs" reads runs as ranges (the default), "paged" reads every block apart (the
-same backend and kernel: what separates the layout's effect from the kernel's), "off" gives vLLM's own CPU backend.
-float32 only for the C kernel: another dtype runs every request through SDPA (correct, slower, said once).
+The backend stands in for the one vLLM picks on the platform: CPU_ATTN on CPU, TRITON_ATTN on CUDA (chosen there
+with `--attention-backend TRITON_ATTN`; vLLM's default on CUDA is another). Settings (PluginConfig.attention):
+"runs" reads runs as ranges (the default), "paged" reads every block apart (the same backend and kernel: what
+separates the layout's effect from the kernel's), "off" gives vLLM's own backend. A cache dtype the kernel does not
+take runs every request through SDPA (correct, slower, said once).
 
 vLLM resolves the registered class once per process; what depends on an engine's settings is decided each time
 vLLM asks (the layout, the implementation, the builder), under that engine's config, so "off" gives an engine vLLM's
@@ -36,14 +39,28 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.platforms import current_platform
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from backends.run_attention import load as load_run_kernel
 from odma.vllm.config import PluginConfig
 
 log = logging.getLogger("vllm.odma")
-MAX_HEAD_DIM, MAX_GROUP = 256, 16  # what csrc/run_attention.c takes
+MAX_HEAD_DIM, MAX_GROUP = 256, 16  # what csrc/run_attention.c takes (the Triton kernels take the same)
+
+
+def _platform_backend() -> type[AttentionBackend]:
+    """The backend this one stands in for: vLLM's own on this platform."""
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return CPUAttentionBackend
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    return TritonAttentionBackend
+
+
+STOCK = _platform_backend()
 
 
 def plugin_config() -> PluginConfig:
@@ -59,46 +76,46 @@ def _stock() -> bool:
 
 
 class OdmaAttentionBackend(AttentionBackend):
-    """Registered for CPU_ATTN (the plugin). vLLM resolves a backend class once per process, so what depends on
-    the engine's settings (attention "off" keeps vLLM's own) is decided where vLLM asks, under its config."""
+    """Registered for the platform's backend (the plugin: CPU_ATTN or TRITON_ATTN). vLLM resolves a backend class
+    once per process, so what depends on the engine's settings (attention "off" keeps vLLM's own) is decided where vLLM asks, under its config."""
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
     # what vLLM's own takes (for "off"); the implementation refuses, in words, what odma's kernel does not take
-    supported_kv_cache_dtypes: ClassVar[list[str]] = CPUAttentionBackend.supported_kv_cache_dtypes
+    supported_kv_cache_dtypes: ClassVar[list[str]] = STOCK.supported_kv_cache_dtypes
 
     @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return sorted({*CPUAttentionBackend.get_supported_head_sizes(), 48})
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size == 48 or STOCK.supports_head_size(head_size)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         if _stock():
-            return CPUAttentionBackend.supported_kv_cache_layouts()
+            return STOCK.supported_kv_cache_layouts()
         return (KVCacheLayout.LHBNC,)  # a head's blocks in id order: a run of ids is a range of rows
 
     @staticmethod
     def get_name() -> str:
-        return "CPU_ATTN"  # the backend vLLM's CPU platform picks; this class stands in for it
+        return STOCK.get_name()  # the backend this class stands in for
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         if _stock():
-            return CPUAttentionBackend.supports_attn_type(attn_type)
+            return STOCK.supports_attn_type(attn_type)
         return attn_type == AttentionType.DECODER
 
     @staticmethod
     def get_impl_cls():
-        return CPUAttentionBackend.get_impl_cls() if _stock() else OdmaAttentionImpl
+        return STOCK.get_impl_cls() if _stock() else OdmaAttentionImpl
 
     @staticmethod
     def get_builder_cls():
-        return CPUAttentionBackend.get_builder_cls() if _stock() else OdmaMetadataBuilder
+        return STOCK.get_builder_cls() if _stock() else OdmaMetadataBuilder
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
         if _stock():
-            return CPUAttentionBackend.get_supported_kernel_block_sizes(kv_cache_spec)
+            return STOCK.get_supported_kernel_block_sizes(kv_cache_spec)
         return [MultipleOf(1)]
 
 
@@ -107,16 +124,19 @@ class OdmaAttentionMetadata:
     num_actual_tokens: int
     block_size: int
     slot_mapping: torch.Tensor  # int64 [tokens]: row of each new token's K/V in every plane
-    # decode rows, for the C kernel: their block tables, lengths (this token included) and query rows
+    # decode rows, for the kernel: their block tables, lengths (this token included), query rows, on the cache's
+    # device; and a bound on their lengths (the step's longest sequence)
     decode_table: torch.Tensor
     decode_lens: torch.Tensor
     decode_rows: torch.Tensor
+    decode_longest: int = 0
     # prefill chunks: (query start, query length, tokens attended, rows: a (start, stop) range or an index tensor)
     prefills: list[tuple[int, int, int, object]] = field(default_factory=list)
 
 
 class OdmaMetadataBuilder(AttentionMetadataBuilder[OdmaAttentionMetadata]):
-    """Per step, shared by every layer: which rows decode and what each prefill chunk reads."""
+    """Per step, shared by every layer: which rows decode and what each prefill chunk reads. A decode-only step
+    reads nothing back from the device; a step with prefills reads their lengths and block tables once."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -131,20 +151,27 @@ class OdmaMetadataBuilder(AttentionMetadataBuilder[OdmaAttentionMetadata]):
         seq_lens = m.seq_lens[:n].to(torch.int32)
         table = m.block_table_tensor[:n]
         decode = torch.nonzero(q_lens == 1).flatten()
-        blocks = (seq_lens.to(torch.int64) + self.block_size - 1) // self.block_size
-        one_run = _one_run(table, blocks)
+        prefill = torch.nonzero(q_lens > 1).flatten()
         prefills = []
-        for r in torch.nonzero(q_lens > 1).flatten().tolist():
-            n_tokens = int(seq_lens[r])
-            first = int(table[r, 0]) * self.block_size
-            rows: object = (first, first + n_tokens) if bool(one_run[r]) else _rows(table[r], n_tokens,
-                                                                                     self.block_size)
-            prefills.append((int(starts[r]), int(q_lens[r]), n_tokens, rows))
+        if prefill.numel():
+            lens_host = seq_lens[prefill.to(seq_lens.device)].cpu()
+            table_host = table[prefill.to(table.device)].cpu()
+            blocks = (lens_host.to(torch.int64) + self.block_size - 1) // self.block_size
+            one_run = _one_run(table_host, blocks)
+            for i, r in enumerate(prefill.tolist()):
+                n_tokens = int(lens_host[i])
+                first = int(table_host[i, 0]) * self.block_size
+                rows: object = (first, first + n_tokens) if bool(one_run[i]) else \
+                    _rows(table_host[i], n_tokens, self.block_size).to(self.device)
+                prefills.append((int(starts[r]), int(q_lens[r]), n_tokens, rows))
+        on_device = decode.to(table.device)
         return OdmaAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, block_size=self.block_size,
             slot_mapping=m.slot_mapping[:m.num_actual_tokens].to(torch.int64),
-            decode_table=table[decode].to(torch.int32).contiguous(), decode_lens=seq_lens[decode].contiguous(),
-            decode_rows=starts[decode].contiguous(), prefills=prefills)
+            decode_table=table[on_device].to(torch.int32).contiguous(),
+            decode_lens=seq_lens[on_device].contiguous(),
+            decode_rows=starts[decode].contiguous().to(table.device), decode_longest=m.max_seq_len,
+            prefills=prefills)
 
 
 def _one_run(table: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -184,9 +211,31 @@ class OdmaAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         config = plugin_config()
         self.coalesce = config.attention != "paged"
-        self.kernel = load_run_kernel()
-        if self.kernel is None:
+        # on CPU the C kernel; on an accelerator the Triton kernels, made at the first call on the cache's device
+        self.kernel = load_run_kernel() if current_platform.is_cpu() else None
+        if self.kernel is None and current_platform.is_cpu():
             log.warning("odma attention: the C kernel is unavailable; every request runs through SDPA")
+        self._said_dtype = False
+
+    def _kernel_for(self, planes: torch.Tensor):
+        """The run kernel for this cache, or None where it cannot read it (SDPA then)."""
+        if self.kernel is None and planes.device.type != "cpu":
+            from backends.triton_runs import TritonRunAttention
+
+            try:
+                self.kernel = TritonRunAttention(planes.device)
+            except Exception as e:  # noqa: BLE001 - no Triton for this device: SDPA, said once
+                log.warning("odma attention: %s; every request runs through SDPA", e)
+                self.kernel = False
+        if not self.kernel:
+            return None
+        if planes.dtype not in self.kernel.dtypes:
+            if not self._said_dtype:
+                log.warning("odma attention: the run kernel reads %s caches, not %s; every request runs through "
+                            "SDPA", [str(d) for d in self.kernel.dtypes], planes.dtype)
+                self._said_dtype = True
+            return None
+        return self.kernel
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: OdmaAttentionMetadata | None, output: torch.Tensor,
@@ -200,12 +249,13 @@ class OdmaAttentionImpl(AttentionImpl):
         q = query[:t].view(t, self.num_heads, self.head_size)
         out = output[:t].view(t, self.num_heads, self.head_size)
         meta = attn_metadata
+        kernel = self._kernel_for(planes)
         if meta.decode_rows.numel():
-            if self.kernel is not None and planes.dtype == torch.float32:
-                self.kernel.decode(planes, meta.block_size, meta.decode_table, meta.decode_lens, meta.decode_rows,
-                                   q, out, self.scale, coalesce=self.coalesce,
-                                   # read per call: vLLM sets its thread count after the model (and this) is built
-                                   workers=torch.get_num_threads())
+            if kernel is not None:
+                kernel.decode(planes, meta.block_size, meta.decode_table, meta.decode_lens, meta.decode_rows,
+                              q, out, self.scale, coalesce=self.coalesce, longest=meta.decode_longest,
+                              # read per call: vLLM sets its thread count after the model (and this) is built
+                              workers=torch.get_num_threads())
             else:
                 for row, n, table in zip(meta.decode_rows.tolist(), meta.decode_lens.tolist(), meta.decode_table):
                     rows = _rows(table, n, meta.block_size)
@@ -222,7 +272,8 @@ class OdmaAttentionImpl(AttentionImpl):
         q_len = q.shape[0]
         mask = None
         if q_len > 1 and q_len != n:  # a chunk after cached tokens: its causal mask starts n - q_len in
-            mask = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+            at = torch.arange(n, device=q.device)
+            mask = at[None, :] <= at[n - q_len:, None]
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(planes.dtype), k[None], v[None],
                                            attn_mask=mask, is_causal=q_len > 1 and q_len == n, scale=self.scale,
                                            enable_gqa=True)
@@ -233,8 +284,9 @@ class OdmaAttentionImpl(AttentionImpl):
         planes = _planes(kv_cache)
         t = slot_mapping.shape[0]
         slots = slot_mapping.to(torch.int64)
-        if self.kernel is not None and planes.dtype == torch.float32 and key.dtype == torch.float32:
-            self.kernel.write(planes, key[:t], value[:t], slots)
+        kernel = self._kernel_for(planes)
+        if kernel is not None and key.dtype == planes.dtype:
+            kernel.write(planes, key[:t], value[:t], slots)
             return
         keep = slots >= 0
         rows = slots[keep]

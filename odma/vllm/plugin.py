@@ -3,8 +3,9 @@
 Off unless ODMA_VLLM=1 is in the environment: then nothing else of odma is imported and vLLM runs as it would
 without odma installed. On, it checks vLLM's version first (from the package metadata, before importing anything of
 vLLM's) and refuses in words a version the plugin was not tested with; then it
-- registers odma's attention backend for vLLM's CPU platform (odma/vllm/attention.py: block runs read as one
-  range; its `attention` setting can keep vLLM's own), and
+- registers odma's attention backend in place of the platform's own (odma/vllm/attention.py: block runs read as
+  one range; CPU_ATTN on CPU, TRITON_ATTN elsewhere, which vLLM serves with `--attention-backend TRITON_ATTN`; its
+  `attention` setting can keep vLLM's own), and
 - makes odma's scheduler (odma/vllm/scheduler.py: length tags, block runs, shortest-first order) the scheduler of
   every engine that names none; an explicit --scheduler-cls still wins.
 
@@ -64,9 +65,11 @@ def register() -> None:
         return
     require_known_vllm(installed_vllm())
     from vllm.config.scheduler import SchedulerConfig
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    replaced = AttentionBackendEnum.CPU_ATTN if current_platform.is_cpu() else AttentionBackendEnum.TRITON_ATTN
+    register_backend(replaced, BACKEND)
     if not getattr(SchedulerConfig.get_scheduler_cls, "odma", False):
         default = SchedulerConfig.get_scheduler_cls
 
@@ -77,4 +80,4 @@ def register() -> None:
 
         get_scheduler_cls.odma = True
         SchedulerConfig.get_scheduler_cls = get_scheduler_cls
-    log.info("odma plugin on: attention backend %s for CPU_ATTN, scheduler %s", BACKEND, SCHEDULER)
+    log.info("odma plugin on: attention backend %s for %s, scheduler %s", BACKEND, replaced.name, SCHEDULER)
