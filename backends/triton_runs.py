@@ -33,6 +33,7 @@ class TritonRunAttention:
         self.kernels, self.run_kernels = triton_kernels, triton_run_kernels
         self.device = device
         self.tuning = tuning or Tuning(programs=device_programs(device))
+        self._partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # split buffers, reused by every layer
 
     def first_rows(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                    coalesce: bool) -> torch.Tensor:
@@ -53,11 +54,12 @@ class TritonRunAttention:
 
     def decode(self, planes: torch.Tensor, block_size: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                q_rows: torch.Tensor, q: torch.Tensor, out: torch.Tensor, scale: float, *, coalesce: bool = True,
-               workers: int = 1, longest: int | None = None) -> None:
+               workers: int = 1, longest: int | None = None, first: torch.Tensor | None = None) -> None:
         """As RunAttention.decode (planes [kv_heads, blocks * block_size, 2 * head_dim], block_table int32, seq_lens
         int32 with this step's token, q_rows int64, q/out [tokens, heads, head_dim]), on the planes' device, in
         their dtype (float32, bfloat16 or float16). `workers` is the CPU kernel's and means nothing here; `longest`:
-        a bound on seq_lens (read from them when None)."""
+        a bound on seq_lens (read from them when None); `first`: `first_rows` of this step, made once for all its
+        layers (made here when None)."""
         del workers
         kv_heads, rows, width = planes.shape
         heads, dim = q.shape[1], q.shape[2]
@@ -82,11 +84,15 @@ class TritonRunAttention:
             wanted = min(math.ceil(t.programs / (n * kv_heads)), -(-longest // block_n))
         n_splits = max(1, min(wanted, t.max_splits))
         split = n_splits > 1
-        first = self.first_rows(block_table, seq_lens, block_size, coalesce)
+        if first is None:
+            first = self.first_rows(block_table, seq_lens, block_size, coalesce)
         group = heads // kv_heads
-        if split:
-            acc = torch.empty((n, heads, n_splits, dim), dtype=torch.float32, device=q.device)
-            lse = torch.empty((n, heads, n_splits), dtype=torch.float32, device=q.device)
+        if split:  # launches are ordered on the stream, so the next layer may reuse what this one reduced
+            key = (n, heads, n_splits, dim, q.device)
+            if key not in self._partials:
+                self._partials = {key: (torch.empty((n, heads, n_splits, dim), dtype=torch.float32, device=q.device),
+                                        torch.empty((n, heads, n_splits), dtype=torch.float32, device=q.device))}
+            acc, lse = self._partials[key]
         else:
             acc = lse = out  # unused
         upcast = interpreting() and planes.dtype == torch.bfloat16

@@ -10,7 +10,8 @@
   planes (LHBNC) with each request's blocks one run of consecutive ids, read as one range, and the same K/V on
   scattered blocks of 16 tokens read through the block table (the same kernel: the layout's effect alone); beside
   them torch's own SDPA over the same K/V held dense per request (batched: a dense kernel's time for the same
-  reads), GB/s against the copy bandwidth and errors against SDPA.
+  reads), GB/s against the copy bandwidth and errors against SDPA. Times are one layer's call (what each of vLLM's
+  layers makes); plan_us is the step's one look at which requests are runs.
 - vmm: what growth by mapping saves. One growth step of a block (a step of every one of its 2 x layers planes mapped
   behind it, the 7B shape's geometry: 56 granules) against the copy that moves the whole block into a larger one,
   which is what growth costs without virtual memory; blocks of 1 GiB and 4 GiB.
@@ -343,9 +344,13 @@ def _runs_row(kernel, device, dtype, ctx, batch, heads, kv_heads, dim, gen, copy
     times = {}
     for name, (planes, table) in caches.items():
         o = torch.empty_like(q)
+        first = kernel.first_rows(table, lens, bs, coalesce=True)  # once a step, for every layer (as the backend)
+        if name == "runs":
+            row["plan_us"] = round(_median_ms(lambda: kernel.first_rows(table, lens, bs, coalesce=True), device,
+                                              rounds, iters) * 1e3, 1)
 
-        def call(planes=planes, table=table, o=o):
-            kernel.decode(planes, bs, table, lens, rows, q, o, scale, coalesce=True, longest=ctx)
+        def call(planes=planes, table=table, o=o, first=first):
+            kernel.decode(planes, bs, table, lens, rows, q, o, scale, longest=ctx, first=first)
 
         call()
         row[f"{name}_error_vs_sdpa"] = round((o.float() - reference).abs().max().item() / top, 6)

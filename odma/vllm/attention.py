@@ -130,6 +130,7 @@ class OdmaAttentionMetadata:
     decode_lens: torch.Tensor
     decode_rows: torch.Tensor
     decode_longest: int = 0
+    decode_first: torch.Tensor | None = None  # the accelerator kernel's run starts, made by the step's first layer
     # prefill chunks: (query start, query length, tokens attended, rows: a (start, stop) range or an index tensor)
     prefills: list[tuple[int, int, int, object]] = field(default_factory=list)
 
@@ -252,10 +253,16 @@ class OdmaAttentionImpl(AttentionImpl):
         kernel = self._kernel_for(planes)
         if meta.decode_rows.numel():
             if kernel is not None:
+                extra = {}
+                if hasattr(kernel, "first_rows"):  # the Triton kernels: which requests are one run, once a step
+                    if meta.decode_first is None:
+                        meta.decode_first = kernel.first_rows(meta.decode_table, meta.decode_lens, meta.block_size,
+                                                              self.coalesce)
+                    extra["first"] = meta.decode_first
+                else:  # the C kernel; read per call: vLLM sets its thread count after the model (and this) is built
+                    extra["workers"] = torch.get_num_threads()
                 kernel.decode(planes, meta.block_size, meta.decode_table, meta.decode_lens, meta.decode_rows,
-                              q, out, self.scale, coalesce=self.coalesce, longest=meta.decode_longest,
-                              # read per call: vLLM sets its thread count after the model (and this) is built
-                              workers=torch.get_num_threads())
+                              q, out, self.scale, coalesce=self.coalesce, longest=meta.decode_longest, **extra)
             else:
                 for row, n, table in zip(meta.decode_rows.tolist(), meta.decode_lens.tolist(), meta.decode_table):
                     rows = _rows(table, n, meta.block_size)
