@@ -32,6 +32,8 @@
  * With int8 activations (the caller's choice, int8_rows): integer dot products per 16 depths, below.
  * Threads: OpenMP splits the panels; each thread has its own buffer.
  */
+#include <math.h>
+
 #include "panel.h"
 
 #define TILE_K 64 /* depths dequantized at a time for more than ROWS rows: a multiple of every sub-block */
@@ -296,14 +298,6 @@ typedef struct {
     int32_t *sum;
 } qrows;
 
-/* max(m, v's lanes), a NaN kept (then d is NaN, and so is y, as on the fp32 path) */
-ALWAYS_INLINE float hmax(vec v, float m) {
-    float lanes[VW];
-    vstore(lanes, v);
-    for (int i = 0; i < VW; i++) m = lanes[i] > m || lanes[i] != lanes[i] ? lanes[i] : m;
-    return m;
-}
-
 ALWAYS_INLINE void store_i8(int8_t *p, ivec v) { /* VW int32 in [-127, 127] → VW bytes */
 #if defined(__AVX512F__)
     _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(v));
@@ -313,19 +307,52 @@ ALWAYS_INLINE void store_i8(int8_t *p, ivec v) { /* VW int32 in [-127, 127] → 
 #endif
 }
 
+/* the largest lane of v, NaN if a lane is (then d is NaN, and so is y, as on the fp32 path) */
+ALWAYS_INLINE float lanes_max(vec v) {
+#if defined(__AVX512F__)
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return NAN;
+    return _mm512_reduce_max_ps(v);
+#else
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) return NAN;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#endif
+}
+
+ALWAYS_INLINE int32_t lanes_sum(ivec v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_epi32(v);
+#else
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+#endif
+}
+
+/* per row and XB depths: d = max|x| / 127, q = x / d rounded to nearest even, and the sum of the q (in registers:
+ * XB is one or two vectors) */
 static void quantize_rows(const float *x, int64_t M, int64_t ldx, int64_t K, qrows a) {
     for (int64_t r = 0; r < M; r++) {
         for (int64_t k0 = 0; k0 < K; k0 += XB) {
             const float *xb = x + r * ldx + k0;
+            vec v[XB / VW];
             float m = 0;
-            for (int i = 0; i < XB; i += VW) m = hmax(vabs(vload(xb + i)), m);
+            for (int i = 0; i < XB / VW; i++) {
+                v[i] = vload(xb + i * VW);
+                const float mi = lanes_max(vabs(v[i]));
+                m = mi > m || mi != mi ? mi : m;
+            }
             const float d = m / 127.0f, id = d ? 1.0f / d : 0.0f;
             int8_t *q = a.q + r * K + k0;
-            for (int i = 0; i < XB; i += VW) store_i8(q + i, vcvt_round(vmul(vload(xb + i), vset1(id))));
-            int32_t sum = 0;
-            for (int i = 0; i < XB; i++) sum += q[i];
+            ivec sum = iset1(0);
+            for (int i = 0; i < XB / VW; i++) {
+                const ivec t = vcvt_round(vmul(v[i], vset1(id)));
+                store_i8(q + i * VW, t);
+                sum = ivadd(sum, t);
+            }
             a.d[r * (K / XB) + k0 / XB] = d;
-            a.sum[r * (K / XB) + k0 / XB] = sum;
+            a.sum[r * (K / XB) + k0 / XB] = lanes_sum(sum);
         }
     }
 }
