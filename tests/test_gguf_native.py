@@ -5,6 +5,7 @@ ones); --weights picks native only where it can and says why not. Once per instr
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -131,3 +132,19 @@ def test_engine_config_and_cli_keep_weights_and_dtype_consistent():
             EngineConfig(weights=weights, dtype=dtype)
     with pytest.raises(ConfigError, match="compute in"):
         parse("--weights", "native", "--dtype", "bfloat16")
+
+
+def test_q8_0_embedding_rows_are_gguf_pys_dequantization_bit_for_bit():
+    """The embedding's Q8_0 path (torch, no per-call numpy split) against gguf-py on random blocks and ids."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    gen = np.random.default_rng(0)
+    vocab, dim = 50, 96
+    blocks = gen.integers(0, 256, size=(vocab, dim // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(gen.uniform(-0.1, 0.1, vocab * dim // 32).astype(np.float16).tobytes(),
+                                     dtype=np.uint8).reshape(vocab, dim // 32, 2)
+    raw = blocks.reshape(vocab, -1)
+    emb = QuantEmbedding(raw, int(GGMLQuantizationType.Q8_0), dim)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
+    want = dequantize(raw[ids.flatten().numpy()], GGMLQuantizationType.Q8_0).reshape(2, 3, dim)
+    assert torch.equal(emb(ids), torch.from_numpy(want))

@@ -79,9 +79,23 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from gguf import GGMLQuantizationType, dequantize
 
-        rows = self.raw[ids.reshape(-1).cpu()].numpy()
-        out = dequantize(rows, GGMLQuantizationType(self.ggml_id)).reshape(-1, self.embedding_dim)
-        return torch.from_numpy(out).view(*ids.shape, self.embedding_dim)
+        rows = self.raw[ids.reshape(-1).cpu()]
+        if self.ggml_id == GGMLQuantizationType.Q8_0:  # the usual embedding type: gguf-py's arithmetic, in torch
+            out = _q8_0_rows(rows).reshape(-1, self.embedding_dim)
+        else:
+            out = torch.from_numpy(dequantize(rows.numpy(), GGMLQuantizationType(self.ggml_id)))
+        return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.raw.shape[0]}, {self.embedding_dim}, ggml type {self.ggml_id}, {self.nbytes / 1e6:.1f} MB"
+
+
+Q8_0_BLOCK = 34  # bytes: an fp16 scale, then 32 int8
+
+
+def _q8_0_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (uint8 [n, row bytes]) to fp32 as gguf-py computes them (q * d in fp32: the same bits), without its
+    per-call numpy splitting, which cost a decode step of one request 0.16 ms."""
+    blocks = rows.reshape(-1, Q8_0_BLOCK)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    return blocks[:, 2:].contiguous().view(torch.int8).float() * scale
