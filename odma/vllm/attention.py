@@ -18,8 +18,8 @@ take runs every request through SDPA (correct, slower, said once).
 
 vLLM resolves the registered class once per process; what depends on an engine's settings is decided each time
 vLLM asks (the layout, the implementation, the builder), under that engine's config, so "off" gives an engine vLLM's
-own attention whatever the process served before. Only decoder self-attention is taken; ALiBi, sliding windows, sinks, soft caps and quantized KV
-caches are refused in words, so vLLM never runs them wrongly.
+own attention whatever the process served before. Only decoder self-attention is taken; ALiBi, sliding windows,
+sinks, soft caps and quantized KV caches are refused in words, so vLLM never runs them wrongly.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def _stock() -> bool:
 
 class OdmaAttentionBackend(AttentionBackend):
     """Registered for the platform's backend (the plugin: CPU_ATTN or TRITON_ATTN). vLLM resolves a backend class
-    once per process, so what depends on the engine's settings (attention "off" keeps vLLM's own) is decided where vLLM asks, under its config."""
+    once per process, so what depends on the engine's settings (attention "off" keeps vLLM's own) is decided where
+    vLLM asks, under its config."""
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
