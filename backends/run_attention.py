@@ -47,12 +47,8 @@ class RunAttention:
         q_rows int64 [requests]: each request's row of q [tokens, heads, head_dim] and of out (same shape), which
         is written. `longest` (the Triton kernels' split hint) means nothing here."""
         del longest
-        kv_heads, rows, width = planes.shape
-        heads, dim = q.shape[1], q.shape[2]
         _check(planes, q, out, block_table, seq_lens, q_rows)
-        if width != 2 * dim or rows % block_size:
-            raise BackendError(f"planes of {width}-float rows and {rows} rows do not hold blocks of {block_size} "
-                               f"tokens of head_dim {dim}")
+        kv_heads, heads, dim = plane_geometry(planes, q, block_size)
         n = seq_lens.shape[0]
         if n == 0:
             return
@@ -89,9 +85,28 @@ class RunAttention:
                     value.stride(0), slots.data_ptr(), slots.shape[0], kv_heads, key.shape[2])
 
 
+def plane_geometry(planes: torch.Tensor, q: torch.Tensor, block_size: int) -> tuple[int, int, int]:
+    """(kv_heads, heads, head_dim) of planes [kv_heads, blocks * block_size, 2 * head_dim] read by queries q [tokens,
+    heads, head_dim]; refused in words where they do not fit."""
+    kv_heads, rows, width = planes.shape
+    heads, dim = q.shape[1], q.shape[2]
+    if width != 2 * dim or rows % block_size:
+        raise BackendError(f"planes of {width}-element rows and {rows} rows do not hold blocks of {block_size} "
+                           f"tokens of head_dim {dim}")
+    if heads % kv_heads:
+        raise BackendError(f"{heads} query heads do not share {kv_heads} KV heads evenly")
+    return kv_heads, heads, dim
+
+
 def _check(planes, q, out, block_table, seq_lens, q_rows) -> None:
     if planes.dtype != torch.float32 or q.dtype != torch.float32 or out.dtype != torch.float32:
         raise BackendError("the run kernel reads float32 caches and queries")
+    check_layouts(planes, q, out, block_table, seq_lens, q_rows)
+
+
+def check_layouts(planes, q, out, block_table, seq_lens, q_rows) -> None:
+    """What every run kernel reads: contiguous plane rows, query and output rows with their heads packed, int32
+    tables and lengths, int64 query rows, each contiguous."""
     if planes.stride(2) != 1 or planes.stride(1) != planes.shape[2]:
         raise BackendError("a plane's rows must be contiguous")
     for x in (q, out):

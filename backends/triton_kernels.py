@@ -83,6 +83,49 @@ def _rotate_heads(src_ptr, stride_src, dst_ptr, j64, dst_rows, stride_dst, cos, 
         tl.store(dst + h * D + D // 2, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _split(n, s, split_min, n_splits, BLOCK_N: tl.constexpr):
+    """The range [lo, hi) of split s of a context of n tokens: n_splits pieces of whole tiles, at least split_min
+    tokens each (splits past the end stay empty)."""
+    size = tl.maximum(tl.cdiv(tl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N, split_min)
+    lo = s * size
+    return lo, tl.minimum(lo + size, n)
+
+
+@triton.jit
+def _group_query(q_ptr, row, stride_q, kvh, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """The GROUP query heads of row `row` that share KV head kvh: (q [BLOCK_G, BLOCK_D], their head ids, the head
+    and dim masks, the dim offsets)."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    dmask = d < D
+    q = tl.load(q_ptr + row * stride_q + heads[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q, heads, gmask, d, dmask
+
+
+@triton.jit
+def _store_decode(out_ptr, part_acc_ptr, part_lse_ptr, row, stride_o, i, s, n_splits, heads, gmask, d, dmask, acc, m,
+                  lsum, HEADS: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """A decode program's normalized result: to out[row] (one split), or with SPLIT its partial and log2-sum-exp to
+    part_acc [n, HEADS, n_splits, D] and part_lse [n, HEADS, n_splits] for `reduce_kernel`."""
+    safe = tl.where(lsum > 0, lsum, 1.0)
+    acc = acc / safe[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if SPLIT:
+        part = (i * HEADS + heads).to(tl.int64) * n_splits + s
+        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=omask)
+        tl.store(part_lse_ptr + part, tl.where(lsum > 0, m + tl.log2(safe), -1.0e30), mask=gmask)
+    else:
+        tl.store(out_ptr + row * stride_o + heads[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=omask)
+
+
 @triton.jit(do_not_specialize=["n_tokens", "layer"])
 def kv_write_kernel(kv_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, stride_q, stride_k, stride_v, stride_qo, rotary_ptr,
                     tok_req_ptr, tok_pos_ptr, n_tokens, base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride,
@@ -141,18 +184,8 @@ def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, 
     r = tl.load(dec_req_ptr + i)
     row = tl.load(dec_row_ptr + i).to(tl.int64)
     n = tl.load(lens_ptr + r)
-    size = tl.maximum(tl.cdiv(tl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N, split_min)
-    lo = s * size
-    hi = tl.minimum(lo + size, n)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    dmask = d < D
-    q = tl.load(q_ptr + row * stride_q + heads[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
-                other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    lo, hi = _split(n, s, split_min, n_splits, BLOCK_N)
+    q, heads, gmask, d, dmask = _group_query(q_ptr, row, stride_q, kvh, GROUP, D, BLOCK_G, BLOCK_D, UPCAST)
     half = tl.load(half_ptr + r)
     m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     lsum = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -164,16 +197,8 @@ def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, 
                      ALIGN)
         m, lsum, acc = _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, tmask[None, :], q, m, lsum, acc, qk_scale,
                              D, UPCAST, ALIGN)
-    safe = tl.where(lsum > 0, lsum, 1.0)
-    acc = acc / safe[:, None]
-    omask = gmask[:, None] & dmask[None, :]
-    if SPLIT:
-        part = (i * HEADS + heads).to(tl.int64) * n_splits + s
-        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=omask)
-        tl.store(part_lse_ptr + part, tl.where(lsum > 0, m + tl.log2(safe), -1.0e30), mask=gmask)
-    else:
-        tl.store(out_ptr + row * stride_o + heads[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=omask)
+    _store_decode(out_ptr, part_acc_ptr, part_lse_ptr, row, stride_o, i, s, n_splits, heads, gmask, d, dmask, acc, m,
+                  lsum, HEADS, D, SPLIT)
 
 
 @triton.jit(do_not_specialize=["n_splits"])

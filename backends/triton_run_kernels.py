@@ -7,8 +7,8 @@ its first block's first row: one range, read as a stream), else row `table[t // 
 read through its block table, as any paged kernel reads). Both are the same program: the table load is masked off
 for runs, so a batch mixes them and "paged" reading (every `first` -1) differs from "runs" by the layout alone.
 
-The online softmax (`_fold`) and the split reduction (`reduce_kernel`) are the arena kernels' own
-(triton_kernels.py), so both accelerator paths compute alike.
+The splits, the query heads' load, the online softmax (`_split`, `_group_query`, `_fold`) and the split reduction
+(`reduce_kernel`) are the arena kernels' own (triton_kernels.py), so both accelerator paths compute alike.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.triton_kernels import _fold
+from backends.triton_kernels import _fold, _group_query, _split, _store_decode
 
 
 @triton.jit(do_not_specialize=["table_stride", "plane_stride", "split_min", "n_splits"])
@@ -36,18 +36,8 @@ def run_decode_kernel(planes_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, st
     n = tl.load(lens_ptr + i)
     first = tl.load(first_ptr + i)
     paged = (tl.full([BLOCK_N], 0, dtype=tl.int64) + first) < 0  # a vector: the interpreter masks with vectors only
-    size = tl.maximum(tl.cdiv(tl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N, split_min)
-    lo = s * size
-    hi = tl.minimum(lo + size, n)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    dmask = d < D
-    q = tl.load(q_ptr + row * stride_q + heads[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
-                other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    lo, hi = _split(n, s, split_min, n_splits, BLOCK_N)
+    q, heads, gmask, d, dmask = _group_query(q_ptr, row, stride_q, kvh, GROUP, D, BLOCK_G, BLOCK_D, UPCAST)
     plane = kvh.to(tl.int64) * plane_stride  # in the row offsets, which carry the alignment hint
     m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     lsum = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -61,16 +51,8 @@ def run_decode_kernel(planes_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, st
         rows = tl.multiple_of(plane + token_rows * (2 * D), ALIGN)
         m, lsum, acc = _fold(planes_ptr, rows, D, 0, d, tmask, dmask, tmask[None, :], q, m, lsum, acc, qk_scale, D,
                              UPCAST, ALIGN)
-    safe = tl.where(lsum > 0, lsum, 1.0)
-    acc = acc / safe[:, None]
-    omask = gmask[:, None] & dmask[None, :]
-    if SPLIT:
-        part = (i * HEADS + heads).to(tl.int64) * n_splits + s
-        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=omask)
-        tl.store(part_lse_ptr + part, tl.where(lsum > 0, m + tl.log2(safe), -1.0e30), mask=gmask)
-    else:
-        tl.store(out_ptr + row * stride_o + heads[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=omask)
+    _store_decode(out_ptr, part_acc_ptr, part_lse_ptr, row, stride_o, i, s, n_splits, heads, gmask, d, dmask, acc, m,
+                  lsum, HEADS, D, SPLIT)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "plane_stride"])

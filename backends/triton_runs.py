@@ -14,6 +14,7 @@ import math
 import torch
 
 from backends.errors import BackendError
+from backends.run_attention import check_layouts, plane_geometry
 from backends.triton_attention import (
     Tuning, _pow2, alignment, available, device_programs, interpreting, triton_cdiv,
 )
@@ -61,14 +62,8 @@ class TritonRunAttention:
         a bound on seq_lens (read from them when None); `first`: `first_rows` of this step, made once for all its
         layers (made here when None)."""
         del workers
-        kv_heads, rows, width = planes.shape
-        heads, dim = q.shape[1], q.shape[2]
         _check(planes, q, out, block_table, seq_lens, q_rows)
-        if width != 2 * dim or rows % block_size:
-            raise BackendError(f"planes of {width}-element rows and {rows} rows do not hold blocks of {block_size} "
-                               f"tokens of head_dim {dim}")
-        if heads % kv_heads:
-            raise BackendError(f"{heads} query heads do not share {kv_heads} KV heads evenly")
+        kv_heads, heads, dim = plane_geometry(planes, q, block_size)
         n = seq_lens.shape[0]
         if n == 0:
             return
@@ -126,17 +121,9 @@ class TritonRunAttention:
 
 
 def _check(planes, q, out, block_table, seq_lens, q_rows) -> None:
-    if planes.stride(2) != 1 or planes.stride(1) != planes.shape[2]:
-        raise BackendError("a plane's rows must be contiguous")
     if not q.dtype == out.dtype == planes.dtype:
         raise BackendError(f"queries in {q.dtype} and output in {out.dtype} over a {planes.dtype} cache: one dtype")
-    for x in (q, out):
-        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-            raise BackendError("query and output rows must hold their heads packed")
-    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or q_rows.dtype != torch.int64:
-        raise BackendError("block tables and lengths are int32, query rows int64")
-    if not (seq_lens.is_contiguous() and q_rows.is_contiguous() and block_table.stride(1) == 1):
-        raise BackendError("lengths, query rows and each block-table row must be contiguous")
+    check_layouts(planes, q, out, block_table, seq_lens, q_rows)
     devices = {x.device for x in (planes, q, out, block_table, seq_lens, q_rows)}
     if len(devices) > 1:
         raise BackendError(f"the run kernel's tensors are on several devices: {sorted(map(str, devices))}")

@@ -232,6 +232,17 @@ def bench_kernels(args, device, dtype, report: Report, cap: Cap) -> dict:
         device, (8 << 20) if args.tiny else (2 << 30), args.rounds), 1), report)
     copy_gbps = bandwidth if isinstance(bandwidth, float) else None
     iters = 1 if args.tiny else 20
+    _sweep(out, contexts, batches, cap, report, device,
+           lambda ctx, batch: _kernel_row(att, device, dtype, ctx, batch, heads, kv_heads, dim, gen, elem, copy_gbps,
+                                          args.rounds, iters, args.tiny))
+    return out
+
+
+def _sweep(out: dict, contexts, batches, cap: Cap, report: Report, device, measure) -> None:
+    """measure(ctx, batch) at every context x batch into out["rows"], each tried on its own; past the cap, named in
+    out["skipped"]."""
+    import torch
+
     for ctx in contexts:
         for batch in batches:
             if cap.left() <= 0:
@@ -240,11 +251,9 @@ def bench_kernels(args, device, dtype, report: Report, cap: Cap) -> dict:
                 continue
             row = {"context": ctx, "batch": batch}
             out["rows"].append(row)
-            _attempt(row, "result", lambda: _kernel_row(att, device, dtype, ctx, batch, heads, kv_heads, dim, gen,
-                                                        elem, copy_gbps, args.rounds, iters, args.tiny), report)
+            _attempt(row, "result", lambda: measure(ctx, batch), report)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return out
 
 
 def _kernel_row(att, device, dtype, ctx, batch, heads, kv_heads, dim, gen, elem, copy_gbps, rounds, iters,
@@ -295,18 +304,9 @@ def bench_runs(args, device, dtype, report: Report, cap: Cap) -> dict:
     copy_gbps = bandwidth if isinstance(bandwidth, float) else None
     iters = 1 if args.tiny else 20
     gen = torch.Generator(device=device).manual_seed(0)
-    for ctx in contexts:
-        for batch in batches:
-            if cap.left() <= 0:
-                out["skipped"].append({"context": ctx, "batch": batch, "why": "time cap"})
-                report.save()
-                continue
-            row = {"context": ctx, "batch": batch}
-            out["rows"].append(row)
-            _attempt(row, "result", lambda: _runs_row(kernel, device, dtype, ctx, batch, heads, kv_heads, dim, gen,
-                                                      copy_gbps, args.rounds, iters), report)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    _sweep(out, contexts, batches, cap, report, device,
+           lambda ctx, batch: _runs_row(kernel, device, dtype, ctx, batch, heads, kv_heads, dim, gen, copy_gbps,
+                                        args.rounds, iters))
     return out
 
 
