@@ -39,14 +39,18 @@ class RunAttention:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
+    def first_rows(self, block_table, seq_lens, block_size, coalesce) -> None:
+        """None: this kernel finds a request's runs itself as it reads (the Triton kernels take them planned)."""
+        return None
+
     def decode(self, planes: torch.Tensor, block_size: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                q_rows: torch.Tensor, q: torch.Tensor, out: torch.Tensor, scale: float, *, coalesce: bool = True,
-               workers: int = 1, longest: int | None = None) -> None:
+               workers: int = 1, longest: int | None = None, first: None = None) -> None:
         """planes: [kv_heads, blocks * block_size, 2 * head_dim] float32, rows contiguous (one layer's cache);
         block_table int32 [requests, width]; seq_lens int32 [requests] (tokens to attend, this step's included);
         q_rows int64 [requests]: each request's row of q [tokens, heads, head_dim] and of out (same shape), which
-        is written. `longest` (the Triton kernels' split hint) means nothing here."""
-        del longest
+        is written. `longest` and `first` (the Triton kernels' split hint and run plan) mean nothing here."""
+        del longest, first
         _check(planes, q, out, block_table, seq_lens, q_rows)
         kv_heads, heads, dim = plane_geometry(planes, q, block_size)
         n = seq_lens.shape[0]
@@ -83,6 +87,16 @@ class RunAttention:
             raise BackendError("K/V rows must hold their heads packed, slots contiguous")
         self._write(planes.data_ptr(), planes.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
                     value.stride(0), slots.data_ptr(), slots.shape[0], kv_heads, key.shape[2])
+
+
+def one_run(table: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """bool [requests]: whether each request's first `blocks` ids (block table rows) are consecutive, on the
+    table's device."""
+    if table.shape[1] < 2:
+        return torch.ones(table.shape[0], dtype=torch.bool, device=table.device)
+    steps = (table[:, 1:] - table[:, :-1]) == 1
+    needed = torch.arange(1, table.shape[1], device=table.device)[None, :] < blocks[:, None]
+    return (steps | ~needed).all(dim=1)
 
 
 def plane_geometry(planes: torch.Tensor, q: torch.Tensor, block_size: int) -> tuple[int, int, int]:

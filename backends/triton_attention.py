@@ -263,18 +263,10 @@ class TritonStep:
         """Decode splits: enough programs to fill the device (a batch of 1 at 16K still does), never a split
         shorter than one tile or `Tuning.split_tokens`; each request cuts its own context into n_splits (the
         kernel), so shorter ones get shorter splits, never more programs."""
-        t = self.tuning
         self.longest = longest
         if not self.n_decode:
             return
-        tile = self.blocks[0]
-        if t.split_tokens is not None:
-            self.split_min = max(t.split_tokens, 1)
-            wanted = -(-longest // self.split_min)
-        else:
-            self.split_min = tile
-            wanted = min(math.ceil(t.programs / (self.n_decode * kv_heads)), -(-longest // tile))
-        self.n_splits = max(1, min(wanted, t.max_splits))
+        self.split_min, self.n_splits = decode_splits(self.tuning, self.blocks[0], longest, self.n_decode, kv_heads)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, dim], k/v [T, kv_heads, dim] of every packed token (before their rotary embedding when the
@@ -448,6 +440,18 @@ def _paged_fields(slots: Sequence, layers: int, row: int):
         fields += (0, 2 * page * row, page * row, s.start, s.q_len)
         table += list(s.pages) + [0] * (width - len(s.pages))
     return fields, table, page, page * layers * 2 * row
+
+
+def decode_splits(t: Tuning, tile: int, longest: int, n_decode: int, kv_heads: int) -> tuple[int, int]:
+    """(split_min, n_splits) of a decode launch: enough programs to fill the device (a batch of 1 at 16K still
+    does), never a split shorter than one tile or `Tuning.split_tokens`."""
+    if t.split_tokens is not None:
+        split_min = max(t.split_tokens, 1)
+        wanted = -(-longest // split_min)
+    else:
+        split_min = tile
+        wanted = min(math.ceil(t.programs / (n_decode * kv_heads)), -(-longest // tile))
+    return split_min, max(1, min(wanted, t.max_splits))
 
 
 def _tiles(t: Tuning, element_size: int) -> tuple[int, int, int]:

@@ -15,8 +15,9 @@ import torch
 
 from backends.errors import BackendError
 from backends.run_attention import check_layouts, plane_geometry
+from backends.run_attention import one_run
 from backends.triton_attention import (
-    Tuning, _pow2, alignment, available, device_programs, interpreting, triton_cdiv,
+    Tuning, _pow2, _tiles, alignment, available, decode_splits, device_programs, interpreting, triton_cdiv,
 )
 
 WRITE_BLOCK_T = 16
@@ -43,15 +44,8 @@ class TritonRunAttention:
         n = block_table.shape[0]
         if not coalesce or n == 0:
             return torch.full((n,), -1, dtype=torch.int64, device=block_table.device)
-        table = block_table.to(torch.int64)
-        if table.shape[1] > 1:
-            blocks = (seq_lens.to(torch.int64) + block_size - 1) // block_size
-            steps = (table[:, 1:] - table[:, :-1]) == 1
-            needed = torch.arange(1, table.shape[1], device=table.device)[None, :] < blocks[:, None]
-            one_run = (steps | ~needed).all(dim=1)
-        else:
-            one_run = torch.ones(n, dtype=torch.bool, device=table.device)
-        return torch.where(one_run, table[:, 0] * block_size, -1)
+        runs = one_run(block_table, (seq_lens.to(torch.int64) + block_size - 1) // block_size)
+        return torch.where(runs, block_table[:, 0].to(torch.int64) * block_size, -1)
 
     def decode(self, planes: torch.Tensor, block_size: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                q_rows: torch.Tensor, q: torch.Tensor, out: torch.Tensor, scale: float, *, coalesce: bool = True,
@@ -69,15 +63,8 @@ class TritonRunAttention:
             return
         if longest is None:
             longest = int(seq_lens.max())
-        t = self.tuning
-        block_n = min(t.decode_block_n, 32) if planes.element_size() >= 4 else t.decode_block_n
-        if t.split_tokens is not None:
-            split_min = max(t.split_tokens, 1)
-            wanted = -(-longest // split_min)
-        else:
-            split_min = block_n
-            wanted = min(math.ceil(t.programs / (n * kv_heads)), -(-longest // block_n))
-        n_splits = max(1, min(wanted, t.max_splits))
+        block_n = _tiles(self.tuning, planes.element_size())[0]
+        split_min, n_splits = decode_splits(self.tuning, block_n, longest, n, kv_heads)
         split = n_splits > 1
         if first is None:
             first = self.first_rows(block_table, seq_lens, block_size, coalesce)

@@ -42,7 +42,7 @@ from vllm.v1.attention.backend import (
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from backends.run_attention import load as load_run_kernel
+from backends.run_attention import load as load_run_kernel, one_run
 from odma.vllm.config import PluginConfig
 
 log = logging.getLogger("vllm.odma")
@@ -159,11 +159,11 @@ class OdmaMetadataBuilder(AttentionMetadataBuilder[OdmaAttentionMetadata]):
             lens_host = seq_lens[prefill.to(seq_lens.device)].cpu()
             table_host = table[prefill.to(table.device)].cpu()
             blocks = (lens_host.to(torch.int64) + self.block_size - 1) // self.block_size
-            one_run = _one_run(table_host, blocks)
+            runs = one_run(table_host, blocks)
             for i, r in enumerate(prefill.tolist()):
                 n_tokens = int(lens_host[i])
                 first = int(table_host[i, 0]) * self.block_size
-                rows: object = (first, first + n_tokens) if bool(one_run[i]) else \
+                rows: object = (first, first + n_tokens) if bool(runs[i]) else \
                     _rows(table_host[i], n_tokens, self.block_size).to(self.device)
                 prefills.append((int(starts[r]), int(q_lens[r]), n_tokens, rows))
         on_device = decode.to(table.device)
@@ -174,15 +174,6 @@ class OdmaMetadataBuilder(AttentionMetadataBuilder[OdmaAttentionMetadata]):
             decode_lens=seq_lens[on_device].contiguous(),
             decode_rows=starts[decode].contiguous().to(table.device), decode_longest=m.max_seq_len,
             prefills=prefills)
-
-
-def _one_run(table: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """bool [requests]: whether each request's first `blocks` ids are consecutive."""
-    if table.shape[1] < 2:
-        return torch.ones(table.shape[0], dtype=torch.bool)
-    steps = (table[:, 1:] - table[:, :-1]) == 1
-    needed = torch.arange(1, table.shape[1])[None, :] < blocks[:, None]
-    return (steps | ~needed).all(dim=1)
 
 
 def _rows(table_row: torch.Tensor, n_tokens: int, block_size: int) -> torch.Tensor:
@@ -254,16 +245,14 @@ class OdmaAttentionImpl(AttentionImpl):
         kernel = self._kernel_for(planes)
         if meta.decode_rows.numel():
             if kernel is not None:
-                extra = {}
-                if hasattr(kernel, "first_rows"):  # the Triton kernels: which requests are one run, once a step
-                    if meta.decode_first is None:
-                        meta.decode_first = kernel.first_rows(meta.decode_table, meta.decode_lens, meta.block_size,
-                                                              self.coalesce)
-                    extra["first"] = meta.decode_first
-                else:  # the C kernel; read per call: vLLM sets its thread count after the model (and this) is built
-                    extra["workers"] = torch.get_num_threads()
+                if meta.decode_first is None:  # which requests are one run, planned once a step (where planned)
+                    meta.decode_first = kernel.first_rows(meta.decode_table, meta.decode_lens, meta.block_size,
+                                                          self.coalesce)
                 kernel.decode(planes, meta.block_size, meta.decode_table, meta.decode_lens, meta.decode_rows,
-                              q, out, self.scale, coalesce=self.coalesce, longest=meta.decode_longest, **extra)
+                              q, out, self.scale, coalesce=self.coalesce, longest=meta.decode_longest,
+                              first=meta.decode_first,
+                              # read per call: vLLM sets its thread count after the model (and this) is built
+                              workers=torch.get_num_threads())
             else:
                 for row, n, table in zip(meta.decode_rows.tolist(), meta.decode_lens.tolist(), meta.decode_table):
                     rows = _rows(table, n, meta.block_size)
