@@ -25,6 +25,7 @@ SOURCE = ckernels.CSRC / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 PORTABLE_FLAGS = ("-O3", "-ffast-math", "-fPIC")  # where the compiler has no -march=native
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+KV_DTYPES = (torch.float32, torch.float16)  # the caches the kernel reads (fp16: half the bytes a step streams)
 
 
 @dataclass(slots=True)
@@ -39,21 +40,22 @@ class DecodeBatch:
     half_stride: torch.Tensor  # int64 [B]: elements from K to V of a layer
     lens: torch.Tensor  # int64 [B]: context length including this step's token
     shares: list[tuple[int, int]]  # [lo, hi) ranges of the B requests, one per worker thread
+    half: bool = False  # the blocks hold fp16 K/V (else fp32)
 
     rotates = False  # the model rotates q and k before the kernel sees them
-    kv_dtype = torch.float32  # the kernel reads fp32 blocks only
+    kv_dtype = torch.float32  # what q, k, v are handed in as: the kernel's arithmetic is fp32 for either cache dtype
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.kernel(self, layer, q, k, v)
 
 
 class DecodeAttention:
-    """fp32 decode attention straight from contiguous blocks; see the module docstring."""
+    """Decode attention straight from contiguous fp32 or fp16 blocks; see the module docstring."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.odma_decode_attention_f32
+        self._fn = lib.odma_decode_attention
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float]
+        self._fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _I]
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -65,7 +67,7 @@ class DecodeAttention:
 
     def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int],
              workers: int | None = None) -> DecodeBatch | None:
-        """The requests with q_len 1 whose blocks the kernel can read (fp32, rows contiguous); None if none.
+        """The requests with q_len 1 whose blocks the kernel can read (fp32 or fp16, rows contiguous); None if none.
         workers: threads to split them over (default: torch's thread count)."""
         # start < capacity: the kernel writes row `start` of the block, and must never write past it
         picked = [i for i, (kv, start, n) in enumerate(zip(blocks, starts, q_lens))
@@ -78,6 +80,9 @@ class DecodeAttention:
             for n in q_lens:
                 offsets.append(offsets[-1] + n)
             rows = torch.tensor([offsets[i] for i in picked], dtype=torch.long)
+        dtypes = {blocks[i].dtype for i in picked}
+        if len(dtypes) > 1:
+            raise ValueError(f"one step's blocks in several dtypes ({sorted(map(str, dtypes))}): one arena has one")
         lens = [starts[i] + 1 for i in picked]
         return DecodeBatch(
             kernel=self, picked=frozenset(picked), rows=rows,
@@ -86,6 +91,7 @@ class DecodeAttention:
             half_stride=torch.tensor([blocks[i].stride(1) for i in picked], dtype=torch.long),
             lens=torch.tensor(lens, dtype=torch.long),
             shares=_shares(lens, workers or torch.get_num_threads()),
+            half=dtypes == {torch.float16},
         )
 
     def __call__(self, batch: DecodeBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -102,7 +108,7 @@ class DecodeAttention:
                             batch.half_stride.data_ptr() + lo * i64, layer, batch.lens.data_ptr() + lo * i64,
                             q.data_ptr() + lo * heads * dim * f32, k.data_ptr() + lo * kv_heads * dim * f32,
                             v.data_ptr() + lo * kv_heads * dim * f32, out.data_ptr() + lo * heads * dim * f32,
-                            hi - lo, heads, kv_heads, dim, scale)
+                            hi - lo, heads, kv_heads, dim, scale, int(batch.half))
 
         if len(batch.shares) == 1:
             codes = [run(0, b)]
@@ -132,8 +138,8 @@ def _shares(lens: list[int], workers: int) -> list[tuple[int, int]]:
 
 
 def _readable(kv: torch.Tensor) -> bool:
-    """A block view [layers, 2, capacity, kv_heads, head_dim] in fp32 on the CPU whose rows are contiguous."""
-    if kv.dtype != torch.float32 or kv.device.type != "cpu" or kv.dim() != 5:
+    """A block view [layers, 2, capacity, kv_heads, head_dim] in fp32 or fp16 on the CPU whose rows are contiguous."""
+    if kv.dtype not in KV_DTYPES or kv.device.type != "cpu" or kv.dim() != 5:
         return False
     _, _, _, heads, dim = kv.shape
     return kv.stride(4) == 1 and kv.stride(3) == dim and kv.stride(2) == heads * dim

@@ -129,20 +129,33 @@ def test_a_compiler_without_march_native_gets_the_portable_build(monkeypatch, tm
 
 
 # the kernel's shapes compiled with constant group size and head_dim (3/64, 4/64, 8/128), and the generic loop
+# and each in both cache dtypes: fp16 rows are widened (the step's new row rounded as torch rounds it)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 64), (16, 2, 128), (9, 3, 12), (6, 3, 64)])
-def test_kernel_matches_a_float64_reference_at_every_row_tail(kernel, heads, kv_heads, head_dim):
+def test_kernel_matches_a_float64_reference_at_every_row_tail(kernel, heads, kv_heads, head_dim, dtype):
     cap = 48
     g = torch.Generator().manual_seed(7)
     lens = [1, 7, 8, 9, 16, 17, 33]  # a single row, rows fewer and more than the kernel prefetches ahead (8)
-    blocks = [torch.randn(1, 2, cap, kv_heads, head_dim, generator=g) for _ in lens]
+    blocks = [torch.randn(1, 2, cap, kv_heads, head_dim, generator=g).to(dtype) for _ in lens]
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     k, v = (torch.randn(len(lens), kv_heads, head_dim, generator=g) for _ in range(2))
     ref = []
     for i, n in enumerate(lens):
-        kk = torch.cat([blocks[i][0, 0, : n - 1], k[i : i + 1]]).double()
-        vv = torch.cat([blocks[i][0, 1, : n - 1], v[i : i + 1]]).double()
+        kk = torch.cat([blocks[i][0, 0, : n - 1], k[i : i + 1].to(dtype)]).double()
+        vv = torch.cat([blocks[i][0, 1, : n - 1], v[i : i + 1].to(dtype)]).double()
         qq = q[i].double().view(kv_heads, heads // kv_heads, head_dim)
         s = torch.einsum("kgd,tkd->kgt", qq, kk) * head_dim ** -0.5
         ref.append(torch.einsum("kgt,tkd->kgd", s.softmax(-1), vv).reshape(heads, head_dim))
-    out = kernel.plan(blocks, [n - 1 for n in lens], [1] * len(lens), workers=1).attend(0, q, k, v)
+    batch = kernel.plan(blocks, [n - 1 for n in lens], [1] * len(lens), workers=1)
+    assert batch.half == (dtype == torch.float16)
+    out = batch.attend(0, q, k, v)
     torch.testing.assert_close(out.double(), torch.stack(ref), atol=1e-5, rtol=1e-5)
+    for i, n in enumerate(lens):  # the new row, written in the cache's dtype with torch's rounding
+        assert torch.equal(blocks[i][0, 0, n - 1], k[i].to(dtype)) and torch.equal(blocks[i][0, 1, n - 1], v[i].to(dtype))
+
+
+def test_one_step_takes_one_cache_dtype(kernel):
+    blocks = [torch.zeros(1, 2, 8, 1, 16), torch.zeros(1, 2, 8, 1, 16, dtype=torch.float16)]
+    with pytest.raises(ValueError, match="several dtypes"):
+        kernel.plan(blocks, [0, 0], [1, 1])
+    assert kernel.plan(blocks[:1], [0], [1]).half is False

@@ -83,18 +83,20 @@ def test_seeded_sampling_repeats_and_differs_by_seed(folder):
     assert a.output_ids != c.output_ids
 
 
-def test_bf16_weights_keep_an_fp32_cache_on_cpu_and_batching_changes_no_token(folder):
-    """--dtype bfloat16 on CPU: the KV pool stays float32 (sized as such) unless --kv-dtype says otherwise,
-    and a request decoded among others gets the tokens it gets alone."""
-    engine = tiny_engine(folder, dtype="bfloat16")
-    assert engine.model.dtype == torch.bfloat16 and engine.runner.layout.dtype == torch.float32
-    assert engine.pool.bytes_per_token == engine.model.kv_bytes_per_token(torch.float32)
+def test_bf16_weights_keep_an_fp16_cache_on_cpu_and_batching_changes_no_token(folder):
+    """--dtype bfloat16 on CPU: the KV pool is float16 (sized as such; the kernels attend in fp32) unless --kv-dtype
+    says otherwise, and a request decoded among others gets the tokens it gets alone."""
+    engine = tiny_engine(folder, dtype="bfloat16", kv_dtype=None)  # the server's default
+    assert engine.model.dtype == torch.bfloat16 and engine.runner.layout.dtype == torch.float16
+    assert engine.pool.bytes_per_token == engine.model.kv_bytes_per_token(torch.float16)
     together = engine.generate(PROMPTS, GREEDY)
     for prompt, seq in zip(PROMPTS, together):
-        assert seq.output_ids == tiny_engine(folder, dtype="bfloat16").generate([prompt], GREEDY)[0].output_ids
+        alone = tiny_engine(folder, dtype="bfloat16", kv_dtype=None).generate([prompt], GREEDY)[0]
+        assert seq.output_ids == alone.output_ids
     narrow = tiny_engine(folder, dtype="bfloat16", kv_dtype="bfloat16")
-    assert narrow.runner.layout.dtype == torch.bfloat16
-    assert narrow.pool.bytes_per_token * 2 == engine.pool.bytes_per_token
+    wide = tiny_engine(folder, dtype="bfloat16", kv_dtype="float32")
+    assert narrow.runner.layout.dtype == torch.bfloat16 and wide.runner.layout.dtype == torch.float32
+    assert narrow.pool.bytes_per_token * 2 == engine.pool.bytes_per_token * 2 == wide.pool.bytes_per_token
 
 
 def test_stop_strings_end_the_request_in_the_step_that_completes_them(tmp_path):

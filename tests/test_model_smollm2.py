@@ -86,7 +86,9 @@ def test_native_weights_give_the_fp32_paths_greedy_tokens_and_logits(smollm2, sm
 def test_decode_steps_in_one_native_call_give_the_python_layers_tokens(smollm2, f32_activations):
     """The default engine runs decode steps through the decode-step kernel; ODMA_CPU_STEP=python runs the model's
     Python layers: the same greedy tokens on the reference prompts, log-probabilities within float rounding (on fp32
-    activations: int8 ones turn last-bit differences into quantization steps; test_cpu_step.py compares those)."""
+    activations: int8 ones turn last-bit differences into quantization steps; test_cpu_step.py compares those). The
+    default fp16 KV rounds each path's K and V to 11 bits, so a last-bit difference before it can move a row by one
+    fp16 step, and 32 tokens on the difference grows: up to ~1e-3 in a log-probability."""
     import os
 
     from odma.engine import EngineConfig, LLMEngine, SamplingParams
@@ -105,7 +107,7 @@ def test_decode_steps_in_one_native_call_give_the_python_layers_tokens(smollm2, 
     for a, b in zip(smollm2.generate(ids, params), python.generate(ids, params)):
         assert a.output_ids == b.output_ids
         native, reference = [t.logprob for t in a.output_logprobs], [t.logprob for t in b.output_logprobs]
-        assert native == pytest.approx(reference, rel=1e-3, abs=1e-4)
+        assert native == pytest.approx(reference, rel=5e-3, abs=2e-3)
 
 
 def _chat_ids(tok, prompts):

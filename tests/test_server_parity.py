@@ -133,7 +133,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt(srv, folder):
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     ref = _hf_logprobs(folder, ids)
     want = [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
-    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    # the server's fp16 KV (its CPU default) rounds K and V to 11 significant bits: ~2e-4 off fp32 transformers here
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-3)
     assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
 

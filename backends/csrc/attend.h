@@ -1,32 +1,122 @@
-/* One request's decode attention over its contiguous KV rows (float32): shared by decode_attention.c (a layer's
- * attention for every decoding request) and decode_step.c (whole decoder layers). The why of the loops (prefetch
- * distance, constant group and head_dim) is in decode_attention.c's header. */
+/* One request's decode attention over its contiguous KV rows (float32 or float16 K/V, float32 arithmetic): shared by
+ * decode_attention.c (a layer's attention for every decoding request) and decode_step.c (whole decoder layers). The
+ * why of the loops (prefetch distance, constant group and head_dim) is in decode_attention.c's header. */
 #ifndef ODMA_ATTEND_H
 #define ODMA_ATTEND_H
 
 #include <math.h>
 #include <stdint.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "hints.h"
 #define PREFETCH_ROWS 8 /* measured: 4-12 within 3 %, 2 and 16 slower */
 
-/* One request, one layer; scores holds heads * n floats. G (query heads per KV head) and D (head_dim) are
- * compile-time constants for the common shapes (the dispatch below), so the inner loops unroll fully. */
-ALWAYS_INLINE void attend(float *K, float *V, int64_t n, int64_t kv_heads, const float *qb, float *outb, float *scores,
-                          float scale, const int64_t G, const int64_t D) {
+/* float16 (IEEE binary16) K/V rows: a cache of half the bytes, the DRAM a decode step streams halved (llama.cpp's
+ * default KV type). Converted with the CPU's F16C instructions (round to nearest even, as torch's float -> half), so
+ * rows written here and rows torch writes for a prefill hold the same bits. */
+ALWAYS_INLINE void halves_to_floats(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) {
+        _Float16 h;
+        __builtin_memcpy(&h, src + i, 2);
+        dst[i] = (float)h;
+    }
+}
+
+ALWAYS_INLINE void floats_to_halves(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) {
+        const _Float16 h = (_Float16)src[i];
+        __builtin_memcpy(dst + i, &h, 2);
+    }
+}
+
+/* Write this step's k or v (fp32, `row` values) as row t of a K or V half. */
+ALWAYS_INLINE void kv_put(void *base, int64_t t, int64_t row, const float *src, const int HALF) {
+    if (HALF) floats_to_halves(src, (uint16_t *)base + t * row, row);
+    else __builtin_memcpy((float *)base + t * row, src, sizeof(float) * row);
+}
+
+/* the cache lines of the row PREFETCH_ROWS after row t of K, or, past K's last, of V's first rows */
+ALWAYS_INLINE void prefetch_row(const void *K, const void *V, int64_t t, int64_t n, int64_t row, const int HALF) {
+    const int64_t bytes = row * (HALF ? 2 : 4);
+    const char *ahead = t + PREFETCH_ROWS < n ? (const char *)K + (t + PREFETCH_ROWS) * bytes
+                                              : (const char *)V + (t + PREFETCH_ROWS - n) * bytes;
+    for (int64_t c = 0; c < bytes; c += 64) PREFETCH(ahead + c); /* a prefetch never faults */
+}
+
+/* The query-key dot product and the weighted V sum over one head's D floats. D a multiple of 16 (every dispatched
+ * shape): in 16-float vectors (GCC's vector extension: one zmm on AVX-512, two ymm on AVX2), so that the vector
+ * width does not rest on the vectorizer's choices, which moved with the code around these loops while the fp16 path
+ * was written; other D: plain loops. */
+typedef float vf16 __attribute__((vector_size(64)));
+
+ALWAYS_INLINE vf16 vf16_load(const float *p) {
+    vf16 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+ALWAYS_INLINE float head_dot(const float *q, const float *k, const int64_t D) {
+    if (D % 16) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; d++) dot += q[d] * k[d];
+        return dot;
+    }
+    vf16 acc = vf16_load(q) * vf16_load(k);
+    for (int64_t c = 16; c < D; c += 16) acc += vf16_load(q + c) * vf16_load(k + c);
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)acc);
+#else
+    float dot = 0.f;
+    for (int i = 0; i < 16; i++) dot += acc[i];
+    return dot;
+#endif
+}
+
+ALWAYS_INLINE void head_axpy(float *a, float p, const float *v, const int64_t D) {
+    if (D % 16) {
+        for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
+        return;
+    }
+    for (int64_t c = 0; c < D; c += 16) {
+        const vf16 r = vf16_load(a + c) + p * vf16_load(v + c);
+        __builtin_memcpy(a + c, &r, sizeof r);
+    }
+}
+
+/* One request, one layer; scores holds heads * n floats, wide kv_heads * D (an fp16 row widened). G (query heads
+ * per KV head), D (head_dim) and HALF (fp16 K/V) are compile-time constants for the common shapes (the dispatch
+ * below), so the inner loops unroll fully. */
+ALWAYS_INLINE void attend(const void *Kc, const void *Vc, int64_t n, int64_t kv_heads, const float *qb, float *outb,
+                          float *scores, float *wide, float scale, const int64_t G, const int64_t D, const int HALF) {
     const int64_t row = kv_heads * D, heads = kv_heads * G;
+    const float *K = Kc, *V = Vc; /* fp32 rows; fp16 ones are read through K16, V16 */
+    const uint16_t *K16 = Kc, *V16 = Vc;
     /* one sequential pass over K: row t (all KV heads) scores every query head */
     for (int64_t t = 0; t < n; t++) {
+        prefetch_row(Kc, Vc, t, n, row, HALF);
         const float *kr = K + t * row;
-        const float *ahead = t + PREFETCH_ROWS < n ? kr + PREFETCH_ROWS * row : V + (t + PREFETCH_ROWS - n) * row;
-        for (int64_t c = 0; c < row; c += LINE_FLOATS) PREFETCH(ahead + c); /* a prefetch never faults */
+        if (HALF) halves_to_floats(K16 + t * row, wide, row), kr = wide;
         for (int64_t g = 0; g < kv_heads; g++) {
             const float *kh = kr + g * D;
             for (int64_t j = 0; j < G; j++) {
                 const float *qh = qb + (g * G + j) * D;
-                float dot = 0.f;
-                for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
-                scores[(g * G + j) * n + t] = dot * scale;
+                scores[(g * G + j) * n + t] = head_dot(qh, kh, D) * scale;
             }
         }
     }
@@ -43,29 +133,41 @@ ALWAYS_INLINE void attend(float *K, float *V, int64_t n, int64_t kv_heads, const
     /* one sequential pass over V */
     for (int64_t i = 0; i < heads * D; i++) outb[i] = 0.f;
     for (int64_t t = 0; t < n; t++) {
+        if (t + PREFETCH_ROWS < n) prefetch_row(Vc, Vc, t, n, row, HALF);
         const float *vr = V + t * row;
-        if (t + PREFETCH_ROWS < n)
-            for (int64_t c = 0; c < row; c += LINE_FLOATS) PREFETCH(vr + PREFETCH_ROWS * row + c);
+        if (HALF) halves_to_floats(V16 + t * row, wide, row), vr = wide;
         for (int64_t g = 0; g < kv_heads; g++) {
             const float *vh = vr + g * D;
             for (int64_t j = 0; j < G; j++) {
-                const float p = scores[(g * G + j) * n + t];
-                float *a = outb + (g * G + j) * D;
-                for (int64_t d = 0; d < D; d++) a[d] += p * vh[d];
+                head_axpy(outb + (g * G + j) * D, scores[(g * G + j) * n + t], vh, D);
             }
         }
     }
 }
 
+#define ATTEND_SHAPES(HALF)                                                                                  \
+    if (group == 3 && head_dim == 64) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, 3, 64, HALF);       \
+    else if (group == 4 && head_dim == 64) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, 4, 64, HALF);  \
+    else if (group == 4 && head_dim == 128) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, 4, 128, HALF); \
+    else if (group == 8 && head_dim == 128) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, 8, 128, HALF); \
+    else attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim, HALF);
+
+/* one function per cache dtype: each optimized (unrolled) as if it were the only one */
+#define ATTEND_DTYPE(NAME, HALF)                                                                                    \
+    static __attribute__((noinline)) void NAME(const void *K, const void *V, int64_t n, int64_t kv_heads,           \
+                                               const float *qb, float *outb, float *scores, float *wide, float scale, \
+                                               int64_t group, int64_t head_dim) {                                   \
+        ATTEND_SHAPES(HALF)                                                                                         \
+    }
+ATTEND_DTYPE(attend_kv32, 0)
+ATTEND_DTYPE(attend_kv16, 1)
+
 /* `attend` with the group size and head_dim as constants for the common shapes: SmolLM2-135M/360M (3/64),
- * Llama-3.2-1B (4/64), Llama-3-8B (4/128), Llama-3-70B (8/128); generic loops otherwise. */
-static inline void attend_any(float *K, float *V, int64_t n, int64_t kv_heads, const float *qb, float *outb,
-                              float *scores, float scale, int64_t group, int64_t head_dim) {
-    if (group == 3 && head_dim == 64) attend(K, V, n, kv_heads, qb, outb, scores, scale, 3, 64);
-    else if (group == 4 && head_dim == 64) attend(K, V, n, kv_heads, qb, outb, scores, scale, 4, 64);
-    else if (group == 4 && head_dim == 128) attend(K, V, n, kv_heads, qb, outb, scores, scale, 4, 128);
-    else if (group == 8 && head_dim == 128) attend(K, V, n, kv_heads, qb, outb, scores, scale, 8, 128);
-    else attend(K, V, n, kv_heads, qb, outb, scores, scale, group, head_dim);
+ * Llama-3.2-1B (4/64), Llama-3-8B (4/128), Llama-3-70B (8/128); generic loops otherwise. half: K/V in fp16. */
+static inline void attend_any(const void *K, const void *V, int64_t n, int64_t kv_heads, const float *qb, float *outb,
+                              float *scores, float *wide, float scale, int64_t group, int64_t head_dim, int half) {
+    if (half) attend_kv16(K, V, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim);
+    else attend_kv32(K, V, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim);
 }
 
 #endif

@@ -1,13 +1,14 @@
-/* Decode attention straight from each request's contiguous KV block (CPU, float32).
+/* Decode attention straight from each request's contiguous KV block (CPU; K/V in float32 or float16, arithmetic in
+ * float32).
  *
  * One call handles every decoding request of one layer: it appends the step's new K/V row to each block
  * and attends the request's single query token over rows [0, len) of its block. A block's K (and V) rows
  * for a layer are one contiguous range of the pool's arena, so the loops below stream memory sequentially
  * (what contiguous blocks are for) and there is no per-request dispatch from Python.
  *
- * Layout: request b's block starts at address blocks[b] (a [layers, 2, capacity, kv_heads, head_dim] float32
- * tensor, rows contiguous); its K for `layer` starts layer * layer_stride[b] elements in, V half_stride[b]
- * further, and row t of either is t * kv_heads * head_dim further. Blocks may sit in different arenas or
+ * Layout: request b's block starts at address blocks[b] (a [layers, 2, capacity, kv_heads, head_dim] tensor of
+ * float32, or float16 where `half`, rows contiguous); its K for `layer` starts layer * layer_stride[b] elements in,
+ * V half_stride[b] further, and row t of either is t * kv_heads * head_dim further. Blocks may sit in different arenas or
  * segments: only addresses are shared with the caller.
  * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention, as transformers' repeat_kv).
  *
@@ -25,26 +26,26 @@
 
 #include "attend.h"
 
-int odma_decode_attention_f32(const int64_t *blocks, const int64_t *layer_stride, const int64_t *half_stride,
-                              int64_t layer, const int64_t *lens,
-                              const float *q, const float *k_new, const float *v_new, float *out,
-                              int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
-    const int64_t group = heads / kv_heads, row = kv_heads * head_dim;
+int odma_decode_attention(const int64_t *blocks, const int64_t *layer_stride, const int64_t *half_stride,
+                          int64_t layer, const int64_t *lens,
+                          const float *q, const float *k_new, const float *v_new, float *out,
+                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t half) {
+    const int64_t group = heads / kv_heads, row = kv_heads * head_dim, elem = half ? 2 : 4;
     int64_t max_len = 0;
     for (int64_t b = 0; b < batch; b++) {
         if (lens[b] < 1) return 1;
         if (lens[b] > max_len) max_len = lens[b];
     }
-    float *scores = malloc(sizeof(float) * heads * max_len);
+    float *scores = malloc(sizeof(float) * (heads * max_len + row));
     if (!scores) return 2;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t n = lens[b];
-        float *K = (float *)(intptr_t)blocks[b] + layer * layer_stride[b], *V = K + half_stride[b];
-        memcpy(K + (n - 1) * row, k_new + b * row, sizeof(float) * row);
-        memcpy(V + (n - 1) * row, v_new + b * row, sizeof(float) * row);
+        char *K = (char *)(intptr_t)blocks[b] + layer * layer_stride[b] * elem, *V = K + half_stride[b] * elem;
+        kv_put(K, n - 1, row, k_new + b * row, half);
+        kv_put(V, n - 1, row, v_new + b * row, half);
         const float *qb = q + b * heads * head_dim;
         float *ob = out + b * heads * head_dim;
-        attend_any(K, V, n, kv_heads, qb, ob, scores, scale, group, head_dim);
+        attend_any(K, V, n, kv_heads, qb, ob, scores, scores + heads * max_len, scale, group, head_dim, half);
     }
     free(scores);
     return 0;

@@ -77,6 +77,7 @@ typedef struct {
     int64_t batch, threads;
     const int64_t *blocks, *layer_stride, *half_stride, *lens;
     const float *rotary; /* [positions, head_dim] */
+    int64_t half; /* K/V blocks in float16 (else float32) */
 } odma_step;
 
 int odma_decode_step_max_parts(void) { return MAX_PARTS; }
@@ -154,7 +155,9 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
     float *h = malloc(sizeof(float) * B * (H > I ? H : I)), *wide = malloc(sizeof(float) * B * widest);
     float *att = malloc(sizeof(float) * B * qd), *y = malloc(sizeof(float) * B * H);
     const int64_t threads = step->threads > 0 ? step->threads : 1;
-    float *scores = malloc(sizeof(float) * threads * heads * max_len);
+    /* per thread: the scores, then one K or V row widened from fp16 */
+    const int64_t per_thread = heads * max_len + kvd, elem = step->half ? 2 : 4;
+    float *scores = malloc(sizeof(float) * threads * per_thread);
     const int64_t ins = H > I ? (H > qd ? H : qd) : (I > qd ? I : qd); /* the widest GEMM input */
     const int64_t bf16 = S->bf16, narrow = bf16 ? B * (widest > ins ? widest : ins) : 1;
     uint16_t *xs = malloc(sizeof(uint16_t) * narrow), *ys = malloc(sizeof(uint16_t) * narrow);
@@ -172,17 +175,17 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
             const float *table = step->rotary + (n - 1) * D;
             rotate(qb, heads, D, table, bf16);
             rotate(kb, kvh, D, table, bf16);
-            float *K = (float *)(intptr_t)step->blocks[b] + l * step->layer_stride[b];
-            float *V = K + step->half_stride[b];
-            memcpy(K + (n - 1) * kvd, kb, sizeof(float) * kvd);
-            memcpy(V + (n - 1) * kvd, vb, sizeof(float) * kvd);
+            char *K = (char *)(intptr_t)step->blocks[b] + l * step->layer_stride[b] * elem;
+            char *V = K + step->half_stride[b] * elem;
+            kv_put(K, n - 1, kvd, kb, step->half);
+            kv_put(V, n - 1, kvd, vb, step->half);
 #ifdef _OPENMP
-            float *mine = scores + (int64_t)omp_get_thread_num() * heads * max_len;
+            float *mine = scores + (int64_t)omp_get_thread_num() * per_thread;
 #else
             float *mine = scores;
 #endif
             float *ob = att + b * qd;
-            attend_any(K, V, n, kvh, qb, ob, mine, scale, group, D);
+            attend_any(K, V, n, kvh, qb, ob, mine, mine + heads * max_len, scale, group, D, step->half);
             if (bf16)
                 for (int64_t i = 0; i < qd; i++) ob[i] = as_model(ob[i], bf16);
         }

@@ -54,8 +54,9 @@ class EngineConfig:
     # activations); auto picks it for a quantized GGUF on a CPU with the kernel when dtype is float32, else dense
     # weights of `dtype`; f32 and bf16 are dense weights of that dtype (dtype must agree)
     weights: str = "auto"
-    # KV cache dtype; None = float32 on CPU (torch's CPU attention for a decode query is several times slower in
-    # bf16 than in fp32, so bf16 weights + fp32 KV is the fast CPU mix: odma-bench step), the weights' dtype elsewhere
+    # KV cache dtype; None = float16 on CPU (storage only: the CPU kernels widen its rows and attend in fp32; half
+    # the bytes of fp32, so twice the tokens in a budget and half the DRAM a decode step streams, llama.cpp's default
+    # KV type; float32 keeps every bit), the weights' dtype elsewhere
     kv_dtype: str | None = None
     policy: str = "odma"  # odma | static | s3 | paged (compared on the same KV budget)
     # attention kernel: auto (CPU: the C decode kernel + SDPA for prefills; accelerators: the Triton kernels over the
@@ -158,7 +159,7 @@ class EngineConfig:
 
     @property
     def resolved_kv_dtype(self) -> str:
-        return self.kv_dtype or ("float32" if self.on_cpu else self.dtype)
+        return self.kv_dtype or ("float16" if self.on_cpu else self.dtype)
 
     def admission_rules(self) -> list[AdmissionRule]:
         """The scheduler's admission rules these settings ask for (odma.engine.admission)."""

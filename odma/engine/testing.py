@@ -27,7 +27,9 @@ def tiny_engine(folder: str | Path, *, predicted: float | None = None, align: in
     """An engine over the tiny model folder; `predicted` fixes L̂ for every request."""
     from odma.models import load_model
 
-    base = EngineConfig(model=str(folder), kv_budget="2MiB", length_log=None, predictor="median",
+    # fp32 KV: the tiny engine's tests compare with transformers' fp32 model and size memory by fp32 rows; the
+    # server's fp16 default has tests of its own
+    base = EngineConfig(model=str(folder), kv_budget="2MiB", length_log=None, predictor="median", kv_dtype="float32",
                         max_tokens_cap=128, default_max_tokens=16, pool=PoolConfig(align=align))
     config = replace(base, **overrides)
     predictor = LoadedPredictor(FixedPredictor(predicted), "fixed", None) if predicted is not None else None

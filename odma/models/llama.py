@@ -115,8 +115,10 @@ class Attention(nn.Module):
             return self.o_proj(decode.attend(self.layer, q, k, v).view(t, -1).to(x.dtype))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # The KV cache may be wider than the weights (bf16 weights, fp32 KV on CPUs whose bf16 attention is
-        # slow): attention runs in the cache's dtype, the projections in the weights'. Same dtype: no-ops.
-        kv_dtype = seqs[0].kv.dtype
+        # slow): attention runs in the cache's dtype, the projections in the weights'. Same dtype: no-ops. An fp16
+        # cache on a CPU is storage only: its rows are read widened, and attention runs in fp32.
+        cache_dtype = seqs[0].kv.dtype
+        kv_dtype = torch.float32 if cache_dtype == torch.float16 and x.device.type == "cpu" else cache_dtype
         q = q.to(kv_dtype)
         out = torch.empty_like(q)
         if decode is not None:  # the backend's kernel takes its requests of the step in one call per layer
@@ -131,7 +133,8 @@ class Attention(nn.Module):
             cache = s.kv[self.layer]  # [2, capacity, kv_heads, head_dim]
             cache[0, s.start : end] = k[pos : pos + s.q_len]
             cache[1, s.start : end] = v[pos : pos + s.q_len]
-            out[pos : pos + s.q_len] = _attend(q[pos : pos + s.q_len], cache[0, :end], cache[1, :end], s.start)
+            out[pos : pos + s.q_len] = _attend(q[pos : pos + s.q_len], cache[0, :end].to(kv_dtype),
+                                               cache[1, :end].to(kv_dtype), s.start)
             pos += s.q_len
         return self.o_proj(out.view(t, -1).to(x.dtype))
 

@@ -68,7 +68,7 @@ class NativeLayers:
         [B, hidden] in the model's dtype; returns the layers' output (fp32 x updated in place)."""
         wide = x.float().contiguous()  # the kernel's activations are fp32 (a bf16 model's: bf16 values, exact)
         self.kernel(self.prepared, wide, decode.blocks, decode.layer_stride, decode.half_stride, decode.lens, rotary,
-                    first, count)
+                    first, count, decode.half)
         return wide.to(self.dtype)
 
 

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dense weights of this dtype (default: float32 on cpu, bfloat16 elsewhere; bfloat16 is much "
                         "faster on CPUs with AVX512-BF16 or AMX, see docs/serving.md)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="KV cache dtype (default: float32 on cpu, where bf16 attention is slow; --dtype elsewhere)")
+                   help="KV cache dtype (default: float16 on cpu, read widened to fp32 by its kernels; --dtype elsewhere)")
     p.add_argument("--policy", default=d.policy, choices=POLICIES,
                    help="KV reservation policy (paged: 16-token pages, the baseline; needs the Triton attention)")
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_KINDS,
