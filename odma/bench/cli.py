@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "serve": ("odma.bench.serve_bench", "replay a trace against odma-serve over HTTP (or HF generate as a baseline)"),
     "ray": ("odma.bench.ray_bench", "odma on Ray Serve vs one odma-serve (same total KV); memory-aware vs power-of-two routing"),
     "profile": ("odma.bench.profile_bench", "shares of a prefill and a decode step (GEMM, attention, sampling, Python) and their roofline"),
+    "batched": ("odma.bench.batched_bench", "the engine without its server at llama-batched-bench's shape: B prompts at once"),
     "peer": ("odma.bench.peer_bench", "odma-serve vs vLLM-CPU: same model, KV bytes and threads; guidellm + natural lengths"),
     "gpu": ("odma.bench.gpu_bench", "the accelerator path: Triton kernels contiguous vs paged, VMM growth, the 7B-shape engine"),
 }
