@@ -21,8 +21,9 @@ rows. llama.cpp runs as its maintainers run it (odma.bench.peer_servers: f16 KV 
 on, its default sampler chain with the replays' temperature and top_p, or with `--llamacpp-samplers odma` a chain
 that applies them as odma does), once per slot setting (--llamacpp-slots x --llamacpp-kv: unified KV pool or static slots),
 each its own row (llamacpp-u128, llamacpp-s16, ...); the ratios compare odma with the best of them per workload,
-and with `llama-batched-bench`'s generation rate at the same batch (llama.cpp's engine without its server, run at
-the start of each round). `--repeats N` runs N rounds, the systems' order reversed every other round, and reports
+and with `llama-batched-bench` at the same batch (llama.cpp's engine without its server, run at the start of each
+round): its generated tokens over its whole time, prefill included, as a client's output rate counts them (its
+decode-only S_TG beside). `--repeats N` runs N rounds, the systems' order reversed every other round, and reports
 each ratio's median and spread. The client is pinned to the last core when there is one to spare.
 """
 
@@ -253,8 +254,8 @@ def llamacpp_gguf(args) -> Path:
 
 def llamacpp_ceiling(llamacpp: dict, args, out: Path) -> dict:
     """llama.cpp's engine without its server: `llama-batched-bench` at the guidellm shape, batch 1 and every
-    guidellm concurrency, on the same file, threads, KV type and flash attention. Its generation rate (S_TG) is
-    the ceiling a llama-server at that concurrency approaches."""
+    guidellm concurrency, on the same file, threads, KV type and flash attention: the ceiling a llama-server at
+    that concurrency approaches is its B·TG generated tokens over its whole time T (peer_report.ceiling_output_tps)."""
     prompt, output = (int(x) for x in args.shape.split("/"))
     batches = sorted({1, *(streams for streams, _ in sweep(args.concurrency))})
     binary = Path(llamacpp["binary"]).parent / "llama-batched-bench"

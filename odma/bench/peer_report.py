@@ -32,10 +32,11 @@ def ratios(result: dict) -> dict:
                     best = _best({name: _points(r).get(streams) for name, r in llama.items()}, "output_tps")
                     if best:
                         out[f"guidellm_c{streams}{tag} vs {best[0]}"] = _ratio(o[streams], best[1], "output_tps")
-                    ceiling = ceiling_tps(result, streams)
-                    if ceiling:
+                    ceiling = ceiling_row(result, streams)
+                    if ceiling:  # like for like: generated tokens over the engine's whole time, prefill included
                         out[f"guidellm_c{streams}{tag} vs llama-batched-bench"] = {
-                            "throughput": round(o[streams]["output_tps"] / ceiling, 3)}
+                            "throughput": round(o[streams]["output_tps"] / ceiling_output_tps(ceiling), 3),
+                            "vs_s_tg": round(o[streams]["output_tps"] / ceiling["s_tg"], 3)}
             continue
         v = runs.get("vllm")
         for label, run in odma.items():
@@ -48,10 +49,17 @@ def ratios(result: dict) -> dict:
     return out
 
 
-def ceiling_tps(result: dict, batch: int) -> float | None:
-    """llama.cpp's generation rate without its server (`llama-batched-bench`'s S_TG) at `batch` sequences."""
+def ceiling_row(result: dict, batch: int) -> dict | None:
+    """llama.cpp without its server (`llama-batched-bench`'s row) at `batch` sequences."""
     rows = (result.get("llamacpp_ceiling") or {}).get("rows") or []
-    return next((r["s_tg"] for r in rows if r["batch"] == batch), None)
+    return next((r for r in rows if r["batch"] == batch), None)
+
+
+def ceiling_output_tps(row: dict) -> float:
+    """The output rate a server's client measures, for llama.cpp's engine without its server: B·TG generated tokens
+    over its whole time T (prefill and decode). guidellm's output tok/s counts each request from its arrival, so it
+    includes the prompt's prefill; S_TG (decode steps only) leaves it out and is no bound on a served rate."""
+    return row["batch"] * row["tg"] / row["t_s"]
 
 
 def repeats(rounds: list[dict]) -> dict:
@@ -85,6 +93,7 @@ def repeats(rounds: list[dict]) -> dict:
                 elif _ok(run) and run.get("throughput_tps"):
                     rows.setdefault(f"{stage} {label}", []).append(round(run["throughput_tps"], 1))
         for row in (r.get("llamacpp_ceiling") or {}).get("rows") or []:
+            rows.setdefault(f"llama-batched-bench B={row['batch']} output", []).append(round(ceiling_output_tps(row), 1))
             rows.setdefault(f"llama-batched-bench B={row['batch']} S_TG", []).append(row["s_tg"])
     first = rounds[0]
     return {"rounds": len(rounds), "orders": [r.get("order") for r in rounds], "machine": first.get("machine"),
@@ -226,7 +235,8 @@ def table(result: dict) -> str:
     ceiling = result.get("llamacpp_ceiling") or {}
     if ceiling.get("rows"):
         lines += ["", "llama.cpp without its server (`llama-batched-bench`, the same file, threads, KV type, flash "
-                      "attention): generated tok/s " + ", ".join(f"B={r['batch']} {r['s_tg']:.1f}" for r in ceiling["rows"])]
+                      "attention): generated tok/s over its whole time (decode steps alone, S_TG) "
+                      + ", ".join(f"B={r['batch']} {ceiling_output_tps(r):.1f} ({r['s_tg']:.1f})" for r in ceiling["rows"])]
     elif ceiling.get("error"):
         lines += ["", f"llama-batched-bench: {ceiling['error']}"]
     lines += ["", "odma ÷ peer (throughput: > 1 is odma faster; TTFT, ITL, latency: < 1 is odma faster):"]
