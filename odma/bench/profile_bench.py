@@ -138,7 +138,7 @@ def _measure(engine, more, args, prefill: bool) -> dict:
                 engine.step()
                 walls.append((time.perf_counter() - t) * 1e3)
         return {"steps": len(walls), "wall_ms": [round(w, 1) for w in walls], "wall_ms_total": round(sum(walls), 1),
-                "shares": _shares(prof, sum(walls)), "profiled": True}
+                "shares": _shares(prof, sum(walls)), "top_ops": _top_ops(prof, 1), "profiled": True}
     walls = []
     for _ in range(args.steps):
         t = time.perf_counter()
