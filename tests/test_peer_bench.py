@@ -135,3 +135,14 @@ def test_repeats_give_each_ratio_and_row_its_median_and_spread():
     assert summary["orders"] == [["odma", "llamacpp"], ["llamacpp", "odma"], ["odma", "llamacpp"]]
     assert "| nq vs llama.cpp's best | 2.0 | 1.5 | 3.0 | 2.0 (llamacpp-u32), 1.5 (llamacpp-u32), 3.0 (llamacpp-s16) |" \
         in peer_report.repeats_table(summary)
+
+
+def test_the_table_counts_odmas_kv_in_its_own_dtype():
+    from odma.bench.peer_bench import _odma_kv_dtype
+
+    assert _odma_kv_dtype("") == "float16"  # the CPU default
+    assert _odma_kv_dtype("--kv-dtype float32 --threads 1") == "float32"
+    assert _odma_kv_dtype("--kv-dtype=bfloat16") == "bfloat16"
+    result = {"kv_bytes": 46080 * 1000, "kv_bytes_per_token": 46080, "odma_kv_dtype": "float16"}
+    assert "odma 2,000 float16 tokens" in peer_report.table(result)
+    assert "odma 1,000 float32 tokens" in peer_report.table({**result, "odma_kv_dtype": "float32"})

@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                                                           "max_tokens": args.max_tokens, "seed_per_request": False},
         "guidellm_shape": args.shape, "memory_point": memory, "odma_weights": args.odma_weights,
+        "odma_kv_dtype": _odma_kv_dtype(args.odma_args),
         "odma_cpu_isa": os.environ.get("ODMA_CPU_ISA", "auto"), "llamacpp": llamacpp,
     }
     rounds = []
@@ -526,6 +527,17 @@ def _memory_budget(recs: list, args, per_token: int) -> dict:
     floor = args.max_model_len + 128
     return {"batch_tokens": need, "share": args.memory_share, "tokens": max(tokens, floor),
             "raised_to_floor": tokens < floor, "kv_bytes": max(tokens, floor) * per_token}
+
+
+def _odma_kv_dtype(odma_args: str) -> str:
+    """The KV dtype odma-serve runs with: --kv-dtype in its extra arguments, else its CPU default."""
+    from odma.engine.config import EngineConfig
+
+    words = odma_args.split()
+    for i, word in enumerate(words):
+        if word.startswith("--kv-dtype"):
+            return word.partition("=")[2] or (words[i + 1] if i + 1 < len(words) else "")
+    return EngineConfig().resolved_kv_dtype
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:

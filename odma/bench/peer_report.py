@@ -194,7 +194,8 @@ def _points(run: dict | None) -> dict[int, dict]:
 
 def table(result: dict) -> str:
     m = result.get("machine", {})
-    per_token = result.get("kv_bytes_per_token") or 1
+    per_token = result.get("kv_bytes_per_token") or 1  # fp32's
+    odma_per_token = per_token // 2 if result.get("odma_kv_dtype") in ("float16", "bfloat16") else per_token
     servers = result.get("servers", {})
     peers = []
     if "vllm" in servers:
@@ -206,7 +207,8 @@ def table(result: dict) -> str:
         f"odma-serve ({result.get('odma_weights', 'f32')} weights) "
         f"{'vs ' + ', '.join(peers) if peers else 'alone'}, {m.get('cpu', '?')}, "
         f"{m.get('cores', '?')} cores, {result.get('threads')} compute thread(s) each",
-        f"KV {result.get('kv_bytes', 0) / 2**20:.0f} MiB each: odma {result.get('kv_bytes', 0) // per_token:,} tokens; "
+        f"KV {result.get('kv_bytes', 0) / 2**20:.0f} MiB each: odma {result.get('kv_bytes', 0) // odma_per_token:,} "
+        f"{result.get('odma_kv_dtype', 'float32')} tokens; "
         f"peers' KV tokens: {', '.join(kv_tokens) or '?'}; sampling {result.get('sampling')}",
         f"started {result.get('started')}, finished {result.get('finished', '(unfinished)')}; "
         f"load average at start {m.get('load_avg_1m_at_start')}",
