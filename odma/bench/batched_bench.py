@@ -37,11 +37,11 @@ def run(args: argparse.Namespace) -> dict:
     from odma.engine.llm_engine import LLMEngine
     from odma.models.weights import WEIGHT_DTYPES
 
+    prompt, generated, batches = parse_shape(args.shape, args.batch)
     torch.set_num_threads(args.threads)
-    prompt, generated = (int(x) for x in args.shape.split("/"))
-    batches = [int(b) for b in args.batch.split(",")]
     cfg = EngineConfig(model=args.model, threads=args.threads, kv_budget=args.kv_budget, length_log=None,
-                       max_num_seqs=max(batches), weights=args.weights, kv_dtype=args.kv_dtype, dtype=WEIGHT_DTYPES.get(args.weights, "float32"))
+                       max_num_seqs=max(batches), weights=args.weights, kv_dtype=args.kv_dtype,
+                       dtype=WEIGHT_DTYPES.get(args.weights, "float32"))
     engine = LLMEngine(cfg)
     try:
         rows = measure(engine, batches, prompt, generated, args.repeats)
@@ -49,6 +49,20 @@ def run(args: argparse.Namespace) -> dict:
         engine.close()
     return {"model": args.model, "weights": args.weights, "kv_dtype": cfg.resolved_kv_dtype, "threads": args.threads,
             "kv_budget": args.kv_budget, "max_prefill_tokens": cfg.max_prefill_tokens, "rows": rows}
+
+
+def parse_shape(shape: str, batch: str) -> tuple[int, int, list[int]]:
+    """--shape PP/TG and --batch B,B,...: positive integers, else a ConfigError that names the flag."""
+    from odma.errors import ConfigError
+
+    try:
+        prompt, generated = (int(x) for x in shape.split("/"))
+        batches = [int(b) for b in batch.split(",")]
+    except ValueError:
+        raise ConfigError(f"--shape {shape!r} / --batch {batch!r}: expected PP/TG and B,B,... in integers") from None
+    if min(prompt, generated, *batches) < 1:
+        raise ConfigError(f"--shape {shape!r} / --batch {batch!r}: every count must be at least 1")
+    return prompt, generated, batches
 
 
 def measure(engine, batches: list[int], prompt: int, generated: int, repeats: int) -> list[dict]:

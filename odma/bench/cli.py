@@ -32,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", action="store_true", help="print only the JSON result (default prints it too)")
         importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    result = importlib.import_module(SUBCOMMANDS[args.command][0]).run(args)
+    from odma.errors import ConfigError
+
+    try:
+        result = importlib.import_module(SUBCOMMANDS[args.command][0]).run(args)
+    except ConfigError as e:  # a setting the subcommand refused: its message, not a traceback
+        parser.exit(2, f"odma-bench {args.command}: error: {e}\n")
     json.dump(result, sys.stdout, indent=None if args.json else 2)
     sys.stdout.write("\n")
     return 0
