@@ -59,46 +59,6 @@ ALWAYS_INLINE void prefetch_row(const void *K, const void *V, int64_t t, int64_t
     for (int64_t c = 0; c < bytes; c += 64) PREFETCH(ahead + c); /* a prefetch never faults */
 }
 
-/* The query-key dot product and the weighted V sum over one head's D floats. D a multiple of 16 (every dispatched
- * shape): in 16-float vectors (GCC's vector extension: one zmm on AVX-512, two ymm on AVX2), so that the vector
- * width does not rest on the vectorizer's choices, which moved with the code around these loops while the fp16 path
- * was written; other D: plain loops. */
-typedef float vf16 __attribute__((vector_size(64)));
-
-ALWAYS_INLINE vf16 vf16_load(const float *p) {
-    vf16 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-ALWAYS_INLINE float head_dot(const float *q, const float *k, const int64_t D) {
-    if (D % 16) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; d++) dot += q[d] * k[d];
-        return dot;
-    }
-    vf16 acc = vf16_load(q) * vf16_load(k);
-    for (int64_t c = 16; c < D; c += 16) acc += vf16_load(q + c) * vf16_load(k + c);
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)acc);
-#else
-    float dot = 0.f;
-    for (int i = 0; i < 16; i++) dot += acc[i];
-    return dot;
-#endif
-}
-
-ALWAYS_INLINE void head_axpy(float *a, float p, const float *v, const int64_t D) {
-    if (D % 16) {
-        for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
-        return;
-    }
-    for (int64_t c = 0; c < D; c += 16) {
-        const vf16 r = vf16_load(a + c) + p * vf16_load(v + c);
-        __builtin_memcpy(a + c, &r, sizeof r);
-    }
-}
-
 /* One request, one layer; scores holds heads * n floats, wide kv_heads * D (an fp16 row widened). G (query heads
  * per KV head), D (head_dim) and HALF (fp16 K/V) are compile-time constants for the common shapes (the dispatch
  * below), so the inner loops unroll fully. */
@@ -116,7 +76,9 @@ ALWAYS_INLINE void attend(const void *Kc, const void *Vc, int64_t n, int64_t kv_
             const float *kh = kr + g * D;
             for (int64_t j = 0; j < G; j++) {
                 const float *qh = qb + (g * G + j) * D;
-                scores[(g * G + j) * n + t] = head_dot(qh, kh, D) * scale;
+                float dot = 0.f;
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
+                scores[(g * G + j) * n + t] = dot * scale;
             }
         }
     }
@@ -139,7 +101,9 @@ ALWAYS_INLINE void attend(const void *Kc, const void *Vc, int64_t n, int64_t kv_
         for (int64_t g = 0; g < kv_heads; g++) {
             const float *vh = vr + g * D;
             for (int64_t j = 0; j < G; j++) {
-                head_axpy(outb + (g * G + j) * D, scores[(g * G + j) * n + t], vh, D);
+                const float p = scores[(g * G + j) * n + t];
+                float *a = outb + (g * G + j) * D;
+                for (int64_t d = 0; d < D; d++) a[d] += p * vh[d];
             }
         }
     }

@@ -530,14 +530,12 @@ def _memory_budget(recs: list, args, per_token: int) -> dict:
 
 
 def _odma_kv_dtype(odma_args: str) -> str:
-    """The KV dtype odma-serve runs with: --kv-dtype in its extra arguments, else its CPU default."""
+    """The KV dtype odma-serve runs with: --kv-dtype in its extra arguments (read by its own parser), else its CPU
+    default."""
     from odma.engine.config import EngineConfig
+    from odma.server.cli import build_parser
 
-    words = odma_args.split()
-    for i, word in enumerate(words):
-        if word.startswith("--kv-dtype"):
-            return word.partition("=")[2] or (words[i + 1] if i + 1 < len(words) else "")
-    return EngineConfig().resolved_kv_dtype
+    return build_parser().parse_known_args(odma_args.split())[0].kv_dtype or EngineConfig().resolved_kv_dtype
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:
