@@ -1,5 +1,6 @@
 """The CPU backend's GEMM on GGUF-quantized weights (csrc/quant_linear.c), called by ctypes: Q4_0, Q4_1, Q8_0,
-Q4_K and Q6_K blocks kept quantized in memory, dequantized panel by panel inside the GEMM (fp32 x, y and bias).
+Q4_K and Q6_K blocks kept quantized in memory at (about) their file's size, dequantized panel by panel inside the
+GEMM (fp32 x, y and bias).
 
 `pack` reads a tensor's raw GGUF blocks (what gguf-py's reader maps: uint8 rows of blocks) and regroups them into
 the kernel's column panels (the layout: csrc/quant_linear.c). Built like the fp32 kernel (backends/cpu_linear.py):
@@ -39,21 +40,20 @@ class BlockType:
     block: int
     block_bytes: int
     sub: int
-    scale16: bool  # s (and o) kept in fp16, as in the file
     offset: bool  # w = s * q + o (else s * q)
-    nibbles: bool  # 4-bit q, two to a byte
+    nibbles: bool  # 4-bit q, two to a byte (Q6_K: its low 4 bits so, the high 2 apart)
 
 
 BLOCK_TYPES = {t.ggml_id: t for t in (
-    BlockType("Q4_0", 2, 32, 18, 32, True, False, True),
-    BlockType("Q4_1", 3, 32, 20, 32, True, True, True),
-    BlockType("Q8_0", 8, 32, 34, 32, True, False, False),
-    BlockType("Q4_K", 12, 256, 144, 32, False, True, True),
-    BlockType("Q6_K", 14, 256, 210, 16, False, False, False),
+    BlockType("Q4_0", 2, 32, 18, 32, False, True),
+    BlockType("Q4_1", 3, 32, 20, 32, True, True),
+    BlockType("Q8_0", 8, 32, 34, 32, False, False),
+    BlockType("Q4_K", 12, 256, 144, 32, True, True),
+    BlockType("Q6_K", 14, 256, 210, 16, False, True),
 )}
 
 
-# the kernel's q are unsigned, w = s * (q - centre) (+ o) (csrc/quant_linear.c); `unpack_blocks` gives Q4_0's nibble,
+# the kernel's q are unsigned, w = s * (q - centre) (+ o) (csrc/quant_linear.c); `unpack_q` gives Q4_0's nibble,
 # Q8_0's and Q6_K's signed q, which `pack` shifts by this much
 TO_UNSIGNED = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 128, "Q4_K": 0, "Q6_K": 32}
 
@@ -84,35 +84,43 @@ def block_type(ggml_id: int) -> BlockType:
         raise ValueError(f"ggml type {ggml_id} has no quantized kernel (supported: {names})") from None
 
 
-def unpack_blocks(t: BlockType, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """rows: uint8 [N, K / block * block_bytes] → (q [N, K] uint8 for 4-bit q (Q4_0: the nibble, centred by the
-    kernel), int8 otherwise; s [N, K / sub]; o [N, K / sub] or None), s and o as float16 (scale16) or float32.
-    w = s * q + o (Q4_0: s * (q - 8)) rounded as gguf-py's dequantization rounds it."""
-    n = rows.shape[0]
-    b = np.ascontiguousarray(rows, dtype=np.uint8).reshape(n, -1, t.block_bytes)
-    half = lambda a: a.copy().view(np.float16).reshape(n, -1)  # noqa: E731 - little-endian fp16 pairs
+def _blocks(t: BlockType, rows: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(rows, dtype=np.uint8).reshape(rows.shape[0], -1, t.block_bytes)
+
+
+def unpack_q(t: BlockType, rows: np.ndarray) -> np.ndarray:
+    """rows: uint8 [N, K / block * block_bytes] → q [N, K]: uint8 for the 4-bit types (Q4_0: the nibble, centred by
+    the kernel), int8 for Q8_0 and Q6_K (Q6_K's 6-bit q less 32, as gguf-py dequantizes it)."""
+    n, b = rows.shape[0], _blocks(t, rows)
     if t.name in ("Q4_0", "Q4_1"):
-        head = 2 if t.name == "Q4_0" else 4
-        qs = b[..., head:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # element i, then i + 16 of each block
-        return q, half(b[..., 0:2]), half(b[..., 2:4]) if t.offset else None
+        qs = b[..., 2 if t.name == "Q4_0" else 4:]
+        return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # element i, then i + 16 of each block
     if t.name == "Q8_0":
-        return b[..., 2:].copy().view(np.int8).reshape(n, -1), half(b[..., 0:2]), None
+        return b[..., 2:].copy().view(np.int8).reshape(n, -1)
     if t.name == "Q4_K":
-        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, blocks, 1]
-        dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = _k_scales(b[..., 4:16])
         qs = b[..., 16:].reshape(n, -1, 4, 32)  # four groups of 32 bytes: sub-blocks 2g (low) and 2g + 1 (high)
-        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1)
-        return q, (d * sc.astype(np.float32)).reshape(n, -1), (-(dmin * m.astype(np.float32))).reshape(n, -1)
+        return np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1)
     # Q6_K: ql [128], qh [64], scales int8 [16], d fp16
     ql, qh = b[..., :128].reshape(n, -1, 2, 1, 64), b[..., 128:192].reshape(n, -1, 2, 1, 32)
-    scales = b[..., 192:208].copy().view(np.int8).astype(np.float32)
-    d = b[..., 208:210].copy().view(np.float16).astype(np.float32)
     low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [n, blocks, 2, 2, 64]
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [n, blocks, 2, 4, 32]
     q = (low.reshape(n, -1, 2, 4, 32) | (high << 4)).astype(np.int8) - np.int8(32)
-    return q.reshape(n, -1), (d * scales).reshape(n, -1), None
+    return q.reshape(n, -1)
+
+
+def block_heads(t: BlockType, rows: np.ndarray) -> list[np.ndarray]:
+    """A layout block's head, as the kernel reads it, per row: arrays [N, blocks] of fp16 (s and o of Q4_0, Q4_1 and
+    Q8_0; d and dmin of Q4_K; d of Q6_K) and [N, blocks, sub-blocks] of bytes (Q4_K's sc then m, 6 bits each; Q6_K's
+    signed scales). w = s * q + o with s = d * sc and o = -(dmin * m) for Q4_K, s = d * scale for Q6_K."""
+    n, b = rows.shape[0], _blocks(t, rows)
+    half = lambda a: a.copy().view(np.float16).reshape(n, -1)  # noqa: E731 - little-endian fp16 pairs
+    if t.name in ("Q4_0", "Q8_0"):
+        return [half(b[..., 0:2])]
+    if t.name == "Q4_1":
+        return [half(b[..., 0:2]), half(b[..., 2:4])]
+    if t.name == "Q4_K":
+        return [half(b[..., 0:2]), half(b[..., 2:4]), *_k_scales(b[..., 4:16])]
+    return [half(b[..., 208:210]), b[..., 192:208].copy().view(np.int8)]  # Q6_K
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -187,27 +195,29 @@ class QuantKernel:
         if k % t.block or rows.ndim != 2 or rows.shape[1] != k // t.block * t.block_bytes:
             raise ValueError(f"{t.name}: rows of shape {tuple(rows.shape)} do not hold {k} depths in blocks of "
                              f"{t.block}")
-        q, s, o = unpack_blocks(t, rows)
-        panels, p, subs = -(-n // self.panel), self.panel, k // t.sub
+        panels, p, subs, blocks = -(-n // self.panel), self.panel, k // t.sub, k // t.block
         pad = panels * p - n
 
-        def by_panel(a: np.ndarray) -> np.ndarray:  # [N, subs, ...] → [panels, subs, ..., P], zero-padded columns
+        def by_panel(a: np.ndarray) -> np.ndarray:  # [N, blocks, ...] → [panels, blocks, ..., P], zero-padded columns
             a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
             a = a.reshape(panels, p, *a.shape[1:])
             return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
-        q = (q.astype(np.int16) + TO_UNSIGNED[t.name]).astype(np.uint8)  # unsigned: Q8_0 + 128, Q6_K + 32
+        q = (unpack_q(t, rows).astype(np.int16) + TO_UNSIGNED[t.name]).astype(np.uint8)  # unsigned: Q8_0 + 128, Q6_K + 32
         q = by_panel(q.reshape(n, subs, t.sub))  # [panels, subs, sub, P]
         if t.nibbles:  # groups of 8 depths: byte b of a column's lane holds depth 8g + b low, 8g + 4 + b high
-            q = q.reshape(panels, subs, t.sub // 8, 2, 4, p)
-            q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [panels, subs, groups, 4, P]
+            lanes = q.reshape(panels, subs, t.sub // 8, 2, 4, p) & 0x0F
+            lanes = lanes[:, :, :, 0] | (lanes[:, :, :, 1] << 4)  # [panels, subs, groups, 4, P]
+            if t.name == "Q6_K":  # then the high 2 bits of the sub-block's 16: byte b, bits 4g + 2h for depth 8g + 4h + b
+                high = (q >> 4).reshape(panels, subs, 2, 2, 4, p)  # [.., g, h, b, P]
+                shift = np.array([[0, 2], [4, 6]], dtype=np.uint8).reshape(1, 1, 2, 2, 1, 1)
+                high = np.bitwise_or.reduce((high << shift).reshape(panels, subs, 4, 4, p), axis=2)
+                lanes = np.concatenate([lanes, high[:, :, None]], axis=2)  # [panels, subs, groups + 1, 4, P]
         else:  # groups of 4 depths, byte b of a column's lane holding depth 4g + b
-            q = q.reshape(panels, subs, t.sub // 4, 4, p)
-        q = np.ascontiguousarray(np.swapaxes(q, -1, -2))  # [panels, subs, groups, P, 4]: one 32-bit lane a column
-        parts = [by_panel(s).view(np.uint8).reshape(panels, subs, -1)]
-        if o is not None:
-            parts.append(by_panel(o).view(np.uint8).reshape(panels, subs, -1))
-        parts.append(q.view(np.uint8).reshape(panels, subs, -1))
+            lanes = q.reshape(panels, subs, t.sub // 4, 4, p)
+        lanes = np.ascontiguousarray(np.swapaxes(lanes, -1, -2))  # [.., P, 4]: one 32-bit lane a column
+        parts = [by_panel(h).view(np.uint8).reshape(panels, blocks, -1) for h in block_heads(t, rows)]
+        parts.append(lanes.view(np.uint8).reshape(panels, blocks, -1))
         packed = np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1)
         expected = self._panel_bytes(t.ggml_id, k) * panels
         if packed.size != expected:  # the two sides of the layout disagree: a bug, never a silent misread

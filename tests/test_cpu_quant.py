@@ -85,6 +85,23 @@ def test_packed_blocks_dequantize_to_gguf_pys_floats(kernels, ggml_id, n):
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))  # bit for bit, signed zeros included
 
 
+# bytes a packed column keeps per block of the type against the file's: Q4_K's d and dmin stay fp16 and its 6-bit sc
+# and m take a byte each (148 against 144); every other type exactly as its file
+PACKED_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148, "Q6_K": 210}
+
+
+@per_isa
+@TYPES
+def test_packed_weights_keep_their_files_size(kernels, ggml_id):
+    q, _ = kernels
+    t = cpu_quant.BLOCK_TYPES[ggml_id]
+    n, k = 2 * q.panel, 768
+    rows = random_blocks(ggml_id, n, k)
+    packed = q.pack(ggml_id, rows, k)
+    assert packed.numel() == n * k // t.block * PACKED_BLOCK_BYTES[t.name]
+    assert packed.numel() <= rows.nbytes * 1.03
+
+
 @per_isa
 @TYPES
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17, 129])
@@ -185,6 +202,23 @@ def test_int8_activations_give_the_product_with_the_activations_quantized(kernel
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-6 * scale)
     assert not torch.equal(out, exact)  # the integer path ran, not the fp32 one
     torch.testing.assert_close(out, exact, rtol=0, atol=0.02 * scale)  # and 16-depth int8 is close to fp32
+
+
+@per_isa
+@TYPES
+def test_int8_rows_together_give_the_bits_of_rows_alone(kernels, ggml_id):
+    # one row reads a Q6_K panel as packed; 64 rows and more read the panel's wide copy (fp32 scales, q a byte
+    # each): the same sums in the same order, so the same bits (and so for every type, whatever the row count)
+    q, _ = kernels
+    if q.int8 == "none":
+        pytest.skip(f"the {q.isa} build has no integer dot product")
+    n, k = 70, 512
+    packed = q.pack(ggml_id, random_blocks(ggml_id, n, k, seed=5), k)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(5))
+    with activations(q, "int8"):
+        together = q(x, packed, ggml_id, n)
+        alone = torch.cat([q(x[i:i + 1], packed, ggml_id, n) for i in range(len(x))])
+    assert torch.equal(together, alone)
 
 
 @per_isa

@@ -55,6 +55,7 @@ typedef __mmask16 vmask;
 #define vcvt_round(v) _mm512_cvtps_epi32(v) /* to int32, rounding to nearest even */
 #define vstore(p, v) _mm512_storeu_ps(p, v)
 #define iload(p) _mm512_loadu_si512((const void *)(p))
+#define istore(p, v) _mm512_storeu_si512((void *)(p), v)
 #define as_vec(i) _mm512_castsi512_ps(i)
 #define ishl16(i) _mm512_slli_epi32(i, 16)
 #define ihigh16(i) _mm512_and_si512(i, _mm512_set1_epi32((int)0xFFFF0000u))
@@ -63,7 +64,9 @@ typedef __mmask16 vmask;
 #define iset1(v) _mm512_set1_epi32(v)
 #define ivand(a, b) _mm512_and_si512(a, b)
 #define ivxor(a, b) _mm512_xor_si512(a, b)
+#define ivor(a, b) _mm512_or_si512(a, b)
 #define ivshr(a, n) _mm512_srli_epi32(a, n)
+#define ivshl(a, n) _mm512_slli_epi32(a, n)
 #define widen_u8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))    /* VW bytes → VW int32 */
 #define widen_i8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define load_half(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))      /* VW fp16 → fp32, exact */
@@ -87,6 +90,7 @@ typedef __m256i vmask;
 #define vcvt_round(v) _mm256_cvtps_epi32(v)
 #define vstore(p, v) _mm256_storeu_ps(p, v)
 #define iload(p) _mm256_loadu_si256((const __m256i *)(p))
+#define istore(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 #define as_vec(i) _mm256_castsi256_ps(i)
 #define ishl16(i) _mm256_slli_epi32(i, 16)
 #define ihigh16(i) _mm256_and_si256(i, _mm256_set1_epi32((int)0xFFFF0000u))
@@ -95,7 +99,9 @@ typedef __m256i vmask;
 #define iset1(v) _mm256_set1_epi32(v)
 #define ivand(a, b) _mm256_and_si256(a, b)
 #define ivxor(a, b) _mm256_xor_si256(a, b)
+#define ivor(a, b) _mm256_or_si256(a, b)
 #define ivshr(a, n) _mm256_srli_epi32(a, n)
+#define ivshl(a, n) _mm256_slli_epi32(a, n)
 #define widen_u8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define widen_i8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define load_half(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))

@@ -4,16 +4,21 @@
  * holds. Here the weights stay quantized in memory and each panel is dequantized on the way to the FMAs, in the
  * thread that uses it, into a buffer that stays in cache, so DRAM sees only the quantized bytes.
  *
- * Every block type is w = s * q (+ o): q a small integer, s and o per output column and per sub-block of B depths
- * (B = 32; 16 for Q6_K). The packing (backends/cpu_quant.py) regroups a GGUF tensor's blocks into the column panels
- * of linear.c (PANEL columns, panel.h) and per sub-block of a panel writes
- *   s[PANEL] (fp16 as in the file for Q4_0, Q4_1, Q8_0; fp32 for the K-quants, whose s = d * sc is a product),
- *   o[PANEL] (Q4_1: m; Q4_K: -dmin * m; none for the others),
- *   q: unsigned, the centre c of the type subtracted on use (w = s * (q - c) (+ o): Q4_0 c = 8, Q8_0 128 (the
- *      file's signed byte + 128), Q6_K 32 (its 6-bit q widened to a byte), 0 for Q4_1 and Q4_K), in 32-bit lanes of
- *      4 consecutive depths of one column, what vpdpbusd multiplies: byte types as B/4 groups of [PANEL][4] bytes
- *      (group g, column j, byte b: depth 4g + b); 4-bit types as B/8 groups of [PANEL][4] bytes, byte b of column j
- *      in group g holding depth 8g + b in its low nibble and depth 8g + 4 + b in its high one.
+ * Every block type is w = s * q (+ o): q a small integer, s and o per output column and per sub-block of SUB depths
+ * (32; 16 for Q6_K). The packing (backends/cpu_quant.py) regroups a GGUF tensor's blocks into the column panels
+ * of linear.c (PANEL columns, panel.h), keeping each type's bytes as its file keeps them, per block of SUPER
+ * depths (a panel is K / SUPER such blocks):
+ * - Q4_0, Q4_1, Q8_0 (SUPER = SUB = 32): s[PANEL] fp16 (Q4_1: then o = m [PANEL] fp16), then q;
+ * - the K-quants (SUPER = 256): d[PANEL] fp16 (Q4_K: then dmin [PANEL] fp16), the sub-blocks' scales
+ *   [SUPER / SUB][PANEL] (Q4_K: sc, 6 bits in a byte, then m; Q6_K: a signed byte), then the sub-blocks' q;
+ *   s = d * sc and o = -(dmin * m) are formed in registers (exact in fp32: an 11-bit times a 6- or 8-bit integer).
+ *   Per column 4.625 bits a weight for Q4_K (the file: 4.5), 6.5625 for Q6_K (as the file).
+ * q: unsigned, the centre c of the type subtracted on use (w = s * (q - c) (+ o): Q4_0 c = 8, Q8_0 128 (the file's
+ * signed byte + 128), Q6_K 32, 0 for Q4_1 and Q4_K), in 32-bit lanes of 4 depths of one column, what vpdpbusd
+ * multiplies: byte types (Q8_0) as SUB/4 groups of [PANEL][4] bytes (group g, column j, byte b: depth 4g + b);
+ * 4-bit types as SUB/8 groups of [PANEL][4] bytes, byte b of column j in group g holding depth 8g + b in its low
+ * nibble and depth 8g + 4 + b in its high one; Q6_K's 6 bits as its low 4 in that nibble layout, then one more
+ * [PANEL][4] bytes per sub-block with the high 2 (byte b: bits 4g + 2h for depth 8g + 4h + b, g and h 0 or 1).
  * Dequantization rounds as the reference (gguf-py's, what transformers and odma's fp32 cache use) does: s * q
  * rounded, then + o rounded (the library is built with -ffp-contract=off), so a panel holds the very floats of the
  * dequantized fp32 model, and the FMAs after it (panel.h's, in k order) give the fp32 kernel's bits.
@@ -40,20 +45,29 @@
 #define TILE_ROWS_MAX 128 /* more rows: the whole panel dequantized into a buffer */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type ids */
+/* Q6_K's wide form, a panel's copy for passes over many rows (widen_panel): never packed, not a ggml type */
+enum { Q6_K_WIDE = 1014 };
 
 /* each type's qformat fields in order, the constant arguments of the specialised kernels below */
-#define F_Q4_0 32, 1, 0, 1, 8
-#define F_Q4_1 32, 1, 1, 1, 0
-#define F_Q8_0 32, 1, 0, 0, 128
-#define F_Q4_K 32, 0, 1, 1, 0
-#define F_Q6_K 16, 0, 0, 0, 32
+#define F_Q4_0 32, 32, 0, 1, 0, 8, 0
+#define F_Q4_1 32, 32, 1, 1, 0, 0, 0
+#define F_Q8_0 32, 32, 0, 0, 0, 128, 0
+#define F_Q4_K 32, 256, 1, 1, 0, 0, 0
+#define F_Q6_K 16, 256, 0, 1, 1, 32, 0
+#define F_Q6_K_WIDE 16, 16, 0, 0, 0, 32, 1
+/* the same fields as the constant parameters of those kernels, and passed on */
+#define QF_PARAMS                                                                                  \
+    const int SUB, const int SUPER, const int OFFSET, const int NIBBLES, const int HIGH2, const int CENTRE, const int WIDE
+#define QF_ARGS SUB, SUPER, OFFSET, NIBBLES, HIGH2, CENTRE, WIDE
 
 typedef struct {
-    int sub;      /* depths per sub-block */
-    int scale16;  /* s and o in fp16 (else fp32) */
+    int sub;      /* depths per sub-block (one s, o) */
+    int super;    /* depths per block of the layout: sub, or 256 for the K-quants' d (and dmin) */
     int offset;   /* o present */
     int nibbles;  /* 4-bit q (else one byte each) */
+    int high2;    /* Q6_K: 2 more bits of q per depth, after the nibbles */
     int centre;   /* subtracted from q before scaling */
+    int wide;     /* s and o in fp32 (the wide form), else fp16 */
 } qformat;
 
 static int format_of(int type, qformat *f) {
@@ -67,9 +81,21 @@ static int format_of(int type, qformat *f) {
     }
 }
 
-static int64_t sub_block_bytes(const qformat *f, int64_t panel) {
-    const int64_t scale_bytes = panel * (f->scale16 ? 2 : 4) * (f->offset ? 2 : 1);
-    return scale_bytes + (f->nibbles ? f->sub / 2 : f->sub) * panel;
+/* bytes of a layout block's head (d or s, dmin or o, the K-quants' sub-block scales), of one sub-block's q, and of
+ * the whole block, for one panel of PANEL columns */
+static inline int64_t head_bytes(QF_PARAMS) {
+    (void)NIBBLES; (void)HIGH2; (void)CENTRE;
+    return PANEL * (WIDE ? 4 : 2) * (OFFSET ? 2 : 1) + (SUPER > SUB ? SUPER / SUB * PANEL * (OFFSET ? 2 : 1) : 0);
+}
+static inline int64_t q_sub_bytes(QF_PARAMS) {
+    (void)SUPER; (void)OFFSET; (void)CENTRE; (void)WIDE;
+    return ((NIBBLES ? SUB / 2 : SUB) + (HIGH2 ? SUB / 4 : 0)) * PANEL;
+}
+static inline int64_t layout_block_bytes(QF_PARAMS) {
+    return head_bytes(QF_ARGS) + SUPER / SUB * q_sub_bytes(QF_ARGS);
+}
+static int64_t format_block_bytes(const qformat *f) {
+    return layout_block_bytes(f->sub, f->super, f->offset, f->nibbles, f->high2, f->centre, f->wide);
 }
 
 int odma_quant_panel(void) { return PANEL; }
@@ -86,44 +112,128 @@ int odma_quant_openmp(void) {
 /* Bytes of one packed panel of depth K (a multiple of the type's block), or -1 for an unknown type or depth. */
 int64_t odma_quant_panel_bytes(int type, int64_t K) {
     qformat f;
-    if (format_of(type, &f) || K < 1 || K % f.sub || !PANEL) return -1;
-    return K / f.sub * sub_block_bytes(&f, PANEL);
+    if (format_of(type, &f) || K < 1 || K % f.super || !PANEL) return -1;
+    return K / f.super * format_block_bytes(&f);
 }
 
 #ifdef ODMA_HAVE_PANEL
-ALWAYS_INLINE vec load_scale(const char *p, const int SCALE16) { return SCALE16 ? load_half(p) : vload(p); }
+/* Where sub-block k0 / SUB of a panel lies: its layout block (blk), its index there (j) and its q. Prefetches the
+ * bytes PREFETCH_AHEAD past this sub-block's own (with its block's head at the block's first). */
+#define LOCATE_SUB(src, k0)                                                                        \
+    const char *blk = (src) + (k0) / SUPER * block_bytes;                                          \
+    const int j = (int)((k0) % SUPER / SUB);                                                       \
+    const char *q = blk + head + j * q_bytes;                                                      \
+    {                                                                                              \
+        const char *from = j ? q : blk;                                                            \
+        for (int64_t line = 0; line < q_bytes + (j ? 0 : head); line += 64)                       \
+            _mm_prefetch(from + PREFETCH_AHEAD + line, _MM_HINT_T0);                               \
+    }
+/* the byte counts LOCATE_SUB reads, for the format in scope */
+#define LAYOUT_SIZES                                                                               \
+    const int64_t head = head_bytes(QF_ARGS), q_bytes = q_sub_bytes(QF_ARGS);                      \
+    const int64_t block_bytes = head + SUPER / SUB * q_bytes;
 
-/* depths per group of lanes: 8 for 4-bit q, 4 for bytes (NIBBLES is in scope at every use) */
+/* Sub-block j's scale and offset for column vector c, from its layout block's head: plain types keep them in fp16,
+ * the K-quants form them from d (dmin) and the sub-block's integer scale (min), each product exact in fp32. */
+ALWAYS_INLINE void sub_scales(const char *blk, int j, int c, vec *sc, vec *oc, QF_PARAMS) {
+    (void)NIBBLES; (void)HIGH2; (void)CENTRE;
+    *oc = vzero();
+    if (WIDE) {
+        *sc = vload(blk + c * VW * 4);
+        if (OFFSET) *oc = vload(blk + PANEL * 4 + c * VW * 4);
+        return;
+    }
+    const vec d = load_half(blk + c * VW * 2);
+    if (SUPER == SUB) {
+        *sc = d;
+        if (OFFSET) *oc = load_half(blk + PANEL * 2 + c * VW * 2);
+        return;
+    }
+    const char *k = blk + PANEL * 2 * (OFFSET ? 2 : 1); /* the sub-blocks' scales, then (Q4_K) their mins */
+    if (OFFSET) { /* Q4_K: s = d * sc, o = -(dmin * m) */
+        *sc = vmul(d, vcvt_i32(widen_u8(k + j * PANEL + c * VW)));
+        const vec neg_dmin = vmul(load_half(blk + PANEL * 2 + c * VW * 2), vset1(-1.0f));
+        *oc = vmul(neg_dmin, vcvt_i32(widen_u8(k + (SUPER / SUB + j) * PANEL + c * VW)));
+    } else { /* Q6_K: s = d * scale, a signed byte */
+        *sc = vmul(d, vcvt_i32(widen_i8(k + j * PANEL + c * VW)));
+    }
+}
+
+/* depths per group of lanes: 8 for 4-bit (and Q6_K's) q, 4 for bytes (NIBBLES is in scope at every use) */
 #define GROUP (NIBBLES ? 8 : 4)
 
-/* q of depth b (< GROUP) of a group, from the group's lanes, as int32 */
-ALWAYS_INLINE ivec lane_q(ivec v, int b, const int NIBBLES) {
+/* Q6_K's high-bit lanes of column vector c of a sub-block (q its first group); zero for other types */
+#define HIGH_LANES(q, c) (HIGH2 ? iload((q) + SUB / 8 * PANEL * 4 + (c) * VW * 4) : iset1(0))
+
+/* Q6_K's q of group g as bytes: lo holds depths 8g + b, hi 8g + 4 + b (b = 0..3), the low 4 bits from the nibble
+ * lanes v, bits 4 and 5 from the sub-block's high lanes vh */
+ALWAYS_INLINE void six_bit_lanes(ivec v, ivec vh, int g, ivec *lo, ivec *hi) {
+    *lo = ivor(ivand(v, iset1(0x0F0F0F0F)), ivshl(ivand(ivshr(vh, 4 * g), iset1(0x03030303)), 4));
+    *hi = ivor(ivand(ivshr(v, 4), iset1(0x0F0F0F0F)), ivshl(ivand(ivshr(vh, 4 * g + 2), iset1(0x03030303)), 4));
+}
+
+/* q of depth b (< GROUP) of a group, from the group's lanes v (Q6_K: from its bytes lo and hi), as int32 */
+ALWAYS_INLINE ivec lane_q(ivec v, ivec lo, ivec hi, int b, const int NIBBLES, const int HIGH2) {
+    if (HIGH2) return ivand(ivshr(b < 4 ? lo : hi, 8 * (b & 3)), iset1(255));
     if (NIBBLES) return ivand(ivshr(v, b < 4 ? 8 * b : 8 * (b - 4) + 4), iset1(15));
     return ivand(ivshr(v, 8 * b), iset1(255));
 }
 
-/* One panel's K depths into dst [K][PANEL] fp32. The format's fields are constants at each call site below. */
-ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const int SUB, const int SCALE16,
-                                 const int OFFSET, const int NIBBLES, const int CENTRE) {
-    const int ss = SCALE16 ? 2 : 4;
-    const int64_t sub_bytes = PANEL * ss * (OFFSET ? 2 : 1) + (NIBBLES ? SUB / 2 : SUB) * PANEL;
-    for (int64_t k0 = 0; k0 < K; k0 += SUB) {
-        const char *s = src, *o = src + PANEL * ss, *q = src + PANEL * ss * (OFFSET ? 2 : 1);
-        for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(src + PREFETCH_AHEAD + line, _MM_HINT_T0);
+/* a group's lanes v at q, and for Q6_K its bytes lo and hi */
+#define GROUP_LANES(g, c)                                                                          \
+    const ivec v = iload(q + (g) * PANEL * 4 + (c) * VW * 4);                                      \
+    ivec lo = v, hi = v;                                                                           \
+    if (HIGH2) six_bit_lanes(v, vh, g, &lo, &hi);
+
+/* depths [k_begin, k_begin + depth) of one panel into dst [depth][PANEL] fp32. The format's fields are constants at
+ * each call site below. */
+ALWAYS_INLINE void dequant_panel(const char *src, int64_t k_begin, int64_t depth, float *dst, QF_PARAMS) {
+    LAYOUT_SIZES
+    for (int64_t k0 = k_begin; k0 < k_begin + depth; k0 += SUB) {
+        LOCATE_SUB(src, k0)
         for (int c = 0; c < 3; c++) {
-            const vec sc = load_scale(s + c * VW * ss, SCALE16);
-            const vec oc = OFFSET ? load_scale(o + c * VW * ss, SCALE16) : vzero();
-            float *d = dst + k0 * PANEL + c * VW;
+            vec sc, oc;
+            sub_scales(blk, j, c, &sc, &oc, QF_ARGS);
+            const ivec vh = HIGH_LANES(q, c);
+            float *d = dst + (k0 - k_begin) * PANEL + c * VW;
             for (int g = 0; g < SUB / GROUP; g++) {
-                const ivec v = iload(q + g * PANEL * 4 + c * VW * 4);
+                GROUP_LANES(g, c)
                 for (int b = 0; b < GROUP; b++) {
-                    vec w = vmul(vcvt_i32(ivadd(lane_q(v, b, NIBBLES), iset1(-CENTRE))), sc);
+                    vec w = vmul(vcvt_i32(ivadd(lane_q(v, lo, hi, b, NIBBLES, HIGH2), iset1(-CENTRE))), sc);
                     if (OFFSET) w = vadd(w, oc);
                     vstore(d + (g * GROUP + b) * PANEL, w);
                 }
             }
         }
-        src += sub_bytes;
+    }
+}
+
+/* A Q6_K panel in its wide form (F_Q6_K_WIDE) at dst: per sub-block s in fp32, then q a byte a depth. Passes over
+ * many rows read it instead of the file's form, so that each sub-block's scale and high bits are put together once
+ * per panel rather than once per pass. (Written for any K-quant; only Q6_K's pays.) */
+ALWAYS_INLINE void widen_panel(const char *src, int64_t K, char *dst, QF_PARAMS) {
+    LAYOUT_SIZES
+    const int64_t wide_q = (HIGH2 || !NIBBLES ? SUB : SUB / 2) * PANEL;
+    for (int64_t k0 = 0; k0 < K; k0 += SUB) {
+        LOCATE_SUB(src, k0)
+        float *s = (float *)dst;
+        char *wq = dst + PANEL * 4 * (OFFSET ? 2 : 1);
+        for (int c = 0; c < 3; c++) {
+            vec sc, oc;
+            sub_scales(blk, j, c, &sc, &oc, QF_ARGS);
+            vstore(s + c * VW, sc);
+            if (OFFSET) vstore(s + PANEL + c * VW, oc);
+            if (HIGH2) { /* groups 2g and 2g + 1 of four depths each: the bytes lo and hi of nibble group g */
+                const ivec vh = HIGH_LANES(q, c);
+                for (int g = 0; g < SUB / 8; g++) {
+                    GROUP_LANES(g, c)
+                    istore(wq + 2 * g * PANEL * 4 + c * VW * 4, lo);
+                    istore(wq + (2 * g + 1) * PANEL * 4 + c * VW * 4, hi);
+                }
+            }
+        }
+        if (!HIGH2) memcpy(wq, q, (size_t)q_bytes);
+        dst = wq + wide_q;
     }
 }
 
@@ -132,12 +242,13 @@ ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const i
  * so each accumulator still sums its depths in order. */
 #define FUSED_COL(c)                                                                               \
     {                                                                                              \
-        const vec sc = load_scale(s + c * VW * ss, SCALE16);                                       \
-        const vec oc = OFFSET ? load_scale(o + c * VW * ss, SCALE16) : vzero();                    \
+        vec sc, oc;                                                                                \
+        sub_scales(blk, j, c, &sc, &oc, QF_ARGS);                                                  \
+        const ivec vh = HIGH_LANES(q, c);                                                          \
         for (int g = 0; g < SUB / GROUP; g++) {                                                    \
-            const ivec v = iload(q + g * PANEL * 4 + c * VW * 4);                                  \
+            GROUP_LANES(g, c)                                                                      \
             for (int b = 0; b < GROUP; b++) {                                                      \
-                vec w = vmul(vcvt_i32(ivadd(lane_q(v, b, NIBBLES), iset1(-CENTRE))), sc);          \
+                vec w = vmul(vcvt_i32(ivadd(lane_q(v, lo, hi, b, NIBBLES, HIGH2), iset1(-CENTRE))), sc); \
                 if (OFFSET) w = vadd(w, oc);                                                       \
                 MAC_ALL(c, k0 + g * GROUP + b, w)                                                  \
             }                                                                                      \
@@ -145,16 +256,13 @@ ALWAYS_INLINE void dequant_panel(const char *src, int64_t K, float *dst, const i
     }
 
 ALWAYS_INLINE void fused_rows(const float *x, int64_t ldx, const char *src, int64_t K, const float *bias,
-                              int64_t cols, float *y, int64_t ldy, const int R, const int SUB, const int SCALE16,
-                              const int OFFSET, const int NIBBLES, const int CENTRE) {
-    const int MODE = W_F32, ss = SCALE16 ? 2 : 4;
-    const int64_t sub_bytes = PANEL * ss * (OFFSET ? 2 : 1) + (NIBBLES ? SUB / 2 : SUB) * PANEL;
+                              int64_t cols, float *y, int64_t ldy, const int R, QF_PARAMS) {
+    const int MODE = W_F32;
+    LAYOUT_SIZES
     DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3) DECLARE(4) DECLARE(5) DECLARE(6) DECLARE(7)
     for (int64_t k0 = 0; k0 < K; k0 += SUB) {
-        const char *s = src, *o = src + PANEL * ss, *q = src + PANEL * ss * (OFFSET ? 2 : 1);
-        for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(src + PREFETCH_AHEAD + line, _MM_HINT_T0);
+        LOCATE_SUB(src, k0)
         FUSED_COL(0) FUSED_COL(1) FUSED_COL(2)
-        src += sub_bytes;
     }
     const vmask m0 = first_n(cols), m1 = first_n(cols - VW), m2 = first_n(cols - 2 * VW);
     const vec b0 = load_bias(bias, 0, m0, MODE), b1 = load_bias(bias, VW, m1, MODE), b2 = load_bias(bias, 2 * VW, m2, MODE);
@@ -185,13 +293,13 @@ static void panel_f32(const float *x, int64_t M, int64_t ldx, const float *w, in
     panel_all_rows(x, M, ldx, (const char *)w, K, bias, cols, y, ldy, 0, W_F32); /* w is in cache: no prefetch */
 }
 
-static void dequant_any(int type, const char *src, int64_t K, float *dst) {
+static void dequant_any(int type, const char *src, int64_t k_begin, int64_t depth, float *dst) {
     switch (type) {
-    case Q4_0: dequant_panel(src, K, dst, F_Q4_0); break;
-    case Q4_1: dequant_panel(src, K, dst, F_Q4_1); break;
-    case Q8_0: dequant_panel(src, K, dst, F_Q8_0); break;
-    case Q4_K: dequant_panel(src, K, dst, F_Q4_K); break;
-    case Q6_K: dequant_panel(src, K, dst, F_Q6_K); break;
+    case Q4_0: dequant_panel(src, k_begin, depth, dst, F_Q4_0); break;
+    case Q4_1: dequant_panel(src, k_begin, depth, dst, F_Q4_1); break;
+    case Q8_0: dequant_panel(src, k_begin, depth, dst, F_Q8_0); break;
+    case Q4_K: dequant_panel(src, k_begin, depth, dst, F_Q4_K); break;
+    case Q6_K: dequant_panel(src, k_begin, depth, dst, F_Q6_K); break;
     }
 }
 
@@ -386,12 +494,16 @@ static void quantize_rows(const float *x, int64_t M, int64_t ldx, int64_t K, qro
     }
 #define INT_COL(c)                                                                                 \
     {                                                                                              \
-        const vec sc = load_scale(s + c * VW * ss, SCALE16);                                       \
-        const vec oc = OFFSET ? load_scale(o + c * VW * ss, SCALE16) : vzero();                    \
+        vec sc, oc;                                                                                \
+        sub_scales(blk, j, c, &sc, &oc, QF_ARGS);                                                  \
+        const ivec vh = HIGH_LANES(q, c);                                                          \
         for (int g = 0; g < SUB / GROUP; g++) {                                                    \
-            const ivec v = iload(q + g * PANEL * 4 + c * VW * 4);                                  \
+            GROUP_LANES(g, c)                                                                      \
             if (NIBBLES) {                                                                         \
-                const ivec lo = ivand(v, iset1(0x0F0F0F0F)), hi = ivand(ivshr(v, 4), iset1(0x0F0F0F0F)); \
+                if (!HIGH2) {                                                                      \
+                    lo = ivand(v, iset1(0x0F0F0F0F));                                              \
+                    hi = ivand(ivshr(v, 4), iset1(0x0F0F0F0F));                                    \
+                }                                                                                  \
                 INT_DOT_ALL(lo, v, k0 + 8 * g)                                                     \
                 INT_DOT_ALL(hi, v, k0 + 8 * g + 4)                                                 \
             } else if (SIGNED_Q8) {                                                                \
@@ -409,18 +521,15 @@ static void quantize_rows(const float *x, int64_t M, int64_t ldx, int64_t K, qro
 
 /* R (<= INT_ROWS) quantized rows times one packed panel, y = acc + bias */
 ALWAYS_INLINE void int8_rows(qrows a, int64_t K, const char *src, const float *bias, int64_t cols, float *y,
-                             int64_t ldy, const int R, const int SUB, const int SCALE16, const int OFFSET,
-                             const int NIBBLES, const int CENTRE) {
-    const int MODE = W_F32, ss = SCALE16 ? 2 : 4;
-    const int64_t sub_bytes = PANEL * ss * (OFFSET ? 2 : 1) + (NIBBLES ? SUB / 2 : SUB) * PANEL;
+                             int64_t ldy, const int R, QF_PARAMS) {
+    const int MODE = W_F32;
+    LAYOUT_SIZES
     DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3)
     INT_DECLARE(0) INT_DECLARE(1) INT_DECLARE(2) INT_DECLARE(3)
     for (int64_t k0 = 0; k0 < K; k0 += SUB) {
-        const char *s = src, *o = src + PANEL * ss, *q = src + PANEL * ss * (OFFSET ? 2 : 1);
-        for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(src + PREFETCH_AHEAD + line, _MM_HINT_T0);
+        LOCATE_SUB(src, k0)
         INT_ROW_SCALARS(0) INT_ROW_SCALARS(1) INT_ROW_SCALARS(2) INT_ROW_SCALARS(3)
         INT_COL(0) INT_COL(1) INT_COL(2)
-        src += sub_bytes;
     }
     const vmask m0 = first_n(cols), m1 = first_n(cols - VW), m2 = first_n(cols - 2 * VW);
     const vec b0 = load_bias(bias, 0, m0, MODE), b1 = load_bias(bias, VW, m1, MODE), b2 = load_bias(bias, 2 * VW, m2, MODE);
@@ -434,11 +543,29 @@ ALWAYS_INLINE void int8_rows(qrows a, int64_t K, const char *src, const float *b
     case Q8_0: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q8_0); break;                       \
     case Q4_K: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q4_K); break;                       \
     case Q6_K: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q6_K); break;                       \
+    case Q6_K_WIDE: int8_rows(am, K, src, bias, cols, ym, ldy, R, F_Q6_K_WIDE); break;             \
     }
+
+/* From this many rows a Q6_K panel is widened once (its high bits put back, its scales formed) and the passes read
+ * the copy: scripts/gemm_int8_rows.py, Zen 5, one thread: 1.08x at 64 rows, 1.1-1.2x at 128-256, slower at 8-32.
+ * Q4_K's copy was slower at every row count tried (8-256): forming its scales in each pass costs less. */
+#define WIDE_ROWS 64
+
+/* the calling thread's wide copy of a Q6_K panel */
+static __thread grow_buffer wide_buf;
 
 /* every quantized row times one packed panel, INT_ROWS at a time (the panel stays in cache after the first pass) */
 static void int8_panel(int type, qrows a, int64_t M, int64_t K, const char *src, const float *bias, int64_t cols,
                        float *y, int64_t ldy) {
+    if (type == Q6_K && M >= WIDE_ROWS) { /* the wide form (the file's if there is no room for it) */
+        const qformat f = {F_Q6_K_WIDE};
+        char *wide = (char *)grown(&wide_buf, (K / f.sub * format_block_bytes(&f) + 3) / 4);
+        if (wide) {
+            widen_panel(src, K, wide, F_Q6_K);
+            src = wide;
+            type = Q6_K_WIDE;
+        }
+    }
     for (int64_t m = 0; m < M; m += INT_ROWS) {
         const qrows am = {a.q + m * K, a.d + m * (K / XB), a.sum + m * (K / XB)};
         float *ym = y + m * ldy;
@@ -467,9 +594,6 @@ int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *pac
     const int64_t panel_bytes = odma_quant_panel_bytes(type, K);
     if (panel_bytes < 0 || M < 0 || N < 1 || ldx < K || ldy < N) return -2;
     if (!M) return 0;
-    qformat f;
-    format_of(type, &f);
-    const int64_t sub_bytes = sub_block_bytes(&f, PANEL);
     const int64_t panels = (N + PANEL - 1) / PANEL;
     int failed = 0;
     (void)threads;
@@ -505,13 +629,13 @@ int odma_quant_linear(const float *x, int64_t M, int64_t ldx, const uint8_t *pac
             continue;
         }
         if (M > TILE_ROWS_MAX) {
-            dequant_any(type, src, K, buf);
+            dequant_any(type, src, 0, K, buf);
             panel_f32(x, M, ldx, buf, K, bias ? bias + col : 0, cols, y + col, ldy);
             continue;
         }
         for (int64_t k0 = 0; k0 < K; k0 += TILE_K) {
             const int64_t depth = K - k0 < TILE_K ? K - k0 : TILE_K;
-            dequant_any(type, src + k0 / f.sub * sub_bytes, depth, buf);
+            dequant_any(type, src, k0, depth, buf);
             tile_all_rows(x + k0, M, ldx, buf, depth, bias ? bias + col : 0, cols, y + col, ldy, k0 == 0,
                           k0 + depth >= K);
         }
@@ -533,7 +657,7 @@ int odma_quant_dequantize(const uint8_t *packed, int type, int64_t K, int64_t N,
     float *buf = grown(&tile_buf, K * PANEL);
     if (!buf) return -3;
     for (int64_t p = 0; p * PANEL < N; p++) {
-        dequant_any(type, (const char *)packed + p * panel_bytes, K, buf);
+        dequant_any(type, (const char *)packed + p * panel_bytes, 0, K, buf);
         for (int64_t j = 0; j < PANEL && p * PANEL + j < N; j++)
             for (int64_t k = 0; k < K; k++) out[(p * PANEL + j) * K + k] = buf[k * PANEL + j];
     }
