@@ -30,7 +30,7 @@ class CPUBackend(Backend):
         return cpu_linear.load()
 
     def decode_step(self) -> DecodeStepKernel | None:
-        return cpu_step.load() if cpu_step.step_mode() == "native" else None
+        return cpu_step.load() if cpu_step.step_mode() != "python" else None
 
     def virtual_memory(self) -> HostVMM | None:
         return open_host_vmm()

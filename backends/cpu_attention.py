@@ -94,6 +94,28 @@ class DecodeAttention:
             half=dtypes == {torch.float16},
         )
 
+    def plan_tokens(self, slots, workers: int | None = None) -> DecodeBatch | None:
+        """Every token row of a step as a row of its own, for the decode-step kernel (backends/cpu_step.py): a prefill
+        chunk's rows share their request's block, each over its causal prefix (lens start + 1 .. start + q_len); the
+        kernel writes every row's k and v before any row attends. None where a block is paged or unreadable, or a
+        chunk would pass its block's capacity. Not for `__call__`, which takes one row per request."""
+        if any(s.pages is not None or not _readable(s.kv) or s.start + s.q_len > s.kv.shape[2] for s in slots):
+            return None
+        dtypes = {s.kv.dtype for s in slots}
+        if len(dtypes) > 1:
+            raise ValueError(f"one step's blocks in several dtypes ({sorted(map(str, dtypes))}): one arena has one")
+        lens = [n for s in slots for n in range(s.start + 1, s.start + s.q_len + 1)]
+
+        def per_row(value) -> torch.Tensor:
+            return torch.tensor([value(s) for s in slots for _ in range(s.q_len)], dtype=torch.long)
+
+        return DecodeBatch(
+            kernel=self, picked=frozenset(range(len(slots))), rows=None,
+            blocks=per_row(lambda s: s.kv.data_ptr()), layer_stride=per_row(lambda s: s.kv.stride(0)),
+            half_stride=per_row(lambda s: s.kv.stride(1)), lens=torch.tensor(lens, dtype=torch.long),
+            shares=[(0, len(lens))], half=dtypes == {torch.float16},
+        )
+
     def __call__(self, batch: DecodeBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, heads, dim], k/v [B, kv_heads, dim] (fp32) for the planned requests; writes k, v into the
         blocks at row lens-1 and returns the attention output [B, heads, dim]."""

@@ -26,13 +26,15 @@ _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 _PORTABLE = ("-O3", "-ffast-math", "-fPIC")
 # GemmPart.type of linear.c's fp32 and bf16 panels; otherwise the GGUF block type of quant_linear.c
 FP32_PANELS, BF16_PANELS = -1, -2
-MODES = ("native", "python")
+MODES = ("native", "decode", "python")
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
 def step_mode() -> str:
-    """ODMA_CPU_STEP: native (default: decode steps through this kernel where the model allows) | python (the
-    model's own layers: A/B measurements). Checked: a typo must not silently pick the other path."""
+    """ODMA_CPU_STEP: native (default: every step through this kernel where the model allows, a prefill chunk's
+    rows each as a row of its own) | decode (steps with prefill rows through the model's own layers) | python (the
+    model's own layers for every step). The last two for A/B measurements. Checked: a typo must not silently pick
+    another path."""
     mode = os.environ.get("ODMA_CPU_STEP", "native").strip().lower() or "native"
     if mode not in MODES:
         raise BackendError(f"ODMA_CPU_STEP={mode!r}: expected one of {', '.join(MODES)}")

@@ -1,4 +1,4 @@
-/* Decoder layers of a decode step in one call (CPU): every request feeds one token.
+/* Decoder layers of a step in one call (CPU): decode rows, and a prefill chunk's rows each as a row of its own.
  *
  * Why: a decode step of a small model at one stream is mostly not arithmetic. SmolLM2-135M's step at batch 1
  * took 10.6 ms on a Zen 5 core, of which ~4.8 ms were Python and small torch ops around 30 layers (norms, the
@@ -71,8 +71,9 @@ typedef struct {
     int64_t bf16; /* a bf16 model: activations rounded to bf16 where its torch ops round them */
 } odma_shape;
 
-/* The step: request b's block at address blocks[b], its layer l's K at l * layer_stride[b] elements, V half_stride[b]
- * further (decode_attention.c's layout); lens[b] its context including this step's token (at position lens[b]-1). */
+/* The step: row b's block at address blocks[b], its layer l's K at l * layer_stride[b] elements, V half_stride[b]
+ * further (decode_attention.c's layout); lens[b] its context including its token (at position lens[b]-1). Rows of
+ * one request's prefill chunk share its block, lens one apart. */
 typedef struct {
     int64_t batch, threads;
     const int64_t *blocks, *layer_stride, *half_stride, *lens;
@@ -168,7 +169,9 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
         rmsnorm(x, L->attn_norm, B, H, S->eps, bf16, h);
         if ((code = linear(&L->qkv, h, B, wide, threads, xs, ys))) break;
         const int64_t row = qd + 2 * kvd;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
+        /* every row's k and v into its block first: a prefill chunk's rows are rows of one request, each attending
+         * over the ones before it */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && B > 1)
         for (int64_t b = 0; b < B; b++) {
             const int64_t n = step->lens[b];
             float *qb = wide + b * row, *kb = qb + qd, *vb = kb + kvd;
@@ -176,16 +179,21 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
             rotate(qb, heads, D, table, bf16);
             rotate(kb, kvh, D, table, bf16);
             char *K = (char *)(intptr_t)step->blocks[b] + l * step->layer_stride[b] * elem;
-            char *V = K + step->half_stride[b] * elem;
             kv_put(K, n - 1, kvd, kb, step->half);
-            kv_put(V, n - 1, kvd, vb, step->half);
+            kv_put(K + step->half_stride[b] * elem, n - 1, kvd, vb, step->half);
+        }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t n = step->lens[b];
+            const char *K = (const char *)(intptr_t)step->blocks[b] + l * step->layer_stride[b] * elem;
+            const char *V = K + step->half_stride[b] * elem;
 #ifdef _OPENMP
             float *mine = scores + (int64_t)omp_get_thread_num() * per_thread;
 #else
             float *mine = scores;
 #endif
             float *ob = att + b * qd;
-            attend_any(K, V, n, kvh, qb, ob, mine, mine + heads * max_len, scale, group, D, step->half);
+            attend_any(K, V, n, kvh, wide + b * row, ob, mine, mine + heads * max_len, scale, group, D, step->half);
             if (bf16)
                 for (int64_t i = 0; i < qd; i++) ob[i] = as_model(ob[i], bf16);
         }

@@ -210,6 +210,13 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
+    def _native_prefill(self, attention, seqs: list[SeqSlot]) -> bool:
+        """Whether a step with prefill rows goes to the native layers too, each of its rows as a row of its own:
+        where they exist and take it (NativeLayers.takes_prefill) and nothing hooks the last layer (prompt logprobs
+        read its output in Python)."""
+        return (self.native_layers is not None and hasattr(attention, "plan_tokens")
+                and not self.model.layers[-1]._forward_hooks and self.native_layers.takes_prefill(seqs))
+
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         c = self.config
         size = torch.tensor([], dtype=dtype or self.dtype).element_size()
@@ -231,7 +238,10 @@ class CausalLM(nn.Module):
         elif getattr(attention, "fuses_rotary", False):
             decode = attention.plan_step(seqs, rotary=self.rotary.table(max(s.start + s.q_len for s in seqs)))
         else:
-            decode = attention.plan_step(seqs)
+            decode = None
+            if self._native_prefill(attention, seqs):
+                decode = attention.plan_tokens(seqs)
+            decode = decode or attention.plan_step(seqs)
         native = self.native_layers if self.native_layers is not None and self.native_layers.serves(decode) else None
         if native is not None or (decode is not None and decode.rows is None and decode.rotates):
             cos = sin = None  # the kernels rotate
