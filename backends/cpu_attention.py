@@ -94,7 +94,7 @@ class DecodeAttention:
             half=dtypes == {torch.float16},
         )
 
-    def plan_tokens(self, slots, workers: int | None = None) -> DecodeBatch | None:
+    def plan_tokens(self, slots) -> DecodeBatch | None:
         """Every token row of a step as a row of its own, for the decode-step kernel (backends/cpu_step.py): a prefill
         chunk's rows share their request's block, each over its causal prefix (lens start + 1 .. start + q_len); the
         kernel writes every row's k and v before any row attends. None where a block is paged or unreadable, or a
