@@ -61,6 +61,13 @@ def activations(kernel: cpu_quant.QuantKernel, mode: str):
         kernel.activations = before
 
 
+def with_int8(kernels):
+    """The (quantized, fp32) kernels of a build with an integer dot product; the test skips on one without."""
+    if kernels[0].int8 == "none":
+        pytest.skip(f"the {kernels[0].isa} build has no integer dot product")
+    return kernels
+
+
 def quantized_activations(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     """What the kernel multiplies with int8 activations, in float64: per row and block of 16 depths d = max|x| / 127
     (fp32), q = x * (1 / d) rounded to nearest even (fp32), x = q * d."""
@@ -181,9 +188,7 @@ needs_int8 = pytest.mark.skipif(not any(q.int8 != "none" for q, _ in KERNELS.val
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 129])
 def test_int8_activations_give_the_product_with_the_activations_quantized(kernels, ggml_id, rows):
     # rows: within one integer pass (AVX2 2, AVX-512 4) and past it; columns 70: a panel tail; K 512: 16 scales
-    q, f = kernels
-    if q.int8 == "none":
-        pytest.skip(f"the {q.isa} build has no integer dot product")
+    q, f = with_int8(kernels)
     n, k = 70, 512
     blocks = random_blocks(ggml_id, n, k, seed=rows)
     packed = q.pack(ggml_id, blocks, k)
@@ -209,9 +214,7 @@ def test_int8_activations_give_the_product_with_the_activations_quantized(kernel
 def test_int8_rows_together_give_the_bits_of_rows_alone(kernels, ggml_id):
     # one row reads a Q6_K panel as packed; 64 rows and more read the panel's wide copy (fp32 scales, q a byte
     # each): the same sums in the same order, so the same bits (and so for every type, whatever the row count)
-    q, _ = kernels
-    if q.int8 == "none":
-        pytest.skip(f"the {q.isa} build has no integer dot product")
+    q, _ = with_int8(kernels)
     n, k = 70, 512
     packed = q.pack(ggml_id, random_blocks(ggml_id, n, k, seed=5), k)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(5))
@@ -223,9 +226,7 @@ def test_int8_rows_together_give_the_bits_of_rows_alone(kernels, ggml_id):
 
 @per_isa
 def test_zero_and_large_activation_blocks(kernels):
-    q, _ = kernels
-    if q.int8 == "none":
-        pytest.skip(f"the {q.isa} build has no integer dot product")
+    q, _ = with_int8(kernels)
     k, n = 64, 30
     blocks = random_blocks(2, n, k)
     x = torch.zeros(2, k)
@@ -243,9 +244,7 @@ def test_zero_and_large_activation_blocks(kernels):
 
 @per_isa
 def test_auto_takes_int8_up_to_the_types_row_limit(kernels, monkeypatch):
-    q, _ = kernels
-    if q.int8 == "none":
-        pytest.skip(f"the {q.isa} build has no integer dot product")
+    q, _ = with_int8(kernels)
     k, n = 128, 50
     packed = q.pack(3, random_blocks(3, n, k), k)
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(3))
