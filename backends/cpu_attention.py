@@ -80,9 +80,7 @@ class DecodeAttention:
             for n in q_lens:
                 offsets.append(offsets[-1] + n)
             rows = torch.tensor([offsets[i] for i in picked], dtype=torch.long)
-        dtypes = {blocks[i].dtype for i in picked}
-        if len(dtypes) > 1:
-            raise ValueError(f"one step's blocks in several dtypes ({sorted(map(str, dtypes))}): one arena has one")
+        half = _half([blocks[i] for i in picked])
         lens = [starts[i] + 1 for i in picked]
         return DecodeBatch(
             kernel=self, picked=frozenset(picked), rows=rows,
@@ -91,7 +89,7 @@ class DecodeAttention:
             half_stride=torch.tensor([blocks[i].stride(1) for i in picked], dtype=torch.long),
             lens=torch.tensor(lens, dtype=torch.long),
             shares=_shares(lens, workers or torch.get_num_threads()),
-            half=dtypes == {torch.float16},
+            half=half,
         )
 
     def plan_tokens(self, slots) -> DecodeBatch | None:
@@ -101,9 +99,7 @@ class DecodeAttention:
         chunk would pass its block's capacity. Not for `__call__`, which takes one row per request."""
         if any(s.pages is not None or not _readable(s.kv) or s.start + s.q_len > s.kv.shape[2] for s in slots):
             return None
-        dtypes = {s.kv.dtype for s in slots}
-        if len(dtypes) > 1:
-            raise ValueError(f"one step's blocks in several dtypes ({sorted(map(str, dtypes))}): one arena has one")
+        half = _half([s.kv for s in slots])
         lens = [n for s in slots for n in range(s.start + 1, s.start + s.q_len + 1)]
 
         def per_row(value) -> torch.Tensor:
@@ -113,7 +109,7 @@ class DecodeAttention:
             kernel=self, picked=frozenset(range(len(slots))), rows=None,
             blocks=per_row(lambda s: s.kv.data_ptr()), layer_stride=per_row(lambda s: s.kv.stride(0)),
             half_stride=per_row(lambda s: s.kv.stride(1)), lens=torch.tensor(lens, dtype=torch.long),
-            shares=[(0, len(lens))], half=dtypes == {torch.float16},
+            shares=[(0, len(lens))], half=half,
         )
 
     def __call__(self, batch: DecodeBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -157,6 +153,14 @@ def _shares(lens: list[int], workers: int) -> list[tuple[int, int]]:
         cuts.add(min(range(len(prefix)), key=lambda i: abs(prefix[i] - target)))
     bounds = sorted(cuts)
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _half(blocks: list[torch.Tensor]) -> bool:
+    """Whether a step's blocks hold fp16 K/V (else fp32); they share one dtype, as one arena has one."""
+    dtypes = {kv.dtype for kv in blocks}
+    if len(dtypes) > 1:
+        raise ValueError(f"one step's blocks in several dtypes ({sorted(map(str, dtypes))}): one arena has one")
+    return dtypes == {torch.float16}
 
 
 def _readable(kv: torch.Tensor) -> bool:

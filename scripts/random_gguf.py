@@ -1,6 +1,7 @@
 """A GGUF of a real model's shape with random weights, for timing engines on real shapes where no such model can be
 downloaded: Llama-3.2-1B's layers (hidden 2048, 16 layers, 32 query and 8 KV heads, MLP 8192) in Q4_K_M's types
-(Q4_K; Q6_K for v, down and the LM head) and SmolLM2's tokenizer (an engine needs one; odma and llama.cpp both load
+(Q4_K; Q6_K for v, down and the LM head: in every layer, where llama-quantize's Q4_K_M gives about half the layers'
+v and down Q6_K) and SmolLM2's tokenizer (an engine needs one; odma and llama.cpp both load
 the file). The weights mean nothing: speeds only.
 
     .venv/bin/python scripts/random_gguf.py OUT.gguf [--tokenizer-from SmolLM2.gguf] [--layers 16]
@@ -9,6 +10,7 @@ the file). The weights mean nothing: speeds only.
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import gguf
 
@@ -25,8 +27,8 @@ def strings(reader: gguf.GGUFReader, key: str) -> list[str]:
     return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
 
 
-def tokenizer_writer(source: str) -> type[gguf.GGUFWriter]:
-    """A GGUFWriter that copies `source`'s BPE tokenizer into the file it writes."""
+def tokenizer_of(source: str) -> tuple[int, Callable[[gguf.GGUFWriter], None]]:
+    """`source`'s BPE tokenizer: its vocabulary size, and a function that writes it into a GGUFWriter."""
     reader = gguf.GGUFReader(source)
     tokens, merges = strings(reader, "tokenizer.ggml.tokens"), strings(reader, "tokenizer.ggml.merges")
     kinds = reader.fields["tokenizer.ggml.token_type"]
@@ -36,25 +38,21 @@ def tokenizer_writer(source: str) -> type[gguf.GGUFWriter]:
         field = reader.fields.get(key)
         return None if field is None else int(field.parts[field.data[0]][0])
 
-    class Writer(gguf.GGUFWriter):
-        vocab_size = len(tokens)
+    def write(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        if "tokenizer.ggml.pre" in reader.fields:
+            w.add_tokenizer_pre(strings(reader, "tokenizer.ggml.pre")[0])
+        w.add_token_list(tokens)
+        w.add_token_types(token_types)
+        w.add_token_merges(merges)
+        for key, add in (("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
+                         ("tokenizer.ggml.eos_token_id", w.add_eos_token_id)):
+            if (value := scalar(key)) is not None:
+                add(value)
+        if "tokenizer.chat_template" in reader.fields:
+            w.add_chat_template(strings(reader, "tokenizer.chat_template")[0])
 
-        def write_header_to_file(self, *args, **kwargs):
-            self.add_tokenizer_model("gpt2")
-            if "tokenizer.ggml.pre" in reader.fields:
-                self.add_tokenizer_pre(strings(reader, "tokenizer.ggml.pre")[0])
-            self.add_token_list(tokens)
-            self.add_token_types(token_types)
-            self.add_token_merges(merges)
-            for key, add in (("tokenizer.ggml.bos_token_id", self.add_bos_token_id),
-                             ("tokenizer.ggml.eos_token_id", self.add_eos_token_id)):
-                if (value := scalar(key)) is not None:
-                    add(value)
-            if "tokenizer.chat_template" in reader.fields:
-                self.add_chat_template(strings(reader, "tokenizer.chat_template")[0])
-            return super().write_header_to_file(*args, **kwargs)
-
-    return Writer
+    return len(tokens), write
 
 
 def main() -> None:
@@ -64,9 +62,9 @@ def main() -> None:
                    help="a GGUF whose BPE tokenizer the file gets")
     p.add_argument("--layers", type=int, default=LLAMA_3_2_1B["num_layers"])
     args = p.parse_args()
-    writer = tokenizer_writer(args.tokenizer_from)
-    gguf.GGUFWriter = writer  # make_tiny_gguf imports it from gguf when called
-    make_tiny_gguf(args.out, "llama", Q4_K_M, vocab_size=writer.vocab_size, **{**LLAMA_3_2_1B, "num_layers": args.layers})
+    vocab, tokenizer = tokenizer_of(args.tokenizer_from)
+    make_tiny_gguf(args.out, "llama", Q4_K_M, metadata=tokenizer, vocab_size=vocab,
+                   **{**LLAMA_3_2_1B, "num_layers": args.layers})
     print(args.out)
 
 

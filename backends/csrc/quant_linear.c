@@ -208,32 +208,26 @@ ALWAYS_INLINE void dequant_panel(const char *src, int64_t k_begin, int64_t depth
     }
 }
 
-/* A Q6_K panel in its wide form (F_Q6_K_WIDE) at dst: per sub-block s in fp32, then q a byte a depth. Passes over
- * many rows read it instead of the file's form, so that each sub-block's scale and high bits are put together once
- * per panel rather than once per pass. (Written for any K-quant; only Q6_K's pays.) */
+/* A Q6_K panel (F_Q6_K at src) in its wide form (F_Q6_K_WIDE) at dst: per sub-block s in fp32, then q a byte a
+ * depth. Passes over many rows read it instead of the file's form, so that each sub-block's scale and high bits are
+ * put together once per panel rather than once per pass. */
 ALWAYS_INLINE void widen_panel(const char *src, int64_t K, char *dst, QF_PARAMS) {
     LAYOUT_SIZES
-    const int64_t wide_q = (HIGH2 || !NIBBLES ? SUB : SUB / 2) * PANEL;
     for (int64_t k0 = 0; k0 < K; k0 += SUB) {
         LOCATE_SUB(src, k0)
-        float *s = (float *)dst;
-        char *wq = dst + PANEL * 4 * (OFFSET ? 2 : 1);
+        char *wq = dst + PANEL * 4;
         for (int c = 0; c < 3; c++) {
             vec sc, oc;
             sub_scales(blk, j, c, &sc, &oc, QF_ARGS);
-            vstore(s + c * VW, sc);
-            if (OFFSET) vstore(s + PANEL + c * VW, oc);
-            if (HIGH2) { /* groups 2g and 2g + 1 of four depths each: the bytes lo and hi of nibble group g */
-                const ivec vh = HIGH_LANES(q, c);
-                for (int g = 0; g < SUB / 8; g++) {
-                    GROUP_LANES(g, c)
-                    istore(wq + 2 * g * PANEL * 4 + c * VW * 4, lo);
-                    istore(wq + (2 * g + 1) * PANEL * 4 + c * VW * 4, hi);
-                }
+            vstore((float *)dst + c * VW, sc);
+            const ivec vh = HIGH_LANES(q, c);
+            for (int g = 0; g < SUB / 8; g++) { /* groups 2g and 2g + 1 of four depths: nibble group g's lo and hi */
+                GROUP_LANES(g, c)
+                istore(wq + 2 * g * PANEL * 4 + c * VW * 4, lo);
+                istore(wq + (2 * g + 1) * PANEL * 4 + c * VW * 4, hi);
             }
         }
-        if (!HIGH2) memcpy(wq, q, (size_t)q_bytes);
-        dst = wq + wide_q;
+        dst = wq + SUB * PANEL;
     }
 }
 

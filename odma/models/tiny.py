@@ -64,12 +64,13 @@ def random_model(shape: dict, dtype: torch.dtype = torch.bfloat16, device: str =
 
 
 def make_tiny_gguf(path: str | Path, arch: str = "llama", types: dict[str, str] | None = None, seed: int = 0,
-                   **overrides) -> Path:
+                   metadata=None, **overrides) -> Path:
     """A tiny random model as a GGUF file, its matrices in GGUF block types: `types` maps a role ("attn_q",
     "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd", "output"; "output": None
     ties the LM head to the embeddings) to a type name (F32, Q4_0, Q4_1, Q8_0: quantized by gguf-py; Q4_K, Q6_K:
     random blocks with small scales, as gguf-py cannot quantize them). q and k rows are permuted as llama.cpp's
-    converter permutes a llama's. For the native-weights tests: the same file read by transformers (dense) and by
+    converter permutes a llama's. `metadata`: called with the GGUFWriter to add keys of its own (a tokenizer). For
+    the native-weights tests: the same file read by transformers (dense) and by
     odma's native loader must compute the same thing."""
     import numpy as np
     from gguf import GGMLQuantizationType as G, GGUFWriter, quantize
@@ -88,6 +89,8 @@ def make_tiny_gguf(path: str | Path, arch: str = "llama", types: dict[str, str] 
     w.add_feed_forward_length(inter), w.add_head_count(heads), w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(kw["rope_theta"]), w.add_layer_norm_rms_eps(kw["eps"]), w.add_vocab_size(kw["vocab_size"])
     w.add_rope_dimension_count(head_dim)
+    if metadata is not None:
+        metadata(w)
 
     def permute(m: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf permute for q and k
         return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
