@@ -21,7 +21,9 @@ from odma.analyze.experiment import build_context, predictions_for
 from odma.analyze.policies import build_manager, parse_policies
 from odma.analyze.profiles import CostModel, load_profile
 from odma.analyze.workload import WorkloadSpec, build_workload
+from odma.engine.prefill_cost import PLAIN_TOKENS
 from odma.engine.scheduler import Scheduler
+from odma.engine.scheduler_config import SchedulerConfig
 from odma.traces import load_trace
 
 KEYS = ("throughput_tps", "ttft_p50_s", "ttft_p99_s", "latency_mean_s", "latency_p99_s", "preemptions")
@@ -38,11 +40,12 @@ def run_one(trace, args, n: int, seed: int) -> dict:
     ctx = build_context(workload, predictions, args.budget_tokens)
     cost = CostModel(load_profile(args.profile))
     jobs = jobs_for(workload, policy, predictions)
+    # whole prompts on the profile's cost model, which knows no model shape: the prefill budget counts tokens
+    config = SchedulerConfig(max_num_seqs=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
+                             prefill_cost=PLAIN_TOKENS, preempt=args.preempt)
     out = {}
     for router in args.routers.split(","):
-        schedulers = [Scheduler(build_manager(policy, ctx), max_num_seqs=args.max_batch,
-                                max_prefill_tokens=args.max_prefill_tokens, preempt=args.preempt)
-                      for _ in range(n)]
+        schedulers = [Scheduler(build_manager(policy, ctx), config) for _ in range(n)]
         out[router] = replay_cluster(jobs, schedulers, cost, router, max_num_seqs=args.max_batch, seed=seed)
         out[router]["refused"] = workload.refused
     return out

@@ -93,17 +93,20 @@ def _step(sched) -> list[str]:
 def test_a_head_without_a_kv_block_does_not_hold_back_lending():
     """The scheduler keeps the activation room of the next waiting prefill unlent, but only while that
     request could get its KV block: a long prompt still waiting for KV memory is not about to prefill."""
+    from odma.engine.prefill_cost import PLAIN_TOKENS
     from odma.engine.scheduler import Scheduler
+    from odma.engine.scheduler_config import SchedulerConfig
 
+    config = SchedulerConfig(max_num_seqs=8, max_prefill_tokens=256, prefill_cost=PLAIN_TOKENS)
     pool, e = _elastic()
-    sched = Scheduler(ContiguousKV(pool, elastic=e), max_num_seqs=8, max_prefill_tokens=256)
+    sched = Scheduler(ContiguousKV(pool, elastic=e), config)
     sched.add(_seq("holder", 100, 100))  # 200 of the 256 base tokens
     assert _step(sched) == ["holder"]
     sched.add(_seq("long", 90, 10))  # needs 100 KV tokens (56 free) and a 900 B prefill room
     assert _step(sched) == ["holder"]
     assert e.lent_bytes == 4 * 160  # lent while "long" cannot get its block (4 segments per step at most)
     pool2, e2 = _elastic()
-    sched2 = Scheduler(ContiguousKV(pool2, elastic=e2), max_num_seqs=8, max_prefill_tokens=256)
+    sched2 = Scheduler(ContiguousKV(pool2, elastic=e2), config)
     sched2.add(_seq("holder", 60, 60))  # 120 tokens: "long" fits beside it
     _step(sched2)
     sched2.add(_seq("long", 90, 10))

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 from odma.kv import BucketManager, BucketPolicy, ContiguousKV, KVPool
-from odma.engine.admission import ReservedShare, admission_rules, final_tokens
+from odma.engine.admission import final_tokens
+from odma.engine.prefill_cost import PLAIN_TOKENS
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
+from odma.engine.scheduler_config import SchedulerConfig
 from odma.engine.sequence import Sequence
 
 BOUNDS = (8, 16, 32)  # a request reserves 8 prompt tokens + its bucket's bound
@@ -22,7 +24,7 @@ def _seq(i: int, bucket: int) -> Sequence:
 
 def _scheduler(**kw) -> Scheduler:
     pool = KVPool(48, BucketPolicy(BucketManager.fixed(BOUNDS, 32)), large_share=0.0, align=8)
-    return Scheduler(ContiguousKV(pool), **kw)
+    return Scheduler(ContiguousKV(pool), SchedulerConfig(**{"prefill_cost": PLAIN_TOKENS, **kw}))
 
 
 def _admitted(sched: Scheduler) -> list[str]:
@@ -70,7 +72,7 @@ def test_admission_theta_keeps_headroom_for_growth_but_never_blocks_an_idle_pool
     """eLLM Algorithm 1: with θ = 0.5 of a 48-slot pool, admissions stop once reservations would pass 24
     slots; an empty engine still admits a request bigger than that (no deadlock), and without θ the same
     queue fills the pool."""
-    sched = _scheduler(max_num_seqs=8, admission=[ReservedShare(0.5)])
+    sched = _scheduler(max_num_seqs=8, admission_theta=0.5)
     big = _seq(0, 2)  # 40 slots > 24: admitted anyway, nothing is running
     sched.add(big)
     assert _admitted(sched) == ["r0"]
@@ -101,7 +103,7 @@ def test_admission_by_predicted_demand_stops_where_the_running_set_would_outgrow
     prediction 12 (ends at 20) two do. A request without a prediction counts its whole max_tokens (40), yet an
     idle engine still admits it (no deadlock)."""
     def admitted(demand, predicted):
-        sched = _scheduler(max_num_seqs=8, admission=admission_rules(demand=demand))
+        sched = _scheduler(max_num_seqs=8, admission_demand=demand)
         for i, p in enumerate(predicted):
             sched.add(_tagged(i, p) if p is not None else Sequence(f"r{i}", [1] * 8, SamplingParams(max_tokens=32)))
         names = _admitted(sched)
@@ -239,7 +241,8 @@ def _step(sched: Scheduler):
 
 def _long_scheduler(**kw) -> Scheduler:
     pool = KVPool(512, BucketPolicy(BucketManager.fixed((8, 16), 16)), large_share=0.0, align=8)
-    return Scheduler(ContiguousKV(pool), max_num_seqs=8, max_prefill_tokens=64, **kw)
+    config = SchedulerConfig(**{"max_num_seqs": 8, "max_prefill_tokens": 64, "prefill_cost": PLAIN_TOKENS, **kw})
+    return Scheduler(ContiguousKV(pool), config)
 
 
 def test_a_long_prompt_is_chunked_and_the_running_streams_get_a_token_every_step():
@@ -350,7 +353,7 @@ def test_admission_rules_compose_each_refusal_counted_under_its_rule_and_an_idle
         def admitted(self, seq):
             self.started += 1
 
-    sched = _scheduler(max_num_seqs=8, admission=[OnePerRound(), *admission_rules(demand=1.0)])
+    sched = _scheduler(max_num_seqs=8, custom_admission=(OnePerRound,), admission_demand=1.0)
     for i in range(3):
         sched.add(_tagged(i, 12))
     assert _admitted(sched) == ["r0"]  # the idle engine admits r0; r1 is refused by OnePerRound (asked first)

@@ -8,15 +8,18 @@ import pytest
 from odma.bench.router_replay import replay_cluster, replica_load
 from odma.analyze.policies import BuildContext, build_manager, parse_policy
 from odma.analyze.simulate import SimJob, TableStepModel, parse_step_table, sim_sequence
+from odma.engine.prefill_cost import PLAIN_TOKENS
 from odma.engine.scheduler import Scheduler
+from odma.engine.scheduler_config import SchedulerConfig
 
 STEP = TableStepModel(parse_step_table("1:10,64:40"), prefill_ms_per_token=0.1)
 
 
 def schedulers(n: int, tokens: int = 4096, max_batch: int = 8) -> list[Scheduler]:
     ctx = BuildContext(total_tokens=tokens, max_new_tokens=256)
-    return [Scheduler(build_manager(parse_policy("odma/predict=oracle"), ctx), max_num_seqs=max_batch,
-                      max_prefill_tokens=1024, preempt="recompute") for _ in range(n)]
+    config = SchedulerConfig(max_num_seqs=max_batch, max_prefill_tokens=1024, prefill_cost=PLAIN_TOKENS,
+                             preempt="recompute")
+    return [Scheduler(build_manager(parse_policy("odma/predict=oracle"), ctx), config) for _ in range(n)]
 
 
 def jobs(n: int, every_s: float = 0.05, prefix: str = "r") -> list[SimJob]:

@@ -36,8 +36,9 @@ def jobs_for(workload: Workload, spec: PolicySpec, predictions: Predictions | No
 def run_with_engine(workload: Workload, spec: PolicySpec, manager: KVManager, cost: CostModel,
                     predictions: Predictions | None, engine) -> dict:
     """Replay one policy through the engine's scheduler; the replay's JSON keys where they mean the same."""
-    from odma.engine.admission import admission_rules
+    from odma.engine.prefill_cost import PLAIN_TOKENS
     from odma.engine.scheduler import Scheduler
+    from odma.engine.scheduler_config import SchedulerConfig
 
     if spec.predict == "predictor" and predictions is None:
         raise ConfigError(f"policy {spec.name} needs a predictor (--predictor)")
@@ -48,10 +49,18 @@ def run_with_engine(workload: Workload, spec: PolicySpec, manager: KVManager, co
     on_full = spec.on_full or engine.on_full
     preempt = "recompute" if on_full == "preempt" or (on_full == "auto" and spec.kind == "paged") else "wait"
     max_batch = spec.max_batch if spec.max_batch is not None else engine.max_batch
-    scheduler = Scheduler(manager, max_num_seqs=max_batch or max(1, len(workload.items)),
-                          max_prefill_tokens=engine.max_prefill_tokens, preempt=preempt, order=engine.schedule,
-                          aging_rounds=engine.sjf_aging_rounds, admission=admission_rules(demand=spec.demand),
-                          chunk_prefills=engine.chunked_prefill)
+    config = SchedulerConfig(
+        max_num_seqs=max_batch or max(1, len(workload.items)),
+        max_prefill_tokens=engine.max_prefill_tokens,
+        # a profile's cost model prices a step, but knows no model shape to price a chunk's attention by
+        prefill_cost=PLAIN_TOKENS,
+        preempt=preempt,
+        order=engine.schedule,
+        aging_rounds=engine.sjf_aging_rounds,
+        chunk_prefills=engine.chunked_prefill,
+        admission_demand=spec.demand,
+    )
+    scheduler = Scheduler(manager, config)
     jobs = jobs_for(workload, spec, predictions)
     sim = simulate(jobs, scheduler, cost)  # a ContiguousKV refreshes its bucket bounds on release
     records = list(sim.records.values())

@@ -132,7 +132,9 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
     from odma.analyze.simulate import SimJob, TableStepModel, parse_step_table, simulate as drive
     from odma.bench.scheduler_bench import CountingSwap, sim_pool
     from odma.engine.config import parse_kv_budget
+    from odma.engine.prefill_cost import PLAIN_TOKENS
     from odma.engine.scheduler import Scheduler
+    from odma.engine.scheduler_config import SchedulerConfig
     from odma.kv import ActivationProfile, BalloonPool, ContiguousKV, ElasticKV
 
     cap = args.max_tokens
@@ -146,9 +148,16 @@ def simulate(jobs: list[Job], predictions, args: argparse.Namespace, *, balloon:
     if balloon:
         elastic = ElasticKV(BalloonPool(pool, args.segment_tokens), profile, reserve, keep_tokens=args.keep_tokens)
     swap = CountingSwap(args.bytes_per_token) if args.preempt == "swap" else None
-    scheduler = Scheduler(ContiguousKV(pool, elastic=elastic), max_num_seqs=args.max_num_seqs,
-                          max_prefill_tokens=args.max_prefill_tokens, preempt=args.preempt, swapper=swap,
-                          chunk_prefills=balloon and args.chunked_prefill, clear_window=args.clear_window)
+    config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        # the step-time model prices a chunk's context itself (--prefill-ms-per-1k-context); the budget counts tokens
+        prefill_cost=PLAIN_TOKENS,
+        preempt=args.preempt,
+        chunk_prefills=balloon and args.chunked_prefill,
+        clear_window=args.clear_window,
+    )
+    scheduler = Scheduler(ContiguousKV(pool, elastic=elastic), config, swap)
     step_model = TableStepModel(parse_step_table(args.step_ms), args.prefill_ms_per_token, args.kv_ms_per_1k,
                                 args.prefill_ms_per_1k_context)
     sim_jobs = [SimJob(f"r{n}", job.arrival_s, job.prompt_tokens, job.output_tokens, cap, pred)

@@ -82,15 +82,17 @@ def simulate(records, predictions, *, policy: str, preempt: str, budget_tokens: 
              bytes_per_token: int = 46080, swap_gbps: float = 10.0, admission_theta: float = 1.0) -> dict:
     from odma.analyze.simulate import SimJob, TableStepModel, simulate as drive
     from odma.engine.config import EngineConfig
-    from odma.engine.admission import admission_rules
+    from odma.engine.prefill_cost import PLAIN_TOKENS
     from odma.engine.scheduler import Scheduler
+    from odma.engine.scheduler_config import SchedulerConfig
     from odma.kv import ContiguousKV
 
     kv_policy, pool = sim_pool(policy, max_tokens, budget_tokens, reserve_scale=reserve_scale)
     swap = CountingSwap(bytes_per_token, swap_gbps) if preempt == "swap" else None
-    scheduler = Scheduler(ContiguousKV(pool), max_num_seqs=max_num_seqs,
-                          max_prefill_tokens=EngineConfig().max_prefill_tokens, preempt=preempt, swapper=swap,
-                          admission=admission_rules(theta=admission_theta))
+    # whole prompts (no chunking), so the prefill cost is never read: the step table prices prefills per token
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_prefill_tokens=EngineConfig().max_prefill_tokens,
+                             prefill_cost=PLAIN_TOKENS, preempt=preempt, admission_theta=admission_theta)
+    scheduler = Scheduler(ContiguousKV(pool), config, swap)
     jobs = [SimJob(f"r{i}", 0.0, rec.prompt_tokens, max(1, min(max_tokens, rec.output_tokens)), max_tokens,
                    pred if policy != "static" else None) for i, (rec, pred) in enumerate(zip(records, predictions))]
     step_model = TableStepModel(step_table, prefill_ms_per_token=prefill_ms_per_token)

@@ -10,14 +10,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from odma.config import BucketConfig, PoolConfig, default_cache_dir
 from odma.errors import ConfigError
-from odma.engine.admission import AdmissionRule, admission_rules
+from odma.engine.admission import admission_rules
 from odma.engine.ordering import ORDERS
+from odma.engine.prefill_cost import PrefillCost
+from odma.engine.scheduler_config import SchedulerConfig
 from backends.base import ATTENTION_KINDS  # noqa: F401 (re-exported for the CLI)
 from odma.kv import POLICY_KINDS
 from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
+
+if TYPE_CHECKING:
+    from odma.models.config import ModelConfig
 
 # the contiguous pool's reservation policies, and "paged": vLLM-style 16-token pages in this engine (the baseline the
 # contiguous pool is measured against: same model, kernels and scheduler; Triton attention only)
@@ -161,9 +167,25 @@ class EngineConfig:
     def resolved_kv_dtype(self) -> str:
         return self.kv_dtype or ("float16" if self.on_cpu else self.dtype)
 
-    def admission_rules(self) -> list[AdmissionRule]:
-        """The scheduler's admission rules these settings ask for (odma.engine.admission)."""
-        return admission_rules(self.admission_theta, self.admission_demand)
+    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
+        """The scheduler's policy these settings ask for, for serving `model` (its shape prices a prefill chunk's
+        attention). The paged baseline recomputes preempted requests (vLLM's default: its pages are not swapped)
+        and neither clears windows nor copies prefixes (both need contiguous blocks)."""
+        paged = self.policy == "paged"
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_prefill_tokens=self.max_prefill_tokens,
+            prefill_cost=PrefillCost.for_model(model),
+            preempt="recompute" if paged and self.preempt == "swap" else self.preempt,
+            order=self.schedule,
+            aging_rounds=self.sjf_aging_rounds,
+            # ballooning without balloon_chunked_prefill feeds prompts whole (they wait for their lent room back)
+            chunk_prefills=self.chunked_prefill and (not self.balloon or self.balloon_chunked_prefill),
+            clear_window=self.clear_window and not paged,
+            prefix_min_tokens=0 if paged else self.prefix_share_min_tokens,
+            admission_theta=self.admission_theta,
+            admission_demand=self.admission_demand,
+        )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -204,7 +226,7 @@ class EngineConfig:
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
         try:
-            self.admission_rules()
+            admission_rules(self.admission_theta, self.admission_demand)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for name in ("slo_ttft_s", "slo_tpot_s"):

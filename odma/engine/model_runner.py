@@ -12,7 +12,8 @@ from backends.triton_attention import TritonAttention
 from odma.engine.decode_graphs import DecodeGraphs
 from odma.engine.logprobs import SampledLogprobs, prompt_logprobs
 from odma.engine.scheduler import Work
-from odma.engine.sampling import Sampler
+from odma.engine.sampling import Sampler, generator_seed
+from odma.engine.sequence import Sequence
 from odma.models.cpu_linear import pack_linears
 from odma.models.native_step import NativeLayers
 from odma.models.llama import CausalLM, HiddenCapture, SeqSlot
@@ -150,7 +151,7 @@ class ModelRunner:
         logits = logits.cpu()
         sub = [work[i] for i in host]
         chosen = SampledLogprobs(sub, logits)  # before the sampler masks the logits in place
-        sampled = self.sampler(logits, [params[i] for i in host], [w.seq.generator for w in sub],
+        sampled = self.sampler(logits, [params[i] for i in host], [seeded_generator(w.seq) for w in sub],
                                [banned[i] for i in host])
         for i, t in zip(host, sampled):
             tokens[i] = t
@@ -183,6 +184,14 @@ class ModelRunner:
         if w.seq.num_generated >= p.min_tokens:
             return ()
         return self.eos_ids + p.stop_token_ids
+
+
+def seeded_generator(seq: Sequence) -> torch.Generator | None:
+    """`seq`'s own random stream if it is seeded (None: torch's global one), made at its first draw and kept with it:
+    sample i of a request seeded s draws from s + i (as in vLLM)."""
+    if seq.generator is None and seq.params.seed is not None:
+        seq.generator = torch.Generator().manual_seed(generator_seed(seq.params.seed, seq.index))
+    return seq.generator
 
 
 def _graph_mode(mode: str, backend: Backend) -> str:

@@ -48,3 +48,7 @@ class PrefillCost:
         while q > 0 and self(start, q) > budget:
             q -= 1
         return q
+
+
+# a chunk costs its tokens only: the budget of a scheduler that knows no model shape (replays on a step-time model)
+PLAIN_TOKENS = PrefillCost()

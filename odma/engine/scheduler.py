@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
-from odma.engine.admission import AdmissionRule, first_refusal
+from odma.engine.admission import first_refusal
 from odma.engine.ordering import make_order
-from odma.engine.prefill_cost import PrefillCost
+from odma.engine.prefill_cost import PLAIN_TOKENS
 from odma.engine.prefix_share import PrefixIndex
+from odma.engine.scheduler_config import SchedulerConfig
 from odma.engine.sequence import Sequence, Status, Work
+from odma.errors import ConfigError
 from odma.kv import KVHandle, KVManager
 
-PREEMPT_MODES = ("wait", "recompute", "swap")
 HOLD_STEP_TOKENS = 256  # a request waits for a shared prefix only behind a step that prefills at most this many tokens
 
 
@@ -53,56 +54,36 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        kv: KVManager,
-        *,
-        max_num_seqs: int,
-        max_prefill_tokens: int = 2048,
-        preempt: str = "wait",
-        lookahead: int = 16,
-        max_skips: int = 8,
-        order: str = "fcfs",
-        aging_rounds: int = 256,
-        swapper: Swapper | None = None,
-        admission: Iterable[AdmissionRule] = (),
-        chunk_prefills: bool = False,
-        clear_window: bool = False,
-        prefix_min_tokens: int | None = None,
-        prefill_cost: PrefillCost | None = None,
-    ) -> None:
-        if preempt not in PREEMPT_MODES:
-            raise ValueError(f"preempt must be one of {PREEMPT_MODES}, got {preempt!r}")
-        if preempt == "swap" and swapper is None:
-            raise ValueError("preempt='swap' needs a swapper (the engine's host buffer)")
+    """Plans each step over `kv` by the policy in `config`; `swapper` holds preempted requests' K/V on the host
+    (needed by preempt="swap")."""
+
+    def __init__(self, kv: KVManager, config: SchedulerConfig, swapper: Swapper | None = None) -> None:
+        if config.preempt == "swap" and swapper is None:
+            raise ConfigError("preempt='swap' needs a swapper (the engine's host buffer)")
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_prefill_tokens = max_prefill_tokens
-        self.preempt_mode = preempt
-        self.max_skips = max_skips  # rounds a head-of-queue request may be bypassed before it blocks others
+        self.config = config
         # the order of service (odma.engine.ordering): fcfs, or shortest predicted remaining first with aging
         # (adaptive: only while more wait than can run)
-        self.order = make_order(order, lookahead=lookahead, max_skips=max_skips, aging_rounds=aging_rounds,
-                                depth=max_num_seqs)
+        self.order = make_order(config.order, lookahead=config.lookahead, max_skips=config.max_skips,
+                                aging_rounds=config.aging_rounds, depth=config.max_num_seqs)
         self.elastic = kv.elastic  # KV ↔ activation ballooning (None: the activation reserve is never lent)
         self.swapper = swapper
         # rules beyond memory, budget and the running cap (odma.engine.admission), all of which must agree
-        self.admission = list(admission)
+        self.admission = config.admission_rules()
         # Chunked prefill: a step prefills at most max_prefill_tokens of prompts beside its decodes, so a long
         # prompt takes several steps and never freezes the running streams; with ballooning a chunk is also
         # bounded by the free activation room (instead of waiting until the segments holding blocks drain).
         # Off: a prompt is fed whole in one step, and one longer than the budget passes alone.
-        self.chunk_prefills = chunk_prefills
-        # chunked, the budget counts a chunk's attention over the context before it too (odma.engine.prefill_cost):
+        # Chunked, the budget counts a chunk's attention over the context before it too (odma.engine.prefill_cost):
         # a late chunk of a long prompt gets fewer tokens, so no step of it runs much longer than the first
-        self.prefill_cost = prefill_cost if chunk_prefills and prefill_cost is not None else PrefillCost()
+        self.prefill_cost = config.prefill_cost if config.chunk_prefills else PLAIN_TOKENS
         # A head that holds the queue but finds no contiguous range gets one: the range with the fewest live
         # tokens is fenced and its blocks relocated (into lent segments, say), instead of waiting for them.
         # Not with ballooning that reclaims lent room for whole prefills: the reclaim would move the cleared
         # blocks straight back out of the segments (measured: segments lent and taken back every step).
-        self.clear_window = clear_window and (self.elastic is None or chunk_prefills)
+        self.clear_window = config.clear_window and (self.elastic is None or config.chunk_prefills)
         # Shared prompt prefixes (odma.engine.prefix_share): copied from a running request that holds them; None: off
-        self.prefixes = PrefixIndex(prefix_min_tokens) if prefix_min_tokens else None
+        self.prefixes = PrefixIndex(config.prefix_min_tokens) if config.prefix_min_tokens else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -153,14 +134,14 @@ class Scheduler:
                         self.counters.migrations += 1
                     q_len = seq.num_tokens - seq.num_cached
                     if q_len > 1:  # the rest of a chunked prefill
-                        q_len = self._prefill_chunk(prefill, seq.num_cached, q_len, self.max_prefill_tokens - spent)
+                        q_len = self._prefill_chunk(prefill, seq.num_cached, q_len, self.config.max_prefill_tokens - spent)
                         prefill += q_len
                         spent += self.prefill_cost(seq.num_cached, q_len)
                         self.counters.prefill_chunks += q_len > 0
                     if q_len:
                         work.append(Work(seq, seq.num_cached, q_len))
                     break
-                if self.preempt_mode == "wait":
+                if self.config.preempt == "wait":
                     self.counters.stalls += 1
                     stalled.append(seq)
                     break
@@ -180,7 +161,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # swap mode: keep the cached K/V in the host buffer (a copy) instead of recomputing it; when the
         # buffer is full the request is recomputed as in recompute mode
-        swapped = self.preempt_mode == "swap" and seq.num_cached > 0 and self.swapper.swap_out(seq)
+        swapped = self.config.preempt == "swap" and seq.num_cached > 0 and self.swapper.swap_out(seq)
         kept = seq.num_cached if swapped else 0
         self.kv.evict(seq.request_id)
         self.running.remove(seq)
@@ -195,7 +176,7 @@ class Scheduler:
         """Admit waiting requests into this step, which already prefills `prefill` tokens of running ones at a
         cost of `spent` of its budget."""
         work: list[Work] = []
-        budget = self.max_prefill_tokens - spent
+        budget = self.config.max_prefill_tokens - spent
         if self.clear_window:
             self._clear_way()
         candidates = self.order.candidates(self.waiting, self._freed_buckets)
@@ -204,11 +185,11 @@ class Scheduler:
         if self.elastic is not None:
             self.elastic.begin_round()
         for seq in candidates:
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.config.max_num_seqs:
                 break
             source, shared = self._prefix_source(seq)
             need = seq.num_tokens - seq.num_cached - shared
-            if need > 1 and (budget <= 0 if self.chunk_prefills else (work and need > budget)):
+            if need > 1 and (budget <= 0 if self.config.chunk_prefills else (work and need > budget)):
                 continue  # no prefill budget left in this step (chunked: it starts with a later step's)
             if source is None and self._hold_for_prefix(seq, work, prefill):
                 continue
@@ -251,7 +232,7 @@ class Scheduler:
         would compute: next step it copies that prefix instead (a burst of chat requests computes the system
         prompt once, not once per request). Only while this step prefills at most HOLD_STEP_TOKENS (the wait is
         one step: a short one, not a long prompt's), never a request that has waited max_skips rounds already."""
-        if (not planned or not self._may_copy_prefix(seq) or seq.waited_steps >= self.max_skips
+        if (not planned or not self._may_copy_prefix(seq) or seq.waited_steps >= self.config.max_skips
                 or step_prefill > HOLD_STEP_TOKENS):
             return False
         shared = self.prefixes.shared_with(seq, [w.seq for w in planned if w.start + w.q_len >= self.prefixes.min_tokens])
@@ -269,7 +250,7 @@ class Scheduler:
             self.counters.admission_refusals += 1
             return 0
         q_len = need
-        if self.chunk_prefills and need > 1:
+        if self.config.chunk_prefills and need > 1:
             q_len = self._prefill_chunk(prefill, start, need, budget)
             if not q_len:  # no activation room left in this step (or no prefill budget)
                 self.counters.activation_refusals += budget > 0 and self.elastic is not None
@@ -303,10 +284,10 @@ class Scheduler:
         `planned` tokens: all of them without chunking, else what the step's budget (and, ballooning, the free
         activation room) allows; a step that prefills nothing else feeds at least one token, so a prompt deep in
         a long context still advances under a small budget."""
-        if not self.chunk_prefills:
+        if not self.config.chunk_prefills:
             return want
         chunk = self.prefill_cost.fit(start, want, budget)
-        if not chunk and not planned and budget >= self.max_prefill_tokens:
+        if not chunk and not planned and budget >= self.config.max_prefill_tokens:
             chunk = min(want, 1)
         return chunk if self.elastic is None else self.elastic.prefill_room(planned, chunk)
 
@@ -322,7 +303,7 @@ class Scheduler:
 
     def _head_holds(self, seq: Sequence) -> bool:
         """The head of the queue has been bypassed `max_skips` rounds: nobody overtakes it any more."""
-        return seq.waited_steps >= self.max_skips and seq is self.order.head(self.waiting)
+        return seq.waited_steps >= self.config.max_skips and seq is self.order.head(self.waiting)
 
     def _activation_room(self, prefill_tokens: int) -> bool:
         """Ballooning: free the activation room of this step's prefill (segments lent to the KV pool are

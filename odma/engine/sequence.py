@@ -1,19 +1,22 @@
 """Per-request state: token ids, sampling parameters, the predictor's tag, the KV block, timings; its log-probability
 records (`TokenLogprob`) and what it is fed in a step (`Work`). The scheduler, the orderings, prefix sharing and the
-log-probabilities all read these types, so they live here, in a module that imports none of those."""
+log-probabilities all read these types, so they live here, in a module that imports none of those, nor torch (the
+scheduler's bookkeeping imports it)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-
-from odma.engine.sampling import SamplingParams, generator_seed
 from odma.kv import Block, KVHandle
 from predictor.base import PredictRequest
+
+if TYPE_CHECKING:
+    import torch
+
+    from odma.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
+    # a seeded request's random stream, made when it first samples (`odma.engine.model_runner.seeded_generator`)
     generator: torch.Generator | None = None
     # n > 1: this request is sample `index` of `samples` (one list shared by all of them); samples after the first
     # wait until the first has prefilled the prompt, then copy its K/V (`fork.py`) unless `prompt_copied` failed
@@ -86,8 +90,6 @@ class Sequence:
     def __post_init__(self) -> None:
         self.prompt_tokens = len(self.prompt_ids)
         self.max_new_tokens = self.params.max_tokens
-        if self.params.seed is not None:  # sample i of a seeded request draws from seed + i (as in vLLM)
-            self.generator = torch.Generator().manual_seed(generator_seed(self.params.seed, self.index))
 
     @property
     def block(self) -> Block | None:

@@ -12,7 +12,6 @@ import torch
 
 from odma.engine.config import PAGE_TOKENS, EngineConfig, parse_kv_budget
 from odma.engine.model_runner import ModelRunner
-from odma.engine.prefill_cost import PrefillCost
 from odma.engine.scheduler import Scheduler
 from odma.errors import ConfigError
 from odma.kv import ContiguousKV, DeviceLoad, ElasticKV, KVPool, MappedKV, PagedKV, PlaneGeometry, ReservationPolicy
@@ -77,13 +76,7 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
 
         capacity = parse_kv_budget(config.swap_space, backend.memory_info().total_bytes)
         swap = HostSwap(backend, runner, OffloadController(OffloadConfig(capacity_bytes=capacity)))
-    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-                          preempt=config.preempt, swapper=swap, order=config.schedule,
-                          aging_rounds=config.sjf_aging_rounds, admission=config.admission_rules(),
-                          chunk_prefills=config.chunked_prefill
-                          and (not config.balloon or config.balloon_chunked_prefill),
-                          clear_window=config.clear_window, prefix_min_tokens=config.prefix_share_min_tokens,
-                          prefill_cost=PrefillCost.for_model(model.config))
+    scheduler = Scheduler(kv, config.scheduler_config(model.config), swap)
     log.info("%s: kv budget %.1f MiB = %d tokens (%d B/token); growth by %s; attention: %s", device, budget / 2**20,
              kv.total_tokens, bytes_per_token, "mapping" if mapped is not None else "copy", attention_name(runner))
     return DeviceWorker(device, backend, runner, kv, scheduler, swap)
@@ -157,13 +150,9 @@ def _build_paged_worker(config: EngineConfig, device: str, backend: Any, model: 
     pages = total_tokens // PAGE_TOKENS
     runner = _runner(config, model, backend, pages * PAGE_TOKENS, kv_dtype, page_tokens=PAGE_TOKENS)
     kv = PagedKV(pages * PAGE_TOKENS, page_tokens=PAGE_TOKENS, bytes_per_token=bytes_per_token)
-    preempt = "recompute" if config.preempt == "swap" else config.preempt
-    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-                          preempt=preempt, order=config.schedule, aging_rounds=config.sjf_aging_rounds,
-                          admission=config.admission_rules(),
-                          chunk_prefills=config.chunked_prefill, prefill_cost=PrefillCost.for_model(model.config))
+    scheduler = Scheduler(kv, config.scheduler_config(model.config))
     log.info("%s: paged kv, %d pages of %d tokens (%d B/token); preemption: %s; attention: %s", device, pages,
-             PAGE_TOKENS, bytes_per_token, preempt, attention_name(runner))
+             PAGE_TOKENS, bytes_per_token, scheduler.config.preempt, attention_name(runner))
     return DeviceWorker(device, backend, runner, kv, scheduler)
 
 
