@@ -42,7 +42,7 @@ def load_one(spec: str, *, tokenizer: str, data_dir: str | Path | None, limit: i
     if spec in ("azure-code", "azure-conv"):
         return _azure(root, spec.split("-", 1)[1], limit)
     if spec == "smollm2-answers":
-        return _smollm2_answers(limit)
+        return _smollm2_answers(root, limit)
     path = Path(spec).expanduser()
     if path.suffix in (".jsonl", ".json") or path.exists():
         return parse_jsonl_trace(path, tokenizer, limit)
@@ -315,10 +315,12 @@ def _nq_smollm2(root: Path, limit: int | None) -> Trace:
     return Trace("nq", records, "smollm2", {"length_cap": 512})
 
 
-def _smollm2_answers(limit: int | None) -> Trace:
+def _smollm2_answers(root: Path, limit: int | None) -> Trace:
     """SmolLM2-135M-Instruct's answers to Alpaca, ShareGPT and NQ prompts through odma's engine (temperature 0.7,
-    top_p 0.95, at most 512 tokens; some prompts answered several times): datasets/smollm2_answers/README.md."""
-    path = _require(SMOLLM2_ANSWERS, "SmolLM2 answers (datasets/smollm2_answers)")
+    top_p 0.95, at most 512 tokens; some prompts answered several times): datasets/smollm2_answers/README.md.
+    Read from the repository; an installed wheel (which ships no datasets) reads smollm2_answers/ in the data dir."""
+    found = SMOLLM2_ANSWERS if SMOLLM2_ANSWERS.exists() else root / "smollm2_answers" / "answers.jsonl"
+    path = _require(found, "SmolLM2 answers (datasets/smollm2_answers)")
     trace = parse_jsonl_trace(path, "smollm2", limit)
     return Trace("smollm2-answers", trace.records, trace.tokenizer, {"length_cap": 512})
 
