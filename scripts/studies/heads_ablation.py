@@ -1,7 +1,7 @@
 """The heads ablation of docs/predictor.md ("Multi-turn requests"): which head and feature choices make the
 earlier replies' lengths count. Heads only, on the frozen encoder's cached embeddings of `sharegpt-chat`.
 
-    .venv/bin/python scripts/heads_ablation.py [--seed 0]
+    .venv/bin/python scripts/studies/heads_ablation.py [--seed 0]
 
 Prints a Markdown table: Spearman on the test split (all, later and first turns) and MAE in tokens.
 """
