@@ -370,7 +370,7 @@ def iter_json_array(text: str):
         yield obj
 
 
-def _sharegpt_turns(path: Path) -> list[dict]:
+def sharegpt_turns(path: Path) -> list[dict]:
     """Every human→gpt turn of ShareGPT V3, one row each, with what keeps the splits honest.
 
     `conversation_id` is the chat's *root* id: the file cut long chats into stored parts `<id>_<n>` (with
@@ -408,7 +408,7 @@ def _sharegpt_turns(path: Path) -> list[dict]:
 def _sharegpt(tokenizer: str, limit: int | None) -> Trace:
     """ShareGPT V3: the first human→gpt turn of each stored conversation part that opens with one."""
     path = sharegpt_path()
-    rows = [dict(r, id=r["id"].rsplit("-", 1)[0]) for r in _sharegpt_turns(path) if r["opens_part"]]
+    rows = [dict(r, id=r["id"].rsplit("-", 1)[0]) for r in sharegpt_turns(path) if r["opens_part"]]
     return _text_trace("sharegpt", path, tokenizer, rows, limit)  # depth 0: what a chat's first turn says
 
 
@@ -423,9 +423,9 @@ def _sharegpt_chat(tokenizer: str, limit: int | None) -> Trace:
     The encoder reads the turn's own user message; `prompt_tokens` counts the whole templated history (earlier
     messages summed per message, `_MESSAGE_OVERHEAD_TOKENS` each); `depth`, `prior_output_tokens` (mean
     length of the earlier replies) and `last_output_tokens` are what `odma-serve` derives from a chat
-    request's messages, counted within one stored part (`_sharegpt_turns`)."""
+    request's messages, counted within one stored part (`sharegpt_turns`)."""
     path = sharegpt_path()
-    rows = _sharegpt_turns(path)
+    rows = sharegpt_turns(path)
     if limit is not None:
         rows = rows[:limit]
     prompt_counts, output_counts = _counted("sharegpt-chat", path, tokenizer,
