@@ -158,7 +158,8 @@ def test_packages_import_only_the_layers_below_them():
 
 
 def test_nothing_imports_a_script():
-    found = sorted({f"{src} imports {dst}" for src, dst, _, _ in imports((*LAYERED, "tests")) if layer(dst) == SCRIPTS})
+    found = sorted({f"{src} imports {dst}" for src, dst, _, _ in imports((*LAYERED, "tests"))
+                    if layer(dst) == SCRIPTS})
     assert not found, "\n".join(found)
 
 

@@ -160,6 +160,6 @@ def test_the_installed_wheel_serves_through_the_kernels_it_compiles(wheel, tmp_p
     # the weights were the GGUF's own blocks, multiplied by the kernel the wheel's sources compiled
     assert re.search(r"engine: weights native .*linear layers: \d+ odma \w+ quantized", text), text[-3000:]
     built = {p.name.rsplit("-", 1)[0] for p in (tmp_path / "cache" / "kernels").glob("*.so")}
-    assert built == NATIVE_KERNELS, text[-3000:]
+    assert NATIVE_KERNELS <= built, text[-3000:]
     assert "unavailable" not in text, text[-3000:]  # no kernel fell back to torch
     assert 'odma_predictor_info{fallback="0",name="sklearn"' in metrics  # the wheel's default predictor files
