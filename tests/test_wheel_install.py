@@ -6,7 +6,9 @@ The fresh virtualenv reaches the heavy dependencies (torch, transformers, ...) o
 line naming that one's site-packages; that line adds a folder to sys.path and nothing more (the running
 environment's editable odma is installed by a .pth hook, which a folder added this way never runs), and the fresh
 environment's own site-packages comes first: odma, backends and predictor come from the wheel alone, as the test
-asserts. Needs a C compiler (the kernels are built at run time); about a minute, most of it the compiler's.
+asserts. Needs a C compiler (the kernels are built at run time). Most of the time is the compiler's: four kernels,
+quant_linear.c the longest (38 s alone on 2 cores at a load of 7); backends/ckernels.py gives one compile 120 s, so
+on a machine loaded far past its cores the start fails with the compiler's timeout in the server log shown.
 """
 
 from __future__ import annotations
