@@ -42,7 +42,7 @@ def load_one(spec: str, *, tokenizer: str, data_dir: str | Path | None, limit: i
     if spec in ("azure-code", "azure-conv"):
         return _azure(root, spec.split("-", 1)[1], limit)
     if spec == "smollm2-answers":
-        return _smollm2_answers(limit)
+        return _smollm2_answers(root, limit)
     path = Path(spec).expanduser()
     if path.suffix in (".jsonl", ".json") or path.exists():
         return parse_jsonl_trace(path, tokenizer, limit)
@@ -315,10 +315,12 @@ def _nq_smollm2(root: Path, limit: int | None) -> Trace:
     return Trace("nq", records, "smollm2", {"length_cap": 512})
 
 
-def _smollm2_answers(limit: int | None) -> Trace:
+def _smollm2_answers(root: Path, limit: int | None) -> Trace:
     """SmolLM2-135M-Instruct's answers to Alpaca, ShareGPT and NQ prompts through odma's engine (temperature 0.7,
-    top_p 0.95, at most 512 tokens; some prompts answered several times): datasets/smollm2_answers/README.md."""
-    path = _require(SMOLLM2_ANSWERS, "SmolLM2 answers (datasets/smollm2_answers)")
+    top_p 0.95, at most 512 tokens; some prompts answered several times): datasets/smollm2_answers/README.md.
+    Read from the repository; an installed wheel (which ships no datasets) reads smollm2_answers/ in the data dir."""
+    found = SMOLLM2_ANSWERS if SMOLLM2_ANSWERS.exists() else root / "smollm2_answers" / "answers.jsonl"
+    path = _require(found, "SmolLM2 answers (datasets/smollm2_answers)")
     trace = parse_jsonl_trace(path, "smollm2", limit)
     return Trace("smollm2-answers", trace.records, trace.tokenizer, {"length_cap": 512})
 
@@ -368,7 +370,7 @@ def iter_json_array(text: str):
         yield obj
 
 
-def _sharegpt_turns(path: Path) -> list[dict]:
+def sharegpt_turns(path: Path) -> list[dict]:
     """Every human→gpt turn of ShareGPT V3, one row each, with what keeps the splits honest.
 
     `conversation_id` is the chat's *root* id: the file cut long chats into stored parts `<id>_<n>` (with
@@ -406,7 +408,7 @@ def _sharegpt_turns(path: Path) -> list[dict]:
 def _sharegpt(tokenizer: str, limit: int | None) -> Trace:
     """ShareGPT V3: the first human→gpt turn of each stored conversation part that opens with one."""
     path = sharegpt_path()
-    rows = [dict(r, id=r["id"].rsplit("-", 1)[0]) for r in _sharegpt_turns(path) if r["opens_part"]]
+    rows = [dict(r, id=r["id"].rsplit("-", 1)[0]) for r in sharegpt_turns(path) if r["opens_part"]]
     return _text_trace("sharegpt", path, tokenizer, rows, limit)  # depth 0: what a chat's first turn says
 
 
@@ -421,9 +423,9 @@ def _sharegpt_chat(tokenizer: str, limit: int | None) -> Trace:
     The encoder reads the turn's own user message; `prompt_tokens` counts the whole templated history (earlier
     messages summed per message, `_MESSAGE_OVERHEAD_TOKENS` each); `depth`, `prior_output_tokens` (mean
     length of the earlier replies) and `last_output_tokens` are what `odma-serve` derives from a chat
-    request's messages, counted within one stored part (`_sharegpt_turns`)."""
+    request's messages, counted within one stored part (`sharegpt_turns`)."""
     path = sharegpt_path()
-    rows = _sharegpt_turns(path)
+    rows = sharegpt_turns(path)
     if limit is not None:
         rows = rows[:limit]
     prompt_counts, output_counts = _counted("sharegpt-chat", path, tokenizer,

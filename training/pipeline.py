@@ -149,7 +149,8 @@ def _common_fields(opts, trace, stats: data.TrainStats, predictor: Predictor) ->
 # -- encoder ----------------------------------------------------------------------------------------
 
 
-def _embedder(opts: TrainOptions):
+def embedder(opts: TrainOptions):
+    """(backbone folder, tokenizer, frozen mean-pooled encoder, embedding cache) for `opts`' backbone."""
     from transformers import AutoTokenizer
 
     from predictor.embedding_cache import EmbeddingCache, encoder_key
@@ -162,7 +163,8 @@ def _embedder(opts: TrainOptions):
     return folder, tokenizer, encoder, cache
 
 
-def _embed(opts, tokenizer, encoder, cache, records) -> np.ndarray:
+def embed(opts, tokenizer, encoder, cache, records) -> np.ndarray:
+    """The frozen encoder's embeddings of the records' prompts (read from and written to `cache`)."""
     from predictor.embedding_cache import embed_texts
 
     return embed_texts(encoder, tokenizer, [r.prompt for r in records], opts.max_len, cache, progress=opts.progress)
@@ -178,8 +180,8 @@ def _train_encoder(opts, trace, train_t, val_t, test_t, y_train, stats, out: Pat
     from predictor.text import encode_texts
     from training.heads import HeadTraining, fit_heads
 
-    folder, tokenizer, encoder, cache = _embedder(opts)
-    emb_train = _embed(opts, tokenizer, encoder, cache, train_t.records)
+    folder, tokenizer, encoder, cache = embedder(opts)
+    emb_train = embed(opts, tokenizer, encoder, cache, train_t.records)
     metadata = MetadataEncoder.fit(train_t.records)
     meta_train = metadata.encode(train_t.records)
     n_buckets = len(stats.bounds)
@@ -260,14 +262,14 @@ def _fit_s3(opts, tokenizer, encoder, cache, emb_train, y_train, test_t, stats):
     no_meta = np.zeros((len(emb_train), 0), np.float32)  # S3 reads the prompt only
     heads = fit_heads(emb_train, no_meta, y_train, labels, k, HeadTraining(regression_weight=0.0, seed=opts.seed),
                       progress=opts.progress, desc="training S3 baseline")
-    emb_test = _embed(opts, tokenizer, encoder, cache, test_t.records)
+    emb_test = embed(opts, tokenizer, encoder, cache, test_t.records)
     _, probs = predict_heads(heads, emb_test, np.zeros((len(emb_test), 0), np.float32))
     return heads, probs.argmax(1)
 
 
 def _s3_baseline_only(opts, train_t, test_t, y_train, stats):
-    folder, tokenizer, encoder, cache = _embedder(opts)
-    emb_train = _embed(opts, tokenizer, encoder, cache, train_t.records)
+    folder, tokenizer, encoder, cache = embedder(opts)
+    emb_train = embed(opts, tokenizer, encoder, cache, train_t.records)
     _, buckets = _fit_s3(opts, tokenizer, encoder, cache, emb_train, y_train, test_t, stats)
     return buckets
 

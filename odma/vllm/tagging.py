@@ -70,7 +70,7 @@ class LengthTags:
         if cal is not None:  # the predictor's calibration: how its L̂ and u become a reservation
             # calibrated: its reservation table (sized for a 2 % miss rate, for odma's hard reservations); else the
             # smallest bucket >= L̂·(1 + α·u): a claim is soft, and claims near L̂ kept more requests in one run
-            # (scripts/vllm_runs_replay.py)
+            # (scripts/studies/vllm_runs_replay.py)
             table = cal.table if calibrated else None
             cfg = BucketConfig(max_buckets=cfg.max_buckets, align=cal.align, window=cfg.window,
                                min_samples=cfg.min_samples, refresh_every_n=cfg.refresh_every_n,

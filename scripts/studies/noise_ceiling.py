@@ -11,7 +11,7 @@ length can do, per prompt source and pooled:
   ceiling on log lengths for infinitely many draws).
 With --predictor, each named predictor is scored on the same records (prompt-time L̂ of one request per sample).
 
-    .venv/bin/python scripts/noise_ceiling.py --json runs/noise_ceiling.json --predictor probe,default
+    .venv/bin/python scripts/studies/noise_ceiling.py --json runs/noise_ceiling.json --predictor probe,default
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
-DEFAULT = Path(__file__).resolve().parent.parent / "datasets" / "smollm2_answers" / "answers.jsonl"
+DEFAULT = Path(__file__).resolve().parents[2] / "datasets" / "smollm2_answers" / "answers.jsonl"
 
 
 def groups_of(rows: list[dict], min_samples: int) -> dict[str, list[dict]]:

@@ -9,7 +9,7 @@ double, as odma.vllm.pool does; off: it appends), at the pool of 1 GiB of fp32 S
 that, with the exact lengths as claims for the bound of a perfect predictor and the median length for every request
 as the trivial guess.
 
-    .venv/bin/python scripts/vllm_runs_replay.py [--num 144] [--running 128] [--seed 0] [--json OUT]
+    .venv/bin/python scripts/studies/vllm_runs_replay.py [--num 144] [--running 128] [--seed 0] [--json OUT]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     claims["exact lengths"] = [math.ceil((p + n) / args.block_tokens) for p, n in recs]
     median = sorted(n for _, n in recs)[len(recs) // 2]  # the trivial guess: every request the median length
     claims["constant (median)"] = [math.ceil((p + median) / args.block_tokens) for p, _ in recs]
-    result = {"command": " ".join(["scripts/vllm_runs_replay.py", *(argv or sys.argv[1:])]), "predictor": loaded.name,
+    result = {"command": " ".join(["scripts/studies/vllm_runs_replay.py", *(argv or sys.argv[1:])]), "predictor": loaded.name,
               "rows": []}
     for blocks in (int(b) for b in args.blocks.split(",")):
         for moves in (False, True):

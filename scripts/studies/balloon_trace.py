@@ -2,7 +2,7 @@
 and activations"): when each long request reached the head of the queue, was admitted and got its first token (in
 steps), and what the pool held at each side's peak batch.
 
-    .venv/bin/python scripts/balloon_trace.py [odma-bench balloon flags ...]    # a few seconds
+    .venv/bin/python scripts/studies/balloon_trace.py [odma-bench balloon flags ...]    # a few seconds
     e.g. --num-long 4 --max-num-seqs 128 --seed 4
 
 `long` = prompts over --long-threshold tokens (the workload's long prompts start at 2,048).

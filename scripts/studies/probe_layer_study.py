@@ -6,7 +6,7 @@ chat-templated prompt. Then, per layer and pooling, a ridge regression of log(1 
 state (+ the request metadata), fitted on the train split and scored on the validation split (Spearman, MAE),
 with the ridge strength chosen on a slice of train. The test split is not touched.
 
-    .venv/bin/python scripts/probe_layer_study.py --trace nq,datasets/smollm2_answers/answers.jsonl \
+    .venv/bin/python scripts/studies/probe_layer_study.py --trace nq,datasets/smollm2_answers/answers.jsonl \
         --json runs/probe_layers.json
 """
 

@@ -2,7 +2,7 @@
 long prompts per run, one run's long-request median TTFT is the mean of two requests, so single runs swing
 by ±30 % on ordering alone. This pools them.
 
-    .venv/bin/python scripts/balloon_seeds.py [--seeds 10] [--runs] [odma-bench balloon flags ...]   # about a minute
+    .venv/bin/python scripts/studies/balloon_seeds.py [--seeds 10] [--runs] [odma-bench balloon flags ...]   # about a minute
 
 Three workload families (the six-run table's L = 4 and L = 8 with max-num-seqs 128, and the 192-short one),
 each over seeds 0..N-1, with the given flags on both sides. Prints one Markdown row per family (`--runs`: and a line

@@ -11,7 +11,7 @@ reservations in both, so only the order differs); the table gives sjf ÷ fcfs an
 oracle's mean-latency gain. The trivial
 baseline is fcfs itself (sjf on a constant guess is fcfs: ties keep arrival order).
 
-    .venv/bin/python scripts/sjf_prompt_ceiling.py [--predictors default,smollm2,probe,prompt-oracle] [--split test]
+    .venv/bin/python scripts/studies/sjf_prompt_ceiling.py [--predictors default,smollm2,probe,prompt-oracle] [--split test]
         [--burst 1000] [--max-batch 64] [--json runs/sjf_prompt_ceiling.json]
 """
 

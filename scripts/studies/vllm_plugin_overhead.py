@@ -1,7 +1,7 @@
 """vLLM's per-step scheduling cost with and without odma.vllm, in one process (the scheduler and the model on one
 thread, so cProfile sees both): 16 prompts x 128 greedy tokens on SmolLM2 fp32, twice, after a warm-up.
 
-    PEER_PYTHON scripts/vllm_plugin_overhead.py stock|plugin [MODEL_DIR]
+    PEER_PYTHON scripts/studies/vllm_plugin_overhead.py stock|plugin [MODEL_DIR]
 """
 import cProfile
 import os

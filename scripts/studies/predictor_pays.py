@@ -1,7 +1,7 @@
 """Does the predictor pay? (docs/BENCHMARKS.md): the same replays with the predictor, the best constant guess and
 the oracle, side by side in one run, through the engine's own scheduler (`odma-analyze replay --scheduler engine`).
 
-    .venv/bin/python scripts/predictor_pays.py [--traces sharegpt,azure-conv,alpaca,nq] [--predictor default]
+    .venv/bin/python scripts/studies/predictor_pays.py [--traces sharegpt,azure-conv,alpaca,nq] [--predictor default]
         [--requests 3000] [--max-batch 64] [--out runs/pays]
 
 1. Offline (all requests at t=0): throughput and migrations of `odma` with the predictor's L̂, with a constant

@@ -11,7 +11,7 @@ ceiling). The MAE of that prediction, with the prompt alone and with the first j
 prompt-time estimate and a decode-time refinement can reach on these requests; their ratio bounds the refinement's
 gain. The recorded answer's own remaining length is scored too, against the K draws of each group.
 
-    .venv/bin/python scripts/refine_noise_ceiling.py --prompts 150 --samples 5 --after 32 \
+    .venv/bin/python scripts/studies/refine_noise_ceiling.py --prompts 150 --samples 5 --after 32 \
         --json docs/results/refine_noise_ceiling.json      # 9 min on 2 cores
 """
 

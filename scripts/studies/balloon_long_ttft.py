@@ -1,7 +1,7 @@
 """Why long requests can wait longer with ballooning on (docs/BENCHMARKS.md, "Ballooning"): the step-time model
 of `odma-bench balloon` on nine workloads, three ways.
 
-    .venv/bin/python scripts/balloon_long_ttft.py     # under a minute
+    .venv/bin/python scripts/studies/balloon_long_ttft.py     # under a minute
 
 - as measured: the defaults (CPU decode steps that grow with the batch);
 - no activation wait: a prefill never waits for lent activation room (as if long prompts were prefilled in

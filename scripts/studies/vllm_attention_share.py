@@ -2,7 +2,7 @@
 layer's attention call timed from outside (its implementation's forward and its K/V write), against the run's wall
 time; vLLM's own CPU attention or odma's backend.
 
-    ODMA_VLLM=1 VLLM_CPU_OMP_THREADS_BIND=0 PYTHONPATH=. .peer-venv/bin/python scripts/vllm_attention_share.py \\
+    ODMA_VLLM=1 VLLM_CPU_OMP_THREADS_BIND=0 PYTHONPATH=. .peer-venv/bin/python scripts/studies/vllm_attention_share.py \\
         --model MODEL_DIR --attention off      # vLLM's own (its scheduler named), or: --attention runs
 
 Bind vLLM's threads to one core (VLLM_CPU_OMP_THREADS_BIND=0) to match `odma-bench peer --threads 1`. Prints one

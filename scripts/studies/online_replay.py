@@ -7,7 +7,7 @@ Features are the served model's (SmolLM2's) prompt-end states at the probe's lay
 (cached on disk). Reported: under-prediction and over-reservation on the first `--warmup` completions and on
 the rest, against the same stream served by the shipped predictor alone, for each refit period N.
 
-    .venv/bin/python scripts/online_replay.py --trace alpaca-eval:llama-2-7b-chat-hf --shipped probe \
+    .venv/bin/python scripts/studies/online_replay.py --trace alpaca-eval:llama-2-7b-chat-hf --shipped probe \
         --refit-every 16,32,64,128,256 --json runs/online_llama2_probe.json
 """
 

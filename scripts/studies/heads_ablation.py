@@ -1,7 +1,7 @@
 """The heads ablation of docs/predictor.md ("Multi-turn requests"): which head and feature choices make the
 earlier replies' lengths count. Heads only, on the frozen encoder's cached embeddings of `sharegpt-chat`.
 
-    .venv/bin/python scripts/heads_ablation.py [--seed 0]
+    .venv/bin/python scripts/studies/heads_ablation.py [--seed 0]
 
 Prints a Markdown table: Spearman on the test split (all, later and first turns) and MAE in tokens.
 """
@@ -17,7 +17,7 @@ from odma.traces import load_trace
 from predictor.features import MetadataEncoder
 from training import data
 from training.heads import HeadTraining, fit_heads, predict_heads
-from training.pipeline import TrainOptions, _embed, _embedder
+from training.pipeline import TrainOptions, embed, embedder
 
 # metadata columns (MetadataEncoder with the current NUMERIC_FIELDS): 0 log prompt tokens, 1–2 temperature,
 # 3–4 depth, 5–6 earlier replies' mean length, 7–8 the latest reply's length
@@ -40,8 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     train, _, test = data.splits(load_trace("sharegpt-chat"))
     opts = TrainOptions(trace="sharegpt-chat", out=".", progress=True)
-    _, tokenizer, encoder, cache = _embedder(opts)
-    emb = {name: _embed(opts, tokenizer, encoder, cache, part.records)
+    _, tokenizer, encoder, cache = embedder(opts)
+    emb = {name: embed(opts, tokenizer, encoder, cache, part.records)
            for name, part in (("train", train), ("test", test))}
     metadata = MetadataEncoder.fit(train.records)
     meta = {"train": metadata.encode(train.records), "test": metadata.encode(test.records)}

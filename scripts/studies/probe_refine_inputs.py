@@ -10,7 +10,7 @@ probe`), remaining-length MAE at j generated tokens on the test split for heads 
 next to the prompt-time estimate itself (remaining = max(L̂, j + 1) − j) and predict-the-median of the training
 lengths still running at j.
 
-    .venv/bin/python scripts/probe_refine_inputs.py [--trace smollm2-answers,nq] [--layer 17] [--json F]
+    .venv/bin/python scripts/studies/probe_refine_inputs.py [--trace smollm2-answers,nq] [--layer 17] [--json F]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 fcfs, through the serving engine's own scheduler on the CPU profile of the served model (`cpu-smollm2`), at the
 real engine's settings (at most 64 running, 2,048 prompt tokens per step, 512 output tokens at most).
 
-    .venv/bin/python scripts/sjf_oracle_bound.py [--traces "nq;smollm2-answers,alpaca"] [--bursts 144,300,600]
+    .venv/bin/python scripts/studies/sjf_oracle_bound.py [--traces "nq;smollm2-answers,alpaca"] [--bursts 144,300,600]
         [--loads 0.9,1.1,1.3] [--poisson-requests 600] [--json runs/sjf_bound.json]
 
 For each trace: bursts of N requests at t = 0, and Poisson arrivals at a share of the offline capacity (requests/s
