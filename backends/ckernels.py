@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -155,15 +156,42 @@ def build(source: Path, flags: tuple[str, ...], link: tuple[str, ...] = ()) -> P
     obj = tmp + ".o"
     try:
         for cmd in ([compiler, *flags, "-c", "-o", obj, str(source)], [compiler, *LINK_FLAGS, "-o", tmp, obj, *link]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
+            returncode, stderr = _compile(cmd)
+            if returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {stderr.strip()[:500]}")
         os.replace(tmp, target)
     finally:
         for path in (tmp, obj):
             if os.path.exists(path):
                 os.unlink(path)
     return target
+
+
+def compile_timeout() -> float:
+    """Seconds one compiler call may take ($ODMA_CC_TIMEOUT, default 600: a loaded 2-core machine took over 120 s
+    for quant_linear.c)."""
+    raw = os.environ.get("ODMA_CC_TIMEOUT", "600")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise BackendError(f"ODMA_CC_TIMEOUT={raw!r}: expected a number of seconds") from None
+    if seconds <= 0:
+        raise BackendError(f"ODMA_CC_TIMEOUT={raw!r}: expected a positive number of seconds")
+    return seconds
+
+
+def _compile(cmd: list[str]) -> tuple[int, str]:
+    """Runs one compiler call in a process group of its own, so a timeout ends the driver's children (cc1, as)
+    too, not only the driver."""
+    limit = compile_timeout()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"{cmd[0]} took longer than {limit:g} s (ODMA_CC_TIMEOUT)") from None
+    return proc.returncode, stderr
 
 
 def _cpu_signature() -> bytes:

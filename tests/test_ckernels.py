@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,36 @@ def test_a_cpu_without_avx512_bf16_keeps_bf16_layers_off_the_kernel():
     kernel = cpu_linear.LinearKernel(_LinearLibraryWithoutAvx512Bf16())
     assert kernel.dtypes == (torch.float32,)
     assert kernel.serves(torch.zeros(4, 8)) and not kernel.serves(torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+def test_a_compile_past_its_time_ends_the_compilers_children_too(monkeypatch, tmp_path):
+    """A compiler driver that times out takes its children (cc1, as) with it: nothing keeps compiling behind a
+    build that was given up, and nothing half-built is left."""
+    from backends import ckernels
+
+    pid_file = tmp_path / "child.pid"
+    slow_cc = tmp_path / "slow-cc"
+    slow_cc.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {pid_file}\nwait\n")
+    slow_cc.chmod(0o755)
+    source = tmp_path / "k.c"
+    source.write_text("int k(void) { return 0; }\n")
+    monkeypatch.setenv("CC", str(slow_cc))
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ODMA_CC_TIMEOUT", "1")
+    with pytest.raises(RuntimeError, match="longer than 1 s"):
+        ckernels.build(source, ("-O2",))
+    child = int(pid_file.read_text())
+    status = Path(f"/proc/{child}/stat")
+    # the child is gone (or, for an instant, a zombie awaiting its reaper)
+    assert not status.exists() or status.read_text().split(")")[1].split()[0] == "Z"
+    assert not list((tmp_path / "cache").rglob("*.so*"))
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5"])
+def test_a_bad_compile_timeout_is_refused_in_words(monkeypatch, value):
+    from backends import ckernels
+    from backends.errors import BackendError
+
+    monkeypatch.setenv("ODMA_CC_TIMEOUT", value)
+    with pytest.raises(BackendError, match="ODMA_CC_TIMEOUT"):
+        ckernels.compile_timeout()
