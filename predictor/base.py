@@ -120,7 +120,9 @@ class Predictor(ABC):
 
     What a predictor declares, so that a server asks it rather than checks its class:
     - `learns`: `observe` changes its later predictions, so every finished request must be told to it where it
-      finishes. A trained predictor does not learn (its calibration is fixed at export) and `observe` is a no-op.
+      finishes. A trained predictor does not learn (its calibration is fixed at export) and `observe` is a no-op;
+      a probe's online head (predictor/online.py) learns from the prompt-end hidden-state row, which the engine's
+      probe path hands it, not from what `observe` carries.
     - `reads_hidden_states`: it predicts from the served model's own hidden states (a probe), which only the
       engine that runs the model can hand it; the engine serves it beside the text predictor, not as one, through
       the probe's interface (`layer`, `hidden_size`, `capture_layers`, `check_model`, `predict_features`,
