@@ -7,7 +7,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 from odma.config import ReservationTable
 from odma.errors import ConfigError, PredictorError
@@ -112,14 +112,27 @@ class Manifest:
 
 
 class Predictor(ABC):
-    """Predicts each request's output length L̂ and an uncertainty u in [0, 1].
+    """Predicts each request's output length L̂ and an uncertainty u in [0, 1], and may learn from the requests
+    that finish.
 
     A request is any object with a `prompt` (text or None) and optionally `prompt_tokens`, `type`,
-    `temperature`, `system_prompt_id`, `depth`, `generator` (a `TraceRecord` works)."""
+    `temperature`, `system_prompt_id`, `depth`, `generator` (a `TraceRecord` works).
+
+    What a predictor declares, so that a server asks it rather than checks its class:
+    - `learns`: `observe` changes its later predictions, so every finished request must be told to it where it
+      finishes. A trained predictor does not learn (its calibration is fixed at export) and `observe` is a no-op;
+      a probe's online head (predictor/online.py) learns from the prompt-end hidden-state row, which the engine's
+      probe path hands it, not from what `observe` carries.
+    - `reads_hidden_states`: it predicts from the served model's own hidden states (a probe), which only the
+      engine that runs the model can hand it; the engine serves it beside the text predictor, not as one, through
+      the probe's interface (`layer`, `hidden_size`, `capture_layers`, `check_model`, `predict_features`,
+      `refine`: predictor.probe.ProbePredictor)."""
 
     name: str = "predictor"
     calibration: Calibration | None = None
     fallback_reason: str | None = None  # set when this predictor stands in for one that could not be loaded
+    learns: ClassVar[bool] = False
+    reads_hidden_states: ClassVar[bool] = False
 
     @abstractmethod
     def predict(self, requests: Sequence[Any]) -> list[Prediction]:
@@ -127,3 +140,8 @@ class Predictor(ABC):
 
     def predict_one(self, request: Any) -> Prediction:
         return self.predict([request])[0]
+
+    def observe(self, request: Any, realized_length: int) -> None:
+        """A request finished with `realized_length` output tokens; `request` is what `predict` was given for it
+        (the same fields), or None when it finished before it was predicted. Nothing to learn unless the predictor
+        declares `learns`."""

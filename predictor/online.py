@@ -82,11 +82,10 @@ class OnlineProbe:
     def __init__(self, model_identity: str, hidden_size: int, layer: int, shipped: Predictor,
                  metadata: MetadataEncoder | None = None, config: OnlineConfig = OnlineConfig(),
                  state_dir: Path | None = None) -> None:
-        """shipped: what serves until the window is full enough — a ProbePredictor of this model (then its layer
-        and metadata are used) or any text predictor. state_dir: where the window persists (None: nowhere)."""
-        from predictor.probe import ProbePredictor
-
-        if isinstance(shipped, ProbePredictor):
+        """shipped: what serves until the window is full enough — a probe of this model (a predictor that
+        `reads_hidden_states`: then its layer and metadata are used) or any text predictor. state_dir: where the
+        window persists (None: nowhere)."""
+        if getattr(shipped, "reads_hidden_states", False):
             shipped.check_model(model_identity)
             if (shipped.layer, shipped.hidden_size) != (layer, hidden_size):
                 raise ConfigError(f"shipped probe reads layer {shipped.layer} of width {shipped.hidden_size}, "
@@ -138,9 +137,7 @@ class OnlineProbe:
         return [Prediction(float(a), float(b)) for a, b in zip(length, unc)]
 
     def _shipped_predict(self, features: Any, requests: Sequence[Any]) -> list[Prediction]:
-        from predictor.probe import ProbePredictor
-
-        if isinstance(self.shipped, ProbePredictor):
+        if getattr(self.shipped, "reads_hidden_states", False):
             return self.shipped.predict_features(features, requests)
         return [Prediction(float(a), float(b)) for a, b in self.shipped.predict(requests)]
 

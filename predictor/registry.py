@@ -23,6 +23,8 @@ NAMES: dict[str, str] = {
     "sklearn": "predictor.default:load_default_sklearn",
     "smollm2": "predictor.default:load_default_smollm2",  # the text predictor also trained on SmolLM2's own answers
     "probe": "predictor.default:load_default_probe",  # SmolLM2's own hidden states (the default served model)
+    "median": "predictor.running_median:RunningMedian",  # learns from realized lengths; needs nothing trained
+    "running-median": "predictor.running_median:RunningMedian",
     "oracle": "predictor.oracle:OraclePredictor",
 }
 NAMES_WITH_ARGUMENT: dict[str, str] = {
@@ -41,7 +43,7 @@ def _resolve(target: str) -> Callable:
 
 
 def load_predictor(spec: str) -> Predictor:
-    """A predictor by name (`default`, `sklearn`, `oracle`, `noisy-oracle:SIGMA`, ...) or from a folder."""
+    """A predictor by name (`default`, `sklearn`, `median`, `oracle`, `noisy-oracle:SIGMA`, ...) or from a folder."""
     if spec in NAMES:
         return _resolve(NAMES[spec])()
     name, _, arg = spec.partition(":")
@@ -52,7 +54,7 @@ def load_predictor(spec: str) -> Predictor:
 
 def load_predictor_folder(folder: Path) -> Predictor:
     if not folder.is_dir():
-        raise PredictorError(f"unknown predictor {str(folder)!r}: use default, smollm2, sklearn, probe, oracle, prompt-oracle, noisy-oracle:SIGMA or a folder")
+        raise PredictorError(f"unknown predictor {str(folder)!r}: use default, smollm2, sklearn, probe, median, oracle, prompt-oracle, noisy-oracle:SIGMA or a folder")
     manifest = Manifest.load(folder)
     if manifest.kind not in KINDS:
         raise PredictorError(f"{folder}: unknown predictor kind {manifest.kind!r}")

@@ -7,12 +7,13 @@ import math
 import random
 import pytest
 
-from odma.engine.length_predictor import LoadedPredictor, RunningMedian
+from odma.engine.length_predictor import LoadedPredictor
 from odma.errors import ConfigError
 from odma.vllm.config import PluginConfig
 from odma.vllm.order import ShortestFirstQueue
 from odma.vllm.runs import BlockRuns
 from odma.vllm.tagging import LengthTags, remaining, user_text
+from predictor.running_median import RunningMedian
 
 # -- runs ------------------------------------------------------------------------------------------------
 

@@ -1,54 +1,19 @@
-"""The length predictor as the engine sees it: `predict(requests) -> [(L̂, u)]`, with a fallback.
+"""Which length predictor a server runs: the one its config names, with a fallback.
 
-The trained predictor lives in the `predictor` package. When it cannot be loaded (not built yet, missing
-files), the engine still runs with `RunningMedian`: L̂ = median of recently realized lengths, u = 1.0.
-The fallback and its reason are logged at start-up and exported in /metrics.
+The predictors live in the `predictor` package (and `predictor.serving` drives one while serving). When the one
+asked for cannot be loaded (not built yet, missing files), the server still runs with `RunningMedian`: L̂ = median
+of recently realized lengths, u = 1.0. The fallback and its reason are logged at start-up and exported in /metrics.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import statistics
-import threading
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+
+from predictor.running_median import RunningMedian
 
 log = logging.getLogger(__name__)
-
-
-class RunningMedian:
-    """Trivial predictor: the median realized length of the last `window` requests (`prior` before any)."""
-
-    name = "running-median"
-
-    def __init__(self, prior: float = 128.0, window: int = 512) -> None:
-        self._lengths: deque[int] = deque(maxlen=window)
-        self._prior = prior
-        self._lock = threading.Lock()
-
-    def predict(self, requests: Sequence[Any]) -> list[tuple[float, float]]:
-        with self._lock:
-            guess = float(statistics.median(self._lengths)) if self._lengths else self._prior
-        return [(guess, 1.0) for _ in requests]
-
-    def observe(self, realized: int) -> None:
-        with self._lock:
-            self._lengths.append(realized)
-
-
-def usable_prediction(pred: Any) -> tuple[float, float] | None:
-    """(L̂, u) when a predictor's answer can size a reservation: L̂ finite and >= 0, u finite (clamped to
-    [0, 1]); None otherwise (NaN from an overflowing input, a failed call), and the request reserves for
-    the worst case."""
-    try:
-        length, u = float(pred[0]), float(pred[1])
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if not (math.isfinite(length) and length >= 0 and math.isfinite(u)):
-        return None
-    return length, min(max(u, 0.0), 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +24,10 @@ class LoadedPredictor:
 
 
 def load_engine_predictor(spec: str | None) -> LoadedPredictor:
-    """`spec` as `predictor.load_predictor` takes it ("default", "sklearn", "oracle", a folder), or
-    "median" for the fallback itself."""
-    if spec in (None, "", "median", "running-median"):
-        return LoadedPredictor(RunningMedian(), RunningMedian.name, None if spec else "no predictor configured")
+    """`spec` as `predictor.load_predictor` takes it ("default", "sklearn", "median", "oracle", a folder); none
+    configured is the running median, reported as a fallback."""
+    if not spec:
+        return LoadedPredictor(RunningMedian(), RunningMedian.name, "no predictor configured")
     try:
         from predictor import load_predictor
 
@@ -83,12 +48,12 @@ def load_length_probe(config, model, generator: str) -> tuple[Any, str | None]:
     try:
         from odma.engine.length_probe import LengthProbe
         from predictor import load_predictor
-        from predictor.probe import ProbePredictor
         from predictor.probe.identity import model_identity
 
         probe = load_predictor(config.probe)
-        if not isinstance(probe, ProbePredictor):
-            raise ValueError(f"{config.probe!r} is a {type(probe).__name__}, not a probe (kind 'probe')")
+        if not getattr(probe, "reads_hidden_states", False):
+            raise ValueError(f"{config.probe!r} is a {type(probe).__name__}, which reads no hidden states: "
+                             "not a probe (kind 'probe')")
         identity = model_identity(model)
         probe.check_model(identity)
         online = None

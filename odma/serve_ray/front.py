@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from odma.engine import EngineConfig, SamplingParams
-from odma.engine.length_predictor import LoadedPredictor, RunningMedian, usable_prediction
+from odma.engine.length_predictor import LoadedPredictor
 from odma.engine.llm_engine import check_request
 from odma.engine.sequence import RequestTags, Sequence
 from odma.kv import KVRequest, build_policy
@@ -32,6 +32,7 @@ from odma.serve_ray.merge_metrics import merge_texts
 from odma.serve_ray.messages import RemoteJob, Views, sample_ids
 from odma.serve_ray.scoring import ROUTING, ReplicaLoad
 from odma.serve_ray.settings import RaySettings
+from predictor.serving import ServedPredictor
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +120,17 @@ class FrontEngine:
 
 class FrontPredictor:
     """The length predictor at the ingress: requests that arrive together are predicted in one batch, off the
-    event loop. A running-median predictor reads the cluster's shared window instead of its own."""
+    event loop, through `ServedPredictor` (the engine's and the vLLM plugin's loop).
+
+    A predictor that learns is taught where requests finish, at the replicas; none finishes here. What the
+    replicas realized reaches the ingress as the cluster's shared window of lengths, which is all a running median
+    learns from, so the window stands in for it: its median, u = 1, and no prediction before any length was
+    reported (the replica predicts then). A learner that reads the requests too would need them sent here."""
 
     def __init__(self, loaded: LoadedPredictor, generator: str, view: ClusterView, latency: Histogram) -> None:
         self.loaded, self.generator, self.view, self.latency = loaded, generator, view, latency
-        self.median = isinstance(loaded.predictor, RunningMedian)
+        self.served = ServedPredictor(loaded.predictor)
+        self.shared_window = self.served.learns
         self._pending: list[tuple[Any, asyncio.Future]] = []
         self._draining = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="odma-front-predictor")
@@ -131,8 +138,9 @@ class FrontPredictor:
         self.seconds = 0.0
 
     async def predict(self, seq: Sequence) -> tuple[float, float] | None:
-        if self.median:
-            return (float(self.view.median), 1.0) if self.view.median is not None else None
+        """A usable (L̂, u), or None: the request reserves for the worst case."""
+        if self.shared_window:
+            return self.served.usable((self.view.median, 1.0)) if self.view.median is not None else None
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((seq.predict_request(self.generator), fut))
@@ -147,25 +155,19 @@ class FrontPredictor:
             while self._pending:
                 batch, self._pending = self._pending, []
                 started = time.perf_counter()
-                try:
-                    preds = await loop.run_in_executor(self._pool, self._call, [r for r, _ in batch])
-                except Exception:  # noqa: BLE001 - a failing predictor must not lose requests: worst case
-                    log.exception("length predictor failed at the ingress; these requests reserve the worst case")
+                try:  # ServedPredictor.predict does not raise; the executor can (shut down)
+                    preds = await loop.run_in_executor(self._pool, self.served.predict, [r for r, _ in batch])
+                except Exception:  # noqa: BLE001 - the requests must not be lost: worst case
+                    log.exception("length predictor unreachable at the ingress; these requests reserve the worst case")
                     preds = [None] * len(batch)
                 seconds = time.perf_counter() - started
                 self.latency.observe(seconds)
                 self.calls, self.requests, self.seconds = self.calls + 1, self.requests + len(batch), self.seconds + seconds
                 for (_, fut), pred in zip(batch, preds):
                     if not fut.done():
-                        fut.set_result(usable_prediction(pred))
+                        fut.set_result(pred)
         finally:
             self._draining = False
-
-    def _call(self, requests: list) -> list:
-        preds = list(self.loaded.predictor.predict(requests))
-        if len(preds) != len(requests):
-            raise ValueError(f"{len(preds)} predictions for {len(requests)} requests")
-        return preds
 
 
 @dataclass(slots=True)

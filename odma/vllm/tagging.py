@@ -1,6 +1,6 @@
 """What odma knows about a vLLM request's length (no vLLM): the text predictor's L̂ and u at arrival, the
 output tokens its calibrated bucket reserves, and what finished requests teach (the bucket bounds re-derive
-from realized lengths; the running-median fallback follows them).
+from realized lengths; a predictor that learns, as the running-median fallback does, is told each one).
 
 vLLM's engine core sees token ids, not text: the prompt is decoded with the served model's tokenizer and, for a
 chat prompt, reduced to its last user turn (what the predictor was trained to read).
@@ -8,19 +8,17 @@ chat prompt, reduced to its last user turn (what the predictor was trained to re
 
 from __future__ import annotations
 
-import logging
 import math
 import re
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from odma.config import BucketConfig, PoolConfig
-from odma.engine.length_predictor import LoadedPredictor, RunningMedian, usable_prediction
+from odma.engine.length_predictor import LoadedPredictor
 from odma.kv import KVRequest, build_policy
 from predictor.base import PredictRequest
+from predictor.serving import ServedPredictor
 
-log = logging.getLogger(__name__)
 
 # ChatML (SmolLM2, Qwen) and Llama-3 user turns
 _USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)(?:<\|im_end\|>|$)"
@@ -41,6 +39,7 @@ class Tag:
     predicted: float | None  # L̂ (output tokens); None: no usable prediction
     uncertainty: float
     reserved_output: int  # output tokens the run is sized for (the bucket's bound, at most max_tokens)
+    request: PredictRequest | None = None  # what the predictor read: it learns from the same when the request ends
 
 
 @dataclass(slots=True)
@@ -65,6 +64,7 @@ class LengthTags:
                  buckets: BucketConfig | None = None, calibrated: bool = False) -> None:
         self.predictor = predictor
         self.generator = generator
+        self.served = ServedPredictor(predictor.predictor, on_call=self._count_call)
         cal = getattr(predictor.predictor, "calibration", None)
         cfg = buckets or BucketConfig()
         if cal is not None:  # the predictor's calibration: how its L̂ and u become a reservation
@@ -86,30 +86,24 @@ class LengthTags:
         """One batch: a failing predictor or an unusable answer leaves a request sized for its max_tokens."""
         requests = [PredictRequest(prompt=p, prompt_tokens=n, temperature=t, generator=self.generator)
                     for p, n, t in zip(prompts, prompt_tokens, temperatures)]
-        start = time.perf_counter()
-        try:
-            preds = list(self.predictor.predictor.predict(requests)) if requests else []
-            if len(preds) != len(requests):
-                raise ValueError(f"{len(preds)} predictions for {len(requests)} requests")
-        except Exception:  # noqa: BLE001 - a failing predictor must not lose requests
-            log.exception("length predictor failed; these requests are sized for their max_tokens")
-            preds = [None] * len(requests)
-        self.stats.predict_s += time.perf_counter() - start
         tags = []
-        for pred, prompt_len, cap in zip(preds, prompt_tokens, max_tokens):
-            checked = usable_prediction(pred) if pred is not None else None
+        for checked, request, prompt_len, cap in zip(self.served.predict(requests), requests, prompt_tokens,
+                                                     max_tokens):
             if checked is None:
                 self.stats.untagged += 1
-                tags.append(Tag(None, 1.0, cap))
+                tags.append(Tag(None, 1.0, cap, request))
                 continue
             length, u = checked
             reserved = self.policy.initial(KVRequest("-", prompt_len, cap, length, u)).output_tokens
             self.stats.tagged += 1
-            tags.append(Tag(length, u, min(cap, reserved)))
+            tags.append(Tag(length, u, min(cap, reserved), request))
         return tags
 
+    def _count_call(self, seconds: float, requests: int) -> None:
+        self.stats.predict_s += seconds
+
     def observe(self, tag: Tag | None, realized: int) -> None:
-        """A request finished with `realized` output tokens."""
+        """A request finished with `realized` output tokens (`tag` None: it finished before it was tagged)."""
         self.stats.observed += 1
         if tag is None or tag.predicted is None:
             self.stats.observed_untagged += 1
@@ -117,8 +111,7 @@ class LengthTags:
             self.stats.abs_error_sum += abs(tag.predicted - realized)
             self.stats.under_reserved += realized > tag.reserved_output
         self.policy.observe(realized)
-        if isinstance(self.predictor.predictor, RunningMedian):
-            self.predictor.predictor.observe(realized)
+        self.served.observe(tag.request if tag is not None else None, realized)
         buckets = getattr(self.policy, "buckets", None)
         if buckets is not None and buckets.refresh_due():
             buckets.refresh()

@@ -15,7 +15,7 @@ the served model's prefill itself with odma's own model code.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
@@ -36,6 +36,7 @@ def refine_features(states: np.ndarray, generated: Sequence[int], meta: np.ndarr
 
 class ProbePredictor(Predictor):
     name = "probe"
+    reads_hidden_states: ClassVar[bool] = True  # the engine captures `capture_layers` and calls predict_features
 
     def __init__(self, prompt_head: LengthHead, metadata: MetadataEncoder, settings: dict,
                  refine_head: LengthHead | None = None, calibration: Calibration | None = None,
