@@ -1,11 +1,11 @@
 """Devices by capability, never by name: outside backends/ no code compares a device's name.
 
 A caller that writes `if device.type == "cuda"` or `device.startswith("cpu")` owes the backend a question instead
-(`backends.platform(device).capabilities`, `backend.capabilities`), so that a new accelerator is one file in backends/
-and one registry line, with no edit elsewhere. A static check (nothing is imported): every string constant naming a
-device kind ("cpu", "cuda", "mlu", or a prefix such as "cuda:") that is an operand of a comparison (==, !=, in, is,
-inside a tuple or set operand too), an argument of str.startswith / endswith, or a `case` pattern. Naming a device
-is fine (a CLI default, a `.to("cpu")`); branching on one is not. tests/ are exempt.
+(`backends.for_device(spec).capabilities`, `backend.capabilities`), so that a new accelerator is one file in backends/
+and one registry line, with no edit elsewhere. A static check (the code checked is not imported): every string
+constant naming a device kind of the registry (cpu, cuda, mlu, or a prefix such as "cuda:") that is an operand of a
+comparison (==, !=, in, is, inside a tuple or set operand too), an argument of str.startswith / endswith, or a `case`
+pattern. Naming a device is fine (a CLI default, a `.to("cpu")`); branching on one is not. tests/ are exempt.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from backends import BACKENDS
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ("odma", "predictor", "training", "scripts")
-KINDS = ("cpu", "cuda", "mlu")
+KINDS = tuple(BACKENDS)  # a kind registered later is checked too
 
 
 def names_a_device(node: ast.AST) -> bool:
@@ -54,6 +56,7 @@ def test_no_device_name_is_compared_outside_backends():
 
 
 def test_the_check_sees_every_form_of_a_name_test():
+    assert {"cpu", "cuda", "mlu"} <= set(KINDS)
     forms = [
         'device.type == "cuda"',
         'backend.name != "cpu"',
