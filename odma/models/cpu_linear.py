@@ -121,8 +121,8 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str
     (in the default mode, where `kernel` is given and serves the layer: `LinearKernel.serves`) or a PackedLinear
     (dtypes oneDNN packs here, `packable_dtypes`); in place, idempotent. On more than one torch thread a
     KernelLinear also keeps oneDNN's packed copy for large steps (the weights' size once more in memory; on one
-    thread the kernel is level with oneDNN there). Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch. mode: one of MODES instead of
-    ODMA_CPU_LINEAR's (benchmarks compare them)."""
+    thread the kernel is level with oneDNN there). Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch.
+    mode: one of MODES instead of ODMA_CPU_LINEAR's (benchmarks compare them)."""
     mode = mode or linear_mode()
     if mode == "torch":
         return 0
