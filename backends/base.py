@@ -72,14 +72,36 @@ class KVLayout:
         return self.elements_per_token * torch.empty((), dtype=self.dtype).element_size()
 
 
+ATTENTION_PLANS = ("native", "triton", "sdpa")
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a backend can do beyond the common interface (callers branch on these, never on names)."""
+    """What a backend can do and what the engine decides from it: callers branch on these, never on device names.
+
+    A backend class declares them (`backends.for_device(spec).capabilities` answers before any device is opened:
+    the config's defaults); an opened backend's `capabilities` adds what it probed (virtual memory, pinning)."""
 
     supports_vmm: bool = False  # reserve address space and map memory behind it (`Backend.virtual_memory`)
     supports_streams: bool = False  # streams/events are real (False: no-op objects, work is synchronous)
     pinned_host: bool = False  # host buffers are page-locked, so device↔host copies can be asynchronous
     returns_memory_to_driver: bool = False  # free_arena(..., return_to_driver=True) gives bytes back
+    default_dtype: str = "bfloat16"  # weights and activations when none is asked for
+    default_kv_dtype: str | None = None  # the KV cache's dtype when none is asked for (None: the weights')
+    # attention outside the kernels reads a float16 cache widened to float32 (the cache is storage only there:
+    # the device has no fast half-precision attention)
+    widens_half_kv: bool = False
+    # the host's native layers apply: linear layers packed for `linear_kernel()` / oneDNN, steps through
+    # `decode_step()`, a GGUF's quantized blocks served as they are
+    native_layers: bool = False
+    attention: str = "triton"  # what attention "auto" runs: native (`decode_attention()`), triton or sdpa
+    graphs: bool = False  # `capture_graph` records graphs; decode batches are captured by default
+    parallel_pools: bool = True  # several devices of this kind step at once (False: they share the host's cores)
+    torch_extension: str | None = None  # the module that registers the device with torch (imported when opened)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_PLANS:
+            raise BackendError(f"attention must be one of {', '.join(ATTENTION_PLANS)}, got {self.attention!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +219,8 @@ class NullStream:
 
 
 class Backend(ABC):
-    """Device-specific operations; CPU, CUDA and MLU implement the same methods."""
+    """Device-specific operations; CPU, CUDA and MLU implement the same methods. A backend class serves the devices
+    `<kind>[:N]` its line in `backends.BACKENDS` names it for, and is opened as `cls(N)`."""
 
     name: str = "backend"
     capabilities: Capabilities = Capabilities()
@@ -205,6 +228,10 @@ class Backend(ABC):
     @property
     @abstractmethod
     def device(self) -> torch.device: ...
+
+    def describe(self) -> str:
+        """The device as a report names it (the product and its size where the backend can tell)."""
+        return str(self.device)
 
     def decode_attention(self) -> DecodeAttention | None:
         """A kernel for decode attention over contiguous blocks, where this backend has one (None: the model
@@ -217,20 +244,21 @@ class Backend(ABC):
         return None
 
     def attention(self, kind: str = "auto") -> DecodeAttention | TritonAttention | None:
-        """The model's attention kernel. auto: this backend's best (the CPU's C decode kernel; on accelerators the
-        Triton kernels when Triton imports, else None, logged); triton: the Triton kernels for every request
-        (BackendError where they cannot run: on CPU only under TRITON_INTERPRET=1); sdpa: None, torch's SDPA
-        per request (the reference)."""
+        """The model's attention kernel. auto: what `capabilities.attention` declares (native: `decode_attention()`,
+        the CPU's C decode kernel; triton: the Triton kernels when Triton can compile for the device, else None,
+        logged; sdpa: None); triton: the Triton kernels for every request (BackendError where they cannot run: on
+        CPU only under TRITON_INTERPRET=1); sdpa: None, torch's SDPA per request (the reference)."""
         if kind not in ATTENTION_KINDS:
             raise BackendError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {kind!r}")
-        if kind == "sdpa":
+        plan = kind if kind != "auto" else self.capabilities.attention
+        if plan == "sdpa":
             return None
+        if plan == "native":
+            return self.decode_attention()
         from backends.triton_attention import TritonAttention, available
 
         if kind == "triton":
             return TritonAttention(self.device)
-        if self.device.type == "cpu":
-            return self.decode_attention()
         why = available(self.device)
         if why is not None:
             log.warning("%s: Triton attention unavailable (%s); attention runs as SDPA per request", self.device, why)

@@ -6,6 +6,7 @@ shared torch-device code that CUDA also runs."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import torch
 
@@ -30,5 +31,7 @@ def load_torch_mlu():
 
 
 class MLUBackend(TorchDeviceBackend):
+    capabilities = replace(TorchDeviceBackend.capabilities, torch_extension="torch_mlu")
+
     def __init__(self, index: int = 0) -> None:
         super().__init__("mlu", load_torch_mlu(), index)

@@ -5,6 +5,7 @@ everything that runs here on CUDA is the code that would run on MLU."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Callable, ContextManager
 
@@ -15,6 +16,9 @@ from backends.errors import BackendError
 
 
 class TorchDeviceBackend(Backend):
+    # what holds before a device is opened; opening probes virtual memory and pinning
+    capabilities = Capabilities(supports_streams=True, returns_memory_to_driver=True)
+
     def __init__(self, kind: str, module: ModuleType, index: int = 0) -> None:
         if not module.is_available():
             raise BackendError(f"backend {kind}:{index}: torch.{kind}.is_available() is False (no device visible)")
@@ -24,35 +28,33 @@ class TorchDeviceBackend(Backend):
         self.name = kind
         self._mod = module
         self._device = torch.device(kind, index)
-        self._vmm = self._open_vmm(kind, index)
+        self._vmm = self._open_vmm(index)
         self._graph_pool: Any = None
-        self.capabilities = Capabilities(
-            supports_vmm=self._vmm is not None,
-            supports_streams=True,
-            pinned_host=_can_pin(),
-            returns_memory_to_driver=True,
-        )
+        self.capabilities = replace(type(self).capabilities, supports_vmm=self._vmm is not None, pinned_host=_can_pin())
 
     @property
     def device(self) -> torch.device:
         return self._device
 
-    @staticmethod
-    def _open_vmm(kind: str, index: int) -> Any:
-        """CUDA's driver-level virtual memory where the device supports it (the MLU's CNDrv variant is not written)."""
-        if kind != "cuda":
-            return None
-        from backends.cuda_vmm import open_vmm
-
-        return open_vmm(index)
+    def _open_vmm(self, index: int) -> Any:
+        """The device's driver-level virtual memory, where a subclass has it (None: growth copies)."""
+        return None
 
     def virtual_memory(self) -> Any:
         return self._vmm
 
+    def describe(self) -> str:
+        try:
+            p = self._mod.get_device_properties(self._device)
+            return f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)"
+        except Exception:  # noqa: BLE001 - a name is nice to have (a runtime may lack a property), never worth failing
+            return str(self._device)
+
     def capture_graph(self, fn: Callable[[], Any]) -> Callable[[], Any] | None:
-        """CUDA graphs (torch.cuda.CUDAGraph), all captures sharing one memory pool as vLLM's do; None elsewhere
-        (torch_mlu's graph API is not written against). Capture runs on a side stream, as torch requires."""
-        if self.name != "cuda":
+        """Graphs through the module's torch.cuda-shaped API (`CUDAGraph`, `graph`, `graph_pool_handle`), all captures
+        sharing one memory pool as vLLM's do, where `capabilities.graphs` declares them (CUDA; torch_mlu's graph API
+        is not written against). Capture runs on a side stream, as torch requires."""
+        if not self.capabilities.graphs:
             return None
         mod = self._mod
         if self._graph_pool is None:

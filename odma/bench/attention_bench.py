@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import tempfile
 import time
@@ -202,7 +201,10 @@ def _label(context: int) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     backend = get_backend(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if backend.name == "cpu" else torch.float16)
+    caps = backend.capabilities
+    # by default the device's own compute dtype where it is float32 (the CPU's), else half, the paged kernels' dtype
+    default = torch.float32 if caps.default_dtype == "float32" else torch.float16
+    dtype = DTYPES[args.dtype] if args.dtype else default
     shape = Shape(args.batch, args.q_heads, args.kv_heads, args.head_dim)
     if shape.q_heads % shape.kv_heads or min(shape.batch, shape.kv_heads, shape.head_dim) < 1:
         raise ConfigError(f"q-heads must be a multiple of kv-heads and all sizes >= 1, got {shape}")
@@ -216,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {
         "load_avg_1m_before": round(os.getloadavg()[0], 2),
         "device": str(backend.device),
-        "device_name": _device_name(backend),
+        "device_name": backend.describe(),
         "torch_threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."),
         "batch": shape.batch, "q_heads": shape.q_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
@@ -260,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
     result["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     result["timing"] = f"best of {args.repeats} interleaved rounds after a warm-up"
     vllm_python = _vllm_python(args.vllm_python)
-    if vllm_python and backend.name == "cpu" and dtype == torch.float32:
+    if vllm_python and caps.attention == "native" and dtype == torch.float32:  # vLLM-CPU's op vs the C kernel
         result["vllm_op"] = _vllm_op(vllm_python, contexts, shape, args)
         for key, value in result["vllm_op"].items():
             if key.startswith("speedup_vs_vllm_"):
@@ -291,17 +293,3 @@ def _vllm_op(python: str, contexts: list[int], shape: Shape, args: argparse.Name
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-800:], "command": " ".join(cmd)}
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "command": " ".join(cmd)}
-
-
-def _device_name(backend) -> str:
-    if backend.name == "cpu":
-        try:
-            with open("/proc/cpuinfo") as f:
-                names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-            return f"{names[0]} ({len(names)} logical CPUs)"
-        except (OSError, IndexError):
-            return platform.machine()
-    try:
-        return str(getattr(torch, backend.name).get_device_name(backend.device))
-    except Exception:  # a name is nice to have, never worth failing the benchmark
-        return backend.name

@@ -35,6 +35,7 @@ cannot rot); its timings are the interpreter's and mean nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -111,11 +112,16 @@ def _attempt(out: dict, key: str, fn: Callable[[], Any], report: Report) -> Any:
     return value
 
 
-def _sync(device) -> None:
-    import torch
+@functools.cache
+def _backend(device: str):
+    """The backend of `device`, opened once for the run (it synchronizes, empties the cache, names the device)."""
+    from backends import get_backend
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return get_backend(device)
+
+
+def _sync(device) -> None:
+    _backend(str(device)).synchronize()
 
 
 def _median_ms(fn, device, rounds: int, iters: int) -> float:
@@ -241,8 +247,6 @@ def bench_kernels(args, device, dtype, report: Report, cap: Cap) -> dict:
 def _sweep(out: dict, contexts, batches, cap: Cap, report: Report, device, measure) -> None:
     """measure(ctx, batch) at every context x batch into out["rows"], each tried on its own; past the cap, named in
     out["skipped"]."""
-    import torch
-
     for ctx in contexts:
         for batch in batches:
             if cap.left() <= 0:
@@ -252,8 +256,7 @@ def _sweep(out: dict, contexts, batches, cap: Cap, report: Report, device, measu
             row = {"context": ctx, "batch": batch}
             out["rows"].append(row)
             _attempt(row, "result", lambda: measure(ctx, batch), report)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _backend(str(device)).empty_cache()
 
 
 def _kernel_row(att, device, dtype, ctx, batch, heads, kv_heads, dim, gen, elem, copy_gbps, rounds, iters,
@@ -467,7 +470,7 @@ def _engine(args, device, dtype_name: str, model, **overrides):
     base = dict(
         model="paper-7b" if not args.tiny else "tiny-qwen2", device=str(device), dtype=dtype_name,
         kv_budget=args.kv_budget or ("48KiB" if args.tiny else "4GiB"), policy="odma", kv_growth="copy",
-        attention="triton" if device.type == "cpu" else "auto", length_log=None, predictor="median",
+        attention="triton", length_log=None, predictor="median",  # what is measured (auto on a CPU: its C kernel)
         max_tokens_cap=max_tokens, default_max_tokens=max_tokens, max_num_seqs=args.max_num_seqs,
         max_prefill_tokens=max(8192, max_prompt), max_model_len=max_prompt + max_tokens,
         pool=PoolConfig(align=4 if args.tiny else 16), threads=1 if args.tiny else 4)
@@ -544,8 +547,6 @@ def bench_step(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
 def _burst(engine, prompts, lengths, params, deadline: float) -> dict:
     """All requests at once; each is ended at its trace length; past `deadline` (perf_counter) the rest are aborted
     and the burst is reported as cut. Returns what the burst did."""
-    import torch
-
     before = _counts(engine)
     runner = engine.workers[0].runner
     runner.time_steps = True
@@ -570,8 +571,7 @@ def _burst(engine, prompts, lengths, params, deadline: float) -> dict:
             if s.request_id not in stopped and not s.finished and s.num_generated >= target[s.request_id]:
                 engine.abort(s.request_id, "stop")
                 stopped.add(s.request_id)
-    if engine.backend.device.type == "cuda":
-        torch.cuda.synchronize(engine.backend.device)
+    engine.backend.synchronize()
     seconds = time.perf_counter() - t0
     runner.time_steps = False
     after = _counts(engine)
@@ -595,8 +595,6 @@ def _counts(engine) -> dict:
 
 
 def bench_engine(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
-    import torch
-
     from odma.engine import SamplingParams
     from odma.traces import load_trace
 
@@ -637,8 +635,7 @@ def bench_engine(args, device, dtype_name: str, report: Report, cap: Cap) -> dic
             result["predictor"] = engine.predictor.name
             result["growth"] = "map" if type(engine.workers[0].kv).__name__ == "MappedKV" else "copy"
             del engine
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _backend(str(device)).empty_cache()
             return result
 
         _attempt(out["policies"], name, measure, report)
@@ -658,24 +655,29 @@ def bench_engine(args, device, dtype_name: str, report: Report, cap: Cap) -> dic
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from backends import triton_attention
+    from backends import BackendError, triton_attention
     from odma.errors import ConfigError
     from odma.models import DTYPES
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
-    if device.type == "cpu" and not args.tiny:
-        raise ConfigError("odma-bench gpu on cpu runs only with --tiny (a dry run in Triton's interpreter)")
+    try:
+        backend = _backend(args.device)
+    except BackendError as exc:
+        raise ConfigError(f"odma-bench gpu: {exc}") from None
+    device = backend.device  # "cuda" opens cuda:0
+    # a device whose own attention is not Triton's (the CPU's C kernel) runs the Triton kernels only in the
+    # interpreter: a dry run, on tiny shapes, in float32
+    compiled = backend.capabilities.attention == "triton"
+    if not compiled and not args.tiny:
+        raise ConfigError(f"odma-bench gpu on {device} runs only with --tiny (a dry run in Triton's interpreter)")
     why = triton_attention.available(device)
     if why is not None:
         raise ConfigError(f"odma-bench gpu: {why}")
-    dtype_name = "float32" if device.type == "cpu" else args.dtype
+    dtype_name = args.dtype if compiled else "float32"
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if set(parts) - set(PARTS):
         raise ConfigError(f"--parts takes {', '.join(PARTS)}, got {args.parts!r}")
     caps = _caps(args.caps)
-    result: dict = {"device": _device_name(device), "torch": torch.__version__, "tiny": args.tiny,
+    result: dict = {"device": backend.describe(), "torch": torch.__version__, "tiny": args.tiny,
                     "interpreted": triton_attention.interpreting(), "caps_s": {p: caps[p] for p in parts}}
     try:
         import triton
@@ -710,15 +712,6 @@ def _tests_summary(path: str) -> dict:
     except OSError as exc:
         return {"error": str(exc)}
     return {"summary": lines[-1]} if lines else {"error": f"no pytest summary in {path}"}
-
-
-def _device_name(device) -> str:
-    import torch
-
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        return f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)"
-    return f"cpu ({os.cpu_count()} logical CPUs)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from odma.engine.admission import admission_rules
 from odma.engine.ordering import ORDERS
 from odma.engine.prefill_cost import PrefillCost
 from odma.engine.scheduler_config import SchedulerConfig
+from backends import BackendError, Capabilities, for_device, parse_device
 from backends.base import ATTENTION_KINDS  # noqa: F401 (re-exported for the CLI)
 from odma.kv import POLICY_KINDS
 from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
@@ -34,6 +35,23 @@ PAGE_TOKENS = 16
 
 # what the realized-length log keeps of each prompt: the text, its SHA-256, or nothing
 LOG_PROMPT_MODES = ("text", "hash", "none")
+
+
+def device_kind(device: str) -> str:
+    """The kind of `device` ("cuda" of "cuda:1"); ConfigError for a device no backend serves."""
+    try:
+        return parse_device(device)[0]
+    except BackendError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def device_capabilities(device: str) -> Capabilities:
+    """What the backend serving `device` declares (default dtypes, kernels, graphs: backends.for_device), without
+    opening the device; ConfigError for a device no backend serves."""
+    try:
+        return for_device(device).capabilities
+    except BackendError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def default_threads() -> int:
@@ -156,16 +174,17 @@ class EngineConfig:
         return self.devices or (self.device,)
 
     @property
-    def on_cpu(self) -> bool:
-        return self.device_list[0].startswith("cpu")  # one device kind per engine (checked below)
+    def capabilities(self) -> Capabilities:
+        """What the backend of these devices declares (one device kind per engine, checked below)."""
+        return device_capabilities(self.device_list[0])
 
     @property
     def parallel_devices_resolved(self) -> bool:
-        return self.parallel_devices if self.parallel_devices is not None else not self.on_cpu
+        return self.parallel_devices if self.parallel_devices is not None else self.capabilities.parallel_pools
 
     @property
     def resolved_kv_dtype(self) -> str:
-        return self.kv_dtype or ("float16" if self.on_cpu else self.dtype)
+        return self.kv_dtype or self.capabilities.default_kv_dtype or self.dtype
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         """The scheduler's policy these settings ask for, for serving `model` (its shape prices a prefill chunk's
@@ -204,7 +223,7 @@ class EngineConfig:
             raise ConfigError("ballooning lends contiguous segments; it is not available with policy 'paged'")
         if len(set(self.devices)) != len(self.devices):
             raise ConfigError(f"devices must be distinct, got {list(self.devices)} (two CPU pools: cpu:0,cpu:1)")
-        if len({d.split(":")[0] for d in self.device_list}) > 1:
+        if len({device_kind(d) for d in self.device_list}) > 1:
             raise ConfigError(f"devices must be of one kind (one dtype, one set of kernels), got {list(self.devices)}")
         for name in ("dtype", "kv_dtype"):
             value = getattr(self, name)

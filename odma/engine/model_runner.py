@@ -42,13 +42,14 @@ class ModelRunner:
         the longest sequence (the rotary table the Triton kernels read is made for it once). decode_graphs: auto |
         capture | static | off (odma/engine/decode_graphs.py); max_batch: the largest decode batch captured."""
         c = model.config
-        if backend.name == "cpu":
+        native = backend.capabilities.native_layers
+        if native:
             pack_linears(model, backend.linear_kernel())  # weights packed once for the GEMM (cpu_linear.py)
         self.model = model
         self.backend = backend
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype)
         self.attention = backend.attention(attention)
-        if backend.name == "cpu" and self.attention is not None:  # steps of one token per request: layers in C
+        if native and self.attention is not None:  # steps of one token per request: layers in C
             model.native_layers = NativeLayers.build(model, backend.decode_step())
         self.page_tokens = page_tokens
         if page_tokens is not None and not isinstance(self.attention, TritonAttention):
@@ -195,7 +196,8 @@ def seeded_generator(seq: Sequence) -> torch.Generator | None:
 
 
 def _graph_mode(mode: str, backend: Backend) -> str:
-    """auto: captured graphs on CUDA (where the Triton kernels run compiled), nothing elsewhere."""
+    """auto: captured graphs where the backend records them (CUDA, where the Triton kernels run compiled), nothing
+    elsewhere."""
     if mode == "auto":
-        return "capture" if backend.device.type == "cuda" else "off"
+        return "capture" if backend.capabilities.graphs else "off"
     return mode

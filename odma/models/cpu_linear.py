@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends import BackendError, for_device
 from odma.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -116,12 +117,12 @@ class KernelLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str | None = None) -> int:
-    """Replace every CPU nn.Linear of `model` by a KernelLinear (in the default mode, where `kernel` is given and
-    serves the layer: `LinearKernel.serves`) or a PackedLinear (dtypes oneDNN packs here, `packable_dtypes`); in
-    place, idempotent. On more than one torch thread a KernelLinear also keeps oneDNN's packed copy for large
-    steps (the weights' size once more in memory; on one thread the kernel is level with oneDNN there).
-    Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch. mode: one of MODES instead of
-    ODMA_CPU_LINEAR's (benchmarks compare them)."""
+    """Replace every nn.Linear of `model` on a device whose backend runs native layers (the CPU's) by a KernelLinear
+    (in the default mode, where `kernel` is given and serves the layer: `LinearKernel.serves`) or a PackedLinear
+    (dtypes oneDNN packs here, `packable_dtypes`); in place, idempotent. On more than one torch thread a
+    KernelLinear also keeps oneDNN's packed copy for large steps (the weights' size once more in memory; on one
+    thread the kernel is level with oneDNN there). Returns how many were replaced; 0 with ODMA_CPU_LINEAR=torch.
+    mode: one of MODES instead of ODMA_CPU_LINEAR's (benchmarks compare them)."""
     mode = mode or linear_mode()
     if mode == "torch":
         return 0
@@ -134,7 +135,7 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+            if type(child) is not nn.Linear or not _native_layers(child.weight.device):
                 continue
             if use_kernel and kernel.serves(child.weight):
                 several = torch.get_num_threads() > 1 and child.weight.dtype in dtypes
@@ -145,6 +146,13 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None, mode: str
                 continue
             replaced += 1
     return replaced
+
+
+def _native_layers(device: torch.device) -> bool:
+    try:
+        return for_device(device).capabilities.native_layers
+    except BackendError:  # a device no backend serves ("meta"): nothing to pack for
+        return False
 
 
 def linear_summary(model: nn.Module) -> str:

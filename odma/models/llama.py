@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends import for_device
 from odma.errors import ConfigError
 from odma.models.config import ModelConfig
 
@@ -116,9 +117,10 @@ class Attention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # The KV cache may be wider than the weights (bf16 weights, fp32 KV on CPUs whose bf16 attention is
         # slow): attention runs in the cache's dtype, the projections in the weights'. Same dtype: no-ops. An fp16
-        # cache on a CPU is storage only: its rows are read widened, and attention runs in fp32.
+        # cache where the backend widens it (the CPU's) is storage only: its rows are read widened, attention in fp32.
         cache_dtype = seqs[0].kv.dtype
-        kv_dtype = torch.float32 if cache_dtype == torch.float16 and x.device.type == "cpu" else cache_dtype
+        widen = cache_dtype == torch.float16 and for_device(x.device).capabilities.widens_half_kv
+        kv_dtype = torch.float32 if widen else cache_dtype
         q = q.to(kv_dtype)
         out = torch.empty_like(q)
         if decode is not None:  # the backend's kernel takes its requests of the step in one call per layer

@@ -202,11 +202,15 @@ def choose_weights(spec: str | None, weights: str, dtype: str, device: str) -> s
 
 def native_unavailable(spec: str | None, dtype: str, device: str) -> str | None:
     """Why the GGUF's own blocks cannot be served here, or None when they can."""
-    from backends import BackendError, cpu_quant
+    from backends import BackendError, cpu_quant, for_device
     from odma.models.gguf import quantized_types
 
     path = gguf_file(spec)
-    if not device.startswith("cpu"):
+    try:
+        native_layers = for_device(device).capabilities.native_layers
+    except BackendError as exc:
+        raise ConfigError(str(exc)) from None
+    if not native_layers:
         return f"the quantized kernel runs on the CPU, not on {device}"
     if dtype != "float32":
         return f"native weights compute in float32, not {dtype}"

@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_dir
-from odma.engine.config import ATTENTION_KINDS, DECODE_GRAPHS, KV_GROWTH, LOG_PROMPT_MODES, POLICIES, EngineConfig
+from odma.engine.config import (ATTENTION_KINDS, DECODE_GRAPHS, KV_GROWTH, LOG_PROMPT_MODES, POLICIES, EngineConfig,
+                                device_capabilities)
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
 from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
@@ -177,7 +178,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     weights = args.weights
     if weights == "auto" and args.dtype:  # a dtype asked for is dense weights of that dtype
         weights = {"float32": "f32", "bfloat16": "bf16"}.get(args.dtype, "auto")
-    dtype = args.dtype or WEIGHT_DTYPES.get(weights) or ("float32" if device.startswith("cpu") else "bfloat16")
+    dtype = args.dtype or WEIGHT_DTYPES.get(weights) or device_capabilities(device).default_dtype
     return EngineConfig(
         model=args.model, device=device, devices=devices, dtype=dtype, weights=weights, kv_dtype=args.kv_dtype, policy=args.policy, attention=args.attention, kv_growth=args.kv_growth,
         decode_graphs=args.decode_graphs,
@@ -303,10 +304,12 @@ def _exit_now(code: int) -> None:
 def main(argv: list[str] | None = None, *, exit_fast: bool = False) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    if args.device.startswith("mlu"):
-        log.warning("--device mlu: the MLU backend needs Cambricon's torch_mlu; without it start-up stops here")
     try:
         config = config_from_args(args)
+        extension = config.capabilities.torch_extension
+        if extension:
+            log.warning("--device %s: its backend needs the torch extension %s; without it start-up stops here",
+                        config.device, extension)
         log.info("starting odma-serve: model=%s device=%s policy=%s kv-budget=%s (cache: %s)",
                  config.model, config.device, config.policy, config.kv_budget, default_cache_dir())
         if args.ray:

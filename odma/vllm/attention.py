@@ -42,11 +42,21 @@ from vllm.v1.attention.backend import (
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from backends import BackendError, for_device
 from backends.run_attention import load as load_run_kernel, one_run
 from odma.vllm.config import PluginConfig
 
 log = logging.getLogger("vllm.odma")
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # what csrc/run_attention.c takes (the Triton kernels take the same)
+
+
+def _triton_serves(device: torch.device) -> bool:
+    """Whether the Triton run kernels are the attention on `device`, as odma's backend for it declares (the CPU's is
+    its C kernel); a device odma has no backend for is tried too (vLLM runs on more platforms than odma opens)."""
+    try:
+        return for_device(device).capabilities.attention == "triton"
+    except BackendError:
+        return True
 
 
 def _platform_backend() -> type[AttentionBackend]:
@@ -212,7 +222,7 @@ class OdmaAttentionImpl(AttentionImpl):
 
     def _kernel_for(self, planes: torch.Tensor):
         """The run kernel for this cache, or None where it cannot read it (SDPA then)."""
-        if self.kernel is None and planes.device.type != "cpu":
+        if self.kernel is None and _triton_serves(planes.device):
             from backends.triton_runs import TritonRunAttention
 
             try:
