@@ -33,7 +33,7 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 def step_mode() -> str:
     """ODMA_CPU_STEP: native (default: every step through this kernel where the model allows, a prefill chunk's
-    rows each as a row of its own) | decode (steps with prefill rows through the model's own layers) | python (the
+    rows too) | decode (steps with prefill rows through the model's own layers) | python (the
     model's own layers for every step). The last two for A/B measurements. Checked: a typo must not silently pick
     another path."""
     mode = os.environ.get("ODMA_CPU_STEP", "native").strip().lower() or "native"

@@ -78,14 +78,15 @@ ALWAYS_INLINE pf_vec pf_exp(pf_vec x) {
 #if PF_VL == 1
     return x < -87.3f ? 0.f : expf(x);
 #else
+#define PF_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
     const pf_vec lo = PF_SET1(-87.3f);
     const pf_vec xc = PF_MAX(x, lo);
 #if PF_VL == 16
-    const pf_vec n = _mm512_roundscale_ps(PF_MUL(xc, PF_SET1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const pf_vec n = _mm512_roundscale_ps(PF_MUL(xc, PF_SET1(1.44269504088896341f)), PF_NEAREST);
     pf_vec r = _mm512_fnmadd_ps(n, PF_SET1(0.693359375f), xc);
     r = _mm512_fnmadd_ps(n, PF_SET1(-2.12194440e-4f), r);
 #else
-    const pf_vec n = _mm256_round_ps(PF_MUL(xc, PF_SET1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const pf_vec n = _mm256_round_ps(PF_MUL(xc, PF_SET1(1.44269504088896341f)), PF_NEAREST);
     pf_vec r = _mm256_fnmadd_ps(n, PF_SET1(0.693359375f), xc);
     r = _mm256_fnmadd_ps(n, PF_SET1(-2.12194440e-4f), r);
 #endif
@@ -217,7 +218,8 @@ ALWAYS_INLINE void pf_block(const void *Kc, const void *Vc, int64_t kv_heads, in
                                                int64_t first, int64_t bq, const float *q, int64_t q_stride,          \
                                                float *out, int64_t out_stride, float scale, float *scratch,          \
                                                int64_t D) {                                                          \
-        if (D == 64) pf_block(K, V, kv_heads, g, G, first, bq, q, q_stride, out, out_stride, scale, scratch, 64, HALF); \
+        if (D == 64)                                                                                                 \
+            pf_block(K, V, kv_heads, g, G, first, bq, q, q_stride, out, out_stride, scale, scratch, 64, HALF);       \
         else if (D == 128)                                                                                           \
             pf_block(K, V, kv_heads, g, G, first, bq, q, q_stride, out, out_stride, scale, scratch, 128, HALF);      \
         else pf_block(K, V, kv_heads, g, G, first, bq, q, q_stride, out, out_stride, scale, scratch, D, HALF);       \
