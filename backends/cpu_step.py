@@ -6,8 +6,9 @@ layers as in its GEMMs (csrc/decode_step.c's header). The caller describes each 
 weights and the packed GEMMs of the backend's fp32 and quantized kernels, by their entry points), `prepare` turns
 that into the C structs, and each step is one call per run of layers.
 
-Built like the decode-attention kernel (this CPU, OpenMP where the compiler has it); None where it cannot be, and the
-model keeps its Python layers.
+Built for ODMA_CPU_ISA's instruction set as the GEMMs are (this CPU's, or AVX2 + FMA + F16C with `avx2`: the tiled
+prefill attention's two vector paths), OpenMP where the compiler has it; None where it cannot be, and the model keeps
+its Python layers.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from backends import ckernels
 from backends.errors import BackendError
 
 SOURCE = ckernels.CSRC / "decode_step.c"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 _PORTABLE = ("-O3", "-ffast-math", "-fPIC")
+_ISA_FLAGS = {"auto": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native")}
 # GemmPart.type of linear.c's fp32 and bf16 panels; otherwise the GGUF block type of quant_linear.c
 FP32_PANELS, BF16_PANELS = -1, -2
 MODES = ("native", "decode", "python")
@@ -32,7 +33,7 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 def step_mode() -> str:
     """ODMA_CPU_STEP: native (default: every step through this kernel where the model allows, a prefill chunk's
-    rows each as a row of its own) | decode (steps with prefill rows through the model's own layers) | python (the
+    rows too) | decode (steps with prefill rows through the model's own layers) | python (the
     model's own layers for every step). The last two for A/B measurements. Checked: a typo must not silently pick
     another path."""
     mode = os.environ.get("ODMA_CPU_STEP", "native").strip().lower() or "native"
@@ -124,6 +125,10 @@ class DecodeStepKernel:
         self._fn = lib.odma_decode_layers
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_P, _P, _I64, _I64, _P, _P]
+        self._chunk = lib.odma_chunk_attention
+        self._chunk.restype = ctypes.c_int
+        self._chunk.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64]
+        self.tiled_rows = int(lib.odma_prefill_min_rows())  # a chunk of at least this many rows attends tiled
 
     def prepare(self, shape: ModelShape, layers: list[LayerSpec]) -> PreparedLayers:
         """The layers as the kernel reads them. ValueError for a layer it cannot run (a tensor not fp32 and
@@ -186,6 +191,30 @@ class DecodeStepKernel:
                                f"[{first}, {first + count})")
 
 
+    def chunk_attention(self, kv: torch.Tensor, q: torch.Tensor, start: int, min_rows: int | None = None,
+                        threads: int = 1) -> torch.Tensor:
+        """The attention the step computes for one prefill chunk (for tests and measurements): kv [2, capacity,
+        kv_heads, head_dim] (one layer's K then V, fp32 or fp16, rows [0, start + rows) written), q [rows, heads,
+        head_dim] fp32 for positions start .. start + rows - 1; returns [rows, heads, head_dim], causal, query head h
+        reading KV head h // (heads // kv_heads). min_rows: chunks of at least this many rows run tiled, others row by
+        row (default: the step's threshold)."""
+        rows, heads, dim = q.shape
+        if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[3] != dim or kv.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"kv {tuple(kv.shape)} {kv.dtype}: expected [2, capacity, kv_heads, {dim}] fp32 or fp16")
+        if not kv[0].is_contiguous() or kv.stride(0) < kv[0].numel() or start + rows > kv.shape[1]:
+            raise ValueError(f"kv {tuple(kv.shape)}: rows must be contiguous and hold positions up to {start + rows}")
+        if q.dtype != torch.float32 or heads % kv.shape[2] or start < 0:
+            raise ValueError(f"q {tuple(q.shape)} {q.dtype} at {start}: fp32, heads a multiple of the KV heads")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        code = self._chunk(kv.data_ptr(), kv.stride(0), start, rows, heads, kv.shape[2], dim, q.data_ptr(),
+                           out.data_ptr(), int(kv.dtype == torch.float16),
+                           self.tiled_rows if min_rows is None else min_rows, threads)
+        if code:
+            raise RuntimeError(f"chunk attention failed (code {code})")
+        return out
+
+
 def _check_vector(t: torch.Tensor, n: int, dtype: torch.dtype, what: str) -> None:
     """t: a contiguous vector of `dtype` on the CPU, at least n long (a bias part may run on into later parts')."""
     if t.dtype != dtype or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() or t.numel() < n:
@@ -193,7 +222,19 @@ def _check_vector(t: torch.Tensor, n: int, dtype: torch.dtype, what: str) -> Non
                          f"{t.dtype} on {t.device}")
 
 
-# the kernel, built on first use; None where it cannot be (the model keeps its Python layers)
-load: ckernels.Loader[DecodeStepKernel] = ckernels.Loader(
-    SOURCE, (_FLAGS + ("-fopenmp",), _FLAGS, _PORTABLE + ("-fopenmp",), _PORTABLE), DecodeStepKernel,
-    "CPU decode-step kernel", "decode steps run the model's Python layers", link=("-lm",))
+_loaders: dict[str, ckernels.Loader[DecodeStepKernel]] = {}
+
+
+def load(isa: str | None = None) -> DecodeStepKernel | None:
+    """The kernel built for `isa` (default: ODMA_CPU_ISA's) on first use, then the same one; None where it cannot be
+    built (the model keeps its Python layers). BackendError for an instruction set this CPU cannot run."""
+    isa = isa or ckernels.requested_isa()
+    if isa not in _loaders:
+        if isa not in ckernels.ISAS or not ckernels.isa_runs_here(isa):
+            raise BackendError(f"{ckernels.ISA_VARIABLE}={isa}: not an instruction set this CPU runs")
+        flags = _PORTABLE + _ISA_FLAGS[isa]
+        what = "CPU decode-step kernel" + ("" if isa == "auto" else f" ({isa})")
+        _loaders[isa] = ckernels.Loader(
+            SOURCE, (flags + ("-fopenmp",), flags, _PORTABLE + ("-fopenmp",), _PORTABLE), DecodeStepKernel, what,
+            "decode steps run the model's Python layers", link=("-lm",))
+    return _loaders[isa]()

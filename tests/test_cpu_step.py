@@ -1,7 +1,7 @@
 """The decode-step kernel (backends/cpu_step.py, csrc/decode_step.c): a step through the whole decoder in C (decode
-rows, and prefill chunks' rows each as a row of its own) computes what the model's Python layers compute (logits,
-the KV rows it writes, captured hidden states) for fp32 panels and every GGUF block type, ragged contexts, GQA,
-biases and fused layers of mixed types;
+rows, and prefill chunks' rows: row by row or tiled, as tests/test_prefill_attention.py checks) computes what the
+model's Python layers compute (logits, the KV rows it writes, captured hidden states) for fp32 panels and every GGUF
+block type, ragged contexts, GQA, biases and fused layers of mixed types;
 bad input is refused before anything is written; models it cannot run keep their Python layers."""
 
 from __future__ import annotations
@@ -156,21 +156,18 @@ def test_a_step_mixing_decodes_and_prefill_chunks_after_cached_rows(case, kernel
     assert native_blocks[1][:, :, 37:].abs().sum() == 0  # nothing past the chunk's last row
 
 
-def test_prefill_chunks_past_the_context_limit_keep_the_python_layers(kernel, tmp_path, monkeypatch):
-    from odma.models import native_step
-
+def test_prefill_chunks_of_any_context_take_the_native_step(kernel, tmp_path, monkeypatch):
+    """The tiled attention beats SDPA at every context measured (native_step.py), so no chunk is sent back to the
+    Python layers for its length; decode-only steps are no prefill steps, and ODMA_CPU_STEP=decode keeps them all."""
     model = build("fp32", next(iter(KERNELS.values())), tmp_path)
     native = NativeLayers.build(model, kernel)
     c = model.config
     block = torch.zeros(c.num_layers, 2, 64, c.num_kv_heads, c.head_dim)
-    chunk = [SeqSlot(block, 0, 20), SeqSlot(block, 30, 1)]
-    assert native.takes_prefill(chunk)
+    assert native.takes_prefill([SeqSlot(block, 0, 20), SeqSlot(block, 30, 1)])
+    assert native.takes_prefill([SeqSlot(block, 7936, 256)])  # a chunk ending at 8,192 tokens of context
     assert not native.takes_prefill([SeqSlot(block, 30, 1)])  # decode rows only: not a prefill step
-    monkeypatch.setattr(native_step, "PREFILL_CONTEXT", 16)  # the chunk ends past it: SDPA is faster there
-    assert not native.takes_prefill(chunk)
     monkeypatch.setenv("ODMA_CPU_STEP", "decode")
-    monkeypatch.setattr(native_step, "PREFILL_CONTEXT", 512)
-    assert not NativeLayers.build(model, kernel).takes_prefill(chunk)
+    assert not NativeLayers.build(model, kernel).takes_prefill([SeqSlot(block, 0, 20)])
 
 
 @per_isa

@@ -9,8 +9,8 @@
  * Per layer, for the B requests at once:
  *   h = rmsnorm(x) * attn_norm;  qkv = h Wqkv^T (+ b);  q, k rotated at each request's position (the rotary table:
  *   per position the cos of every frequency, then the sin, as the Python model's `Rotary.table`);  k, v written to
- *   row len-1 of the request's block and q attended over rows [0, len) (attend.h, the decode-attention kernel's
- *   loops);  x += attn Wo^T (+ b);  h = rmsnorm(x) * mlp_norm;  g, u = h Wgu^T;  x += (silu(g) * u) Wdown^T.
+ *   row len-1 of the request's block and q attended over rows [0, len) (a decode row: attend.h, the decode-attention
+ *   kernel's loops; a prefill chunk's rows: prefill_attend.h, tiled);  x += attn Wo^T (+ b);  h = rmsnorm(x) * mlp_norm;  g, u = h Wgu^T;  x += (silu(g) * u) Wdown^T.
  * The GEMMs are the backend's own kernels (linear.c for fp32 and bf16 panels, quant_linear.c for GGUF blocks),
  * called through the function pointers the caller passes in `odma_part`: they split their panels over OpenMP threads themselves;
  * the attention here splits the requests.
@@ -31,6 +31,7 @@
 
 #include "attend.h"
 #include "bf16.h"
+#include "prefill_attend.h"
 
 #define MAX_PARTS 4 /* a fused layer of parts in different block types (Q4_K_M: Q4_K q, k beside a Q6_K v) */
 /* odma_part.type: linear.c's fp32 or bf16 panels, else the GGUF block type of quant_linear.c */
@@ -139,13 +140,112 @@ static void rotate(float *v, int64_t heads, int64_t head_dim, const float *table
     }
 }
 
+/* One piece of a layer's attention: a row over its prefix on its own (rows == 0: row b, attend.h), or a block of a
+ * prefill chunk (prefill_attend.h): rows [b, b + rows) of one request, KV head g. */
+typedef struct {
+    int64_t b, rows, g, cost;
+} attn_job;
+
+static int costlier(const void *a, const void *b) {
+    const int64_t x = ((const attn_job *)a)->cost, y = ((const attn_job *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* The step's attention as jobs, costliest first (threads take them in turn). A chunk is a run of rows that share a
+ * block and strides, lens one apart (cpu_attention.plan_tokens lays a chunk's rows out so); one of at least min_rows
+ * rows runs in blocks of pf_block_rows(G) rows per KV head. jobs: room for batch * (kv_heads + 1). */
+static int64_t plan_jobs(const odma_step *step, int64_t kvh, int64_t G, int64_t D, int64_t min_rows, attn_job *jobs) {
+    const int64_t B = step->batch, bq = pf_block_rows(G);
+    int64_t n = 0;
+    for (int64_t b = 0; b < B;) {
+        int64_t r = 1;
+        while (b + r < B && step->blocks[b + r] == step->blocks[b] && step->layer_stride[b + r] == step->layer_stride[b]
+               && step->half_stride[b + r] == step->half_stride[b] && step->lens[b + r] == step->lens[b] + r)
+            r++;
+        if (r >= min_rows && D % PF_DR == 0) {
+            for (int64_t i = 0; i < r; i += bq)
+                for (int64_t g = 0; g < kvh; g++) {
+                    const int64_t rows = r - i < bq ? r - i : bq;
+                    jobs[n++] = (attn_job){b + i, rows, g, rows * G * (step->lens[b + i] + rows)};
+                }
+        } else {
+            for (int64_t i = 0; i < r; i++) jobs[n++] = (attn_job){b + i, 0, 0, kvh * G * step->lens[b + i]};
+        }
+        b += r;
+    }
+    qsort(jobs, n, sizeof(attn_job), costlier);
+    return n;
+}
+
+/* floats of attention scratch per thread: a row's scores and one widened K or V row, or a tiled block's buffers */
+static int64_t attn_scratch(int64_t heads, int64_t kvh, int64_t D, int64_t max_len) {
+    const int64_t row = heads * max_len + kvh * D, tiled = pf_scratch_floats(heads / kvh, D);
+    return row > tiled ? row : tiled;
+}
+
+/* Layer l's attention for every job: row b's query at q + b * q_stride, its output at out + b * heads * D. */
+static void attend_jobs(const odma_step *step, int64_t l, const attn_job *jobs, int64_t n_jobs, int64_t heads,
+                        int64_t kvh, int64_t D, const float *q, int64_t q_stride, float *out, float *scratch,
+                        int64_t per_thread, int64_t threads) {
+    const int64_t G = heads / kvh, qd = heads * D, elem = step->half ? 2 : 4;
+    const float scale = 1.f / sqrtf((float)D);
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < step->batch; b++) max_len = step->lens[b] > max_len ? step->lens[b] : max_len;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && n_jobs > 1)
+    for (int64_t j = 0; j < n_jobs; j++) {
+        const attn_job *job = &jobs[j];
+        const int64_t b = job->b;
+        const char *K = (const char *)(intptr_t)step->blocks[b] + l * step->layer_stride[b] * elem;
+        const char *V = K + step->half_stride[b] * elem;
+#ifdef _OPENMP
+        float *mine = scratch + (int64_t)omp_get_thread_num() * per_thread;
+#else
+        float *mine = scratch;
+#endif
+        if (job->rows)
+            prefill_block(K, V, kvh, job->g, G, step->lens[b] - 1, job->rows, q + b * q_stride, q_stride, out + b * qd,
+                          qd, scale, mine, D, (int)step->half);
+        else
+            attend_any(K, V, step->lens[b], kvh, q + b * q_stride, out + b * qd, mine, mine + heads * max_len, scale,
+                       G, D, step->half);
+    }
+}
+
+/* A prefill chunk's attention alone, for tests and measurements: rows [0, rows) at positions start .. start + rows - 1
+ * of one layer's K then V (kv; V half_stride elements after K; rows of kv_heads * head_dim, fp16 where half; rows
+ * [0, start + rows) written), queries q [rows, heads * head_dim], outputs out alike. A chunk of at least min_rows rows
+ * runs tiled, else row by row (the step takes PF_MIN_ROWS). Returns 0; 1 for a shape it does not take; 2 without
+ * memory. */
+int odma_chunk_attention(const void *kv, int64_t half_stride, int64_t start, int64_t rows, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, const float *q, float *out, int64_t half, int64_t min_rows,
+                         int64_t threads) {
+    if (start < 0 || rows < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1) return 1;
+    threads = threads > 0 ? threads : 1;
+    int64_t *arrays = malloc(sizeof(int64_t) * 4 * rows);
+    attn_job *jobs = malloc(sizeof(attn_job) * rows * (kv_heads + 1));
+    const int64_t per_thread = attn_scratch(heads, kv_heads, head_dim, start + rows);
+    float *scratch = malloc(sizeof(float) * threads * per_thread);
+    int code = 2;
+    if (arrays && jobs && scratch) {
+        int64_t *blocks = arrays, *layer_stride = arrays + rows, *halves = arrays + 2 * rows, *lens = arrays + 3 * rows;
+        for (int64_t i = 0; i < rows; i++)
+            blocks[i] = (int64_t)(intptr_t)kv, layer_stride[i] = 0, halves[i] = half_stride, lens[i] = start + 1 + i;
+        const odma_step step = {rows, threads, blocks, layer_stride, halves, lens, NULL, half};
+        const int64_t n = plan_jobs(&step, kv_heads, heads / kv_heads, head_dim, min_rows, jobs);
+        attend_jobs(&step, 0, jobs, n, heads, kv_heads, head_dim, q, heads * head_dim, out, scratch, per_thread,
+                    threads);
+        code = 0;
+    }
+    free(arrays), free(jobs), free(scratch);
+    return code;
+}
+
 /* Layers [first, first + count) of `layers` over x [batch, hidden] in place. Returns 0; 1 for a request without a
  * position (len < 1), 2 when memory for the step cannot be had, 100 - a GEMM's (negative) code when one fails. */
 int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t first, int64_t count,
                        const odma_step *step, float *x) {
     const int64_t B = step->batch, H = S->hidden, D = S->head_dim, heads = S->heads, kvh = S->kv_heads;
     const int64_t qd = heads * D, kvd = kvh * D, I = S->intermediate, group = heads / kvh;
-    const float scale = 1.f / sqrtf((float)D);
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) {
         if (step->lens[b] < 1) return 1;
@@ -156,14 +256,15 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
     float *h = malloc(sizeof(float) * B * (H > I ? H : I)), *wide = malloc(sizeof(float) * B * widest);
     float *att = malloc(sizeof(float) * B * qd), *y = malloc(sizeof(float) * B * H);
     const int64_t threads = step->threads > 0 ? step->threads : 1;
-    /* per thread: the scores, then one K or V row widened from fp16 */
-    const int64_t per_thread = heads * max_len + kvd, elem = step->half ? 2 : 4;
+    const int64_t per_thread = attn_scratch(heads, kvh, D, max_len), elem = step->half ? 2 : 4;
     float *scores = malloc(sizeof(float) * threads * per_thread);
+    attn_job *jobs = malloc(sizeof(attn_job) * B * (kvh + 1));
     const int64_t ins = H > I ? (H > qd ? H : qd) : (I > qd ? I : qd); /* the widest GEMM input */
     const int64_t bf16 = S->bf16, narrow = bf16 ? B * (widest > ins ? widest : ins) : 1;
     uint16_t *xs = malloc(sizeof(uint16_t) * narrow), *ys = malloc(sizeof(uint16_t) * narrow);
     int code = 0;
-    if (!h || !wide || !att || !y || !scores || !xs || !ys) code = 2;
+    if (!h || !wide || !att || !y || !scores || !jobs || !xs || !ys) code = 2;
+    const int64_t n_jobs = code ? 0 : plan_jobs(step, kvh, group, D, PF_MIN_ROWS, jobs);
     for (int64_t l = first; !code && l < first + count; l++) {
         const odma_layer *L = &layers[l];
         rmsnorm(x, L->attn_norm, B, H, S->eps, bf16, h);
@@ -182,21 +283,9 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
             kv_put(K, n - 1, kvd, kb, step->half);
             kv_put(K + step->half_stride[b] * elem, n - 1, kvd, vb, step->half);
         }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t n = step->lens[b];
-            const char *K = (const char *)(intptr_t)step->blocks[b] + l * step->layer_stride[b] * elem;
-            const char *V = K + step->half_stride[b] * elem;
-#ifdef _OPENMP
-            float *mine = scores + (int64_t)omp_get_thread_num() * per_thread;
-#else
-            float *mine = scores;
-#endif
-            float *ob = att + b * qd;
-            attend_any(K, V, n, kvh, wide + b * row, ob, mine, mine + heads * max_len, scale, group, D, step->half);
-            if (bf16)
-                for (int64_t i = 0; i < qd; i++) ob[i] = as_model(ob[i], bf16);
-        }
+        attend_jobs(step, l, jobs, n_jobs, heads, kvh, D, wide, row, att, scores, per_thread, threads);
+        if (bf16)
+            for (int64_t i = 0; i < B * qd; i++) att[i] = as_model(att[i], bf16);
         if ((code = linear(&L->o, att, B, y, threads, xs, ys))) break;
         for (int64_t i = 0; i < B * H; i++) x[i] = as_model(x[i] + y[i], bf16);
         rmsnorm(x, L->mlp_norm, B, H, S->eps, bf16, h);
@@ -209,6 +298,8 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
         if ((code = linear(&L->down, h, B, y, threads, xs, ys))) break;
         for (int64_t i = 0; i < B * H; i++) x[i] = as_model(x[i] + y[i], bf16);
     }
-    free(h), free(wide), free(att), free(y), free(scores), free(xs), free(ys);
+    free(h), free(wide), free(att), free(y), free(scores), free(jobs), free(xs), free(ys);
     return code;
 }
+
+int odma_prefill_min_rows(void) { return PF_MIN_ROWS; }

@@ -8,6 +8,8 @@ llama-batched-bench reports its own (is_pp_shared = 0):
 - t_tg_s, s_tg: the steps after it, every request decoding: generated tokens ÷ their time (llama's S_TG);
 - t_s, output_tps: the whole run, B·TG generated tokens ÷ t_s: what a server's output rate (guidellm's, which
   counts from the request's arrival) approaches on this workload. llama-batched-bench's equivalent is B·TG ÷ its T.
+- cpu_pp_s, s_pp_cpu: the prefill phase in this process's CPU time (every thread's): on a machine shared with other
+  work, where wall time measures the share the process got, this measures the work.
 Medians of --repeats runs (one warm-up request first).
 """
 
@@ -73,7 +75,7 @@ def measure(engine, batches: list[int], prompt: int, generated: int, repeats: in
         runs = [_batch_run(engine, batch, prompt, generated) for _ in range(repeats)]
         row = {"pp": prompt, "tg": generated, "batch": batch, "runs": runs}
         row.update({k: round(statistics.median(r[k] for r in runs), 3 if k.endswith("_s") else 1)
-                    for k in ("t_pp_s", "s_pp", "t_tg_s", "s_tg", "t_s", "output_tps")})
+                    for k in ("t_pp_s", "s_pp", "cpu_pp_s", "s_pp_cpu", "t_tg_s", "s_tg", "t_s", "output_tps")})
         rows.append(row)
     return rows
 
@@ -84,7 +86,7 @@ def _batch_run(engine, batch: int, prompt: int, generated: int) -> dict:
 
     params = SamplingParams(max_tokens=generated, temperature=0.0, ignore_eos=True)
     vocab = engine.model.config.vocab_size
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     seqs = [engine.add_request([(1000 + 7919 * (i * prompt + j)) % vocab for j in range(prompt)], params)
             for i in range(batch)]
     t_pp = None
@@ -92,13 +94,14 @@ def _batch_run(engine, batch: int, prompt: int, generated: int) -> dict:
     while any(not s.finished for s in seqs):
         engine.step()
         if t_pp is None and all(s.num_generated for s in seqs):
-            t_pp = time.perf_counter() - t0
+            t_pp, cpu_pp = time.perf_counter() - t0, time.process_time() - cpu0
             made_in_pp = sum(s.num_generated for s in seqs)
     t = time.perf_counter() - t0
     made = sum(s.num_generated for s in seqs)
     if made != batch * generated:
         raise RuntimeError(f"{made} tokens generated, expected {batch * generated}")
     t_tg = t - t_pp
-    return {"t_pp_s": round(t_pp, 4), "s_pp": round(batch * prompt / t_pp, 1), "t_tg_s": round(t_tg, 4),
+    return {"t_pp_s": round(t_pp, 4), "s_pp": round(batch * prompt / t_pp, 1), "cpu_pp_s": round(cpu_pp, 4),
+            "s_pp_cpu": round(batch * prompt / cpu_pp, 1), "t_tg_s": round(t_tg, 4),
             "s_tg": round((made - made_in_pp) / t_tg, 1) if t_tg > 0 else None, "t_s": round(t, 4),
             "output_tps": round(made / t, 1)}

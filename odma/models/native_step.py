@@ -1,5 +1,5 @@
 """A CausalLM's decoder layers handed to the CPU backend's decode-step kernel (backends/cpu_step.py): the 30-odd layers
-of a step run in one native call instead of Python around each, a prefill chunk's rows each as a row of its own.
+of a step run in one native call instead of Python around each, a prefill chunk's rows too (their attention tiled).
 
 `NativeLayers.build` describes every layer by what it already holds (norm weights, linear layers packed for the
 backend's fp32 or bf16 kernel or kept in GGUF blocks) and returns None, with the reason, where a layer holds anything
@@ -26,10 +26,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The kernel attends each prefill row on its own, reading its whole prefix: faster than the Python layers' SDPA up to
-# about this context, slower beyond. SmolLM2-135M Q4_0, one Zen 5 core, prefill tokens/s, Python layers → kernel:
-# 256-token prompts 889-905 → 1,017-1,018; 512 872-897 → 883-911; 1,024 728-744 → 641-658; 2,048 546-549 → 405-421.
-PREFILL_CONTEXT = 512
+# Prefill chunks of any context run here: a chunk's rows attend tiled (csrc/prefill_attend.h), faster than the Python
+# layers' SDPA at each length measured. SmolLM2-135M Q4_1 (the default model's file), fp16 KV, chunks of 256, one
+# thread, Intel Xeon @ 2.50GHz (AVX-512 + VNNI, no AMX, no AVX512_BF16), shared by other work (load ~20 on 2 cores), so
+# prefill tokens per second of CPU time, medians of alternating runs [range], Python layers → this kernel:
+# 2,048-token prompts 184.9 [177-205] → 256.3 [217-264] (3 rounds); 256: 242-258 → 305-360 (2 rounds). The attention
+# alone (256 rows after 1,792, SmolLM2's heads, CPU time): 15-16 ms tiled, ~34 ms SDPA.
+# `ODMA_CPU_STEP=decode|native .venv/bin/python -m odma.bench.cli batched --shape N/1 --batch 1 --repeats 1`, s_pp_cpu.
+# Before the tiled kernel (each row over its prefix on its own) the kernel lost past 512 tokens: one Zen 5 core,
+# 1,024-token prompts 728-744 → 641-658 tok/s, 2,048 546-549 → 405-421; chunks past 512 then kept the Python layers.
 
 
 class NativeLayers:
@@ -64,10 +69,8 @@ class NativeLayers:
             return None
 
     def takes_prefill(self, seqs) -> bool:
-        """Whether a step with prefill rows (`seqs`: SeqSlots) runs here: ODMA_CPU_STEP allows it and no chunk reaches
-        past PREFILL_CONTEXT."""
-        ends = [s.start + s.q_len for s in seqs if s.q_len > 1]
-        return self.prefill and bool(ends) and max(ends) <= PREFILL_CONTEXT
+        """Whether a step with prefill rows (`seqs`: SeqSlots) runs here: ODMA_CPU_STEP allows it (any context)."""
+        return self.prefill and any(s.q_len > 1 for s in seqs)
 
     def serves(self, decode: object) -> bool:
         """Whether a step planned as `decode` is one the kernel runs: the CPU's decode attention took every row
