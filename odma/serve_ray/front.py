@@ -15,6 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -87,8 +88,9 @@ class FrontEngine:
     """odma-serve's `ServedEngine` for an ingress that holds no model: limits and checks from the model's config and
     the replicas' reports."""
 
-    def __init__(self, config: EngineConfig, tokenizer, model_config, view: ClusterView) -> None:
-        self.config, self.tokenizer, self.view = config, tokenizer, view
+    def __init__(self, config: EngineConfig, tokenizer, model_config, view: ClusterView,
+                 model_folder: Path | None = None) -> None:
+        self.config, self.tokenizer, self.view, self.model_folder = config, tokenizer, view, model_folder
         self.vocab_size = model_config.vocab_size
         self.eos_ids = tuple(model_config.eos_token_ids)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -401,7 +403,8 @@ class Front:
 
         folder = resolve_model(config.model)
         view = ClusterView(config)
-        self.engine = FrontEngine(config, AutoTokenizer.from_pretrained(str(folder)), ModelConfig.from_folder(folder), view)
+        self.engine = FrontEngine(config, AutoTokenizer.from_pretrained(str(folder)), ModelConfig.from_folder(folder), view,
+                                  model_folder=folder)
         self.metrics = ClusterMetrics(view)
         predictor = None
         if settings.predict_at == "front" and config.policy != "static":
