@@ -103,6 +103,19 @@ class EngineStats:
     probe: ProbeStats | None = None
     probe_fallback: str | None = None  # a probe asked for and refused: why
 
+    def as_dict(self) -> dict:
+        """Plain dicts, lists and numbers (for a process that should not import odma.engine: Ray's cluster state)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineStats":
+        """The inverse of `as_dict`."""
+        return cls(**{**d, "predictor": PredictorStats(**d["predictor"]),
+                      "devices": tuple(DeviceStats(**x) for x in d["devices"]),
+                      "buckets": BucketStats(**{**d["buckets"], "bounds": tuple(d["buckets"]["bounds"])})
+                      if d["buckets"] is not None else None,
+                      "probe": ProbeStats(**d["probe"]) if d["probe"] is not None else None})
+
     @property
     def running(self) -> int:
         return sum(d.running for d in self.devices)

@@ -148,7 +148,8 @@ class EngineReplica:
 
                 text = generate_latest(self.metrics.registry).decode()
                 load = replica_load(self.engine).as_dict()
-                self._install(await self.cluster.report.remote(self.name, lengths, load, text, self.wants_others_metrics))
+                self._install(await self.cluster.report.remote(self.name, lengths, load, text, self.wants_others_metrics,
+                                                               stats=self.runtime.stats().as_dict()))
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the cluster state restarts; keep the lengths and try again
