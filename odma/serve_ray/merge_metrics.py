@@ -21,7 +21,7 @@ SUMMED = ("waiting", "steps", "busy_seconds", "decode_tokens", "prefill_tokens",
           "rejected_predictions")
 
 MAXIMUM = {"odma_kv_external_fragmentation", "odma_bucket_bound_tokens", "odma_bucket_bounds_version",
-           "odma_predictor_info", "odma_policy_info"}
+           "odma_predictor_info", "odma_policy_info", "odma_probe_info"}
 PER_REPLICA_PREFIX = "odma_device_"
 
 
