@@ -21,6 +21,7 @@ from odma.engine.model_runner import ModelRunner
 from odma.engine.prefix_share import copy_prefixes
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
+from odma.engine.stats import BucketStats, EngineStats, PredictorStats, ProbeStats, device_stats
 from odma.engine.sequence import RequestTags, Sequence, Status
 from odma.engine.stopping import stop_reason
 from odma.engine.tagging import LengthTagger
@@ -478,6 +479,21 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return sum(len(w.scheduler.running) for w in self.workers)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the pools, queues, buckets and counters, safe to take from any thread (the pools' stats
+        are thread-safe; queues and counters are copied)."""
+        buckets = getattr(self.policy, "buckets", None)
+        return EngineStats(
+            policy=self.config.policy, predictor=PredictorStats(self.predictor.name, self.predictor.fallback_reason),
+            devices=tuple(device_stats(w.device, w.pool.stats(), w.scheduler, w.swap, w.elastic) for w in self.workers),
+            buckets=(BucketStats(tuple(buckets.bounds), buckets.large_bound, buckets.version)
+                     if buckets is not None else None),
+            waiting=self.num_waiting, steps=self.steps, busy_seconds=self.busy_seconds,
+            decode_tokens=self.decode_tokens, prefill_tokens=self.prefill_tokens, prompt_copies=self.forks.copied,
+            prompt_recomputes=self.forks.recomputed, rejected_predictions=self.rejected_predictions,
+            probe=ProbeStats.of(self.probe.stats()) if self.probe is not None else None,
+            probe_fallback=self.probe_fallback or None)
 
     def close(self) -> None:
         if self._device_threads is not None:

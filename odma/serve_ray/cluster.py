@@ -2,7 +2,7 @@
 lengths fed by every replica, the bucket bounds computed from it, each replica's last load and metrics.
 
 Every replica reports every `report_period_s` (the lengths it realized since its last report, its load, its
-Prometheus text) and gets the current bounds back; it reserves from those bounds only (its own bucket manager
+Prometheus text, its engine's snapshot) and gets the current bounds back; it reserves from those bounds only (its own bucket manager
 follows, `BucketManager.follow`). A replica that starts, or restarts, asks for them before it serves. The ingress
 reads a snapshot for /health, /metrics and admission. Refreshes follow the engine's rules (every
 `refresh_every_n` lengths or `refresh_every_s`), so one cluster refreshes as one engine would.
@@ -48,6 +48,7 @@ class ClusterState:
         self._lengths: deque[int] = deque(bootstrap or (), maxlen=(buckets or BucketConfig()).window)
         self._loads: dict[str, tuple[dict, float]] = {}
         self._texts: dict[str, str] = {}
+        self._stats: dict[str, dict] = {}  # each replica's last engine snapshot (EngineStats.as_dict())
         self._lock = threading.Lock()
         self.reports = 0
         self.lengths_seen = 0
@@ -61,10 +62,10 @@ class ClusterState:
             return self._bounds()
 
     def report(self, name: str, lengths: list[int], load: dict | None = None, metrics_text: str | None = None,
-               others_metrics: bool = False) -> dict:
-        """A replica's realized lengths since its last report, its load and metrics; returns the current bounds,
-        and the other live replicas' metrics texts when asked (a replica that is also the ingress serves /metrics
-        for the whole cluster)."""
+               others_metrics: bool = False, stats: dict | None = None) -> dict:
+        """A replica's realized lengths since its last report, its load, metrics and engine snapshot; returns the
+        current bounds, and the other live replicas' metrics texts when asked (a replica that is also the ingress
+        serves /metrics for the whole cluster)."""
         with self._lock:
             self.reports += 1
             now = time.time()
@@ -72,6 +73,8 @@ class ClusterState:
                 self._loads[name] = (load, now)
             if metrics_text is not None:
                 self._texts[name] = metrics_text
+            if stats is not None:
+                self._stats[name] = stats
             good = [int(x) for x in lengths if type(x) is int and x >= 0]
             self.lengths_seen += len(good)
             self._lengths.extend(good)
@@ -90,15 +93,18 @@ class ClusterState:
         with self._lock:
             self._loads.pop(name, None)
             self._texts.pop(name, None)
+            self._stats.pop(name, None)
 
     # -- the ingress ---------------------------------------------------------------------------------
 
     def snapshot(self, with_metrics: bool = False) -> dict:
-        """Bounds, the median realized length, each live replica's load (and its metrics text when asked)."""
+        """Bounds, the median realized length, each live replica's load and engine snapshot (and its metrics text
+        when asked)."""
         with self._lock:
             self._drop_stale()
             out = self._bounds()
             out["replicas"] = {name: load for name, (load, _) in self._loads.items()}
+            out["stats"] = {name: self._stats[name] for name in self._loads if name in self._stats}
             if with_metrics:
                 out["metrics"] = {name: self._texts[name] for name in self._loads if name in self._texts}
             out["reports"], out["lengths_seen"] = self.reports, self.lengths_seen
@@ -115,3 +121,4 @@ class ClusterState:
         for name in [n for n, (_, at) in self._loads.items() if at < limit]:
             del self._loads[name]
             self._texts.pop(name, None)
+            self._stats.pop(name, None)

@@ -4,8 +4,8 @@ odma-serve does, predicts each request's length once (`predict_at="front"`), and
 deployment through a Ray Serve handle, whose request router picks the replica. The replica's events come back one
 batch per engine step and feed the same answer code (streams.py) as in odma-serve.
 
-`RemoteRuntime` has `AsyncEngine`'s interface (admit / submit / events / cancel / finish_early / start / stop);
-`FrontEngine` has what the app reads of an `LLMEngine`."""
+`RemoteRuntime` is odma-serve's `ServedRuntime` (odma.server.served_engine), as `AsyncEngine` is; its `stats()` merges
+the replicas' engine snapshots. `FrontEngine` is its `ServedEngine`: what the app reads of an `LLMEngine`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -24,11 +25,12 @@ from odma.engine import EngineConfig, SamplingParams
 from odma.engine.length_predictor import LoadedPredictor
 from odma.engine.llm_engine import check_request
 from odma.engine.sequence import RequestTags, Sequence
+from odma.engine.stats import EngineStats
 from odma.kv import KVRequest, build_policy
 from odma.kv.buckets import align_up
 from odma.server.admission import Door, Pass
 from odma.server.runtime import Event, drain_events
-from odma.serve_ray.merge_metrics import merge_texts
+from odma.serve_ray.merge_metrics import merge_stats, merge_texts
 from odma.serve_ray.messages import RemoteJob, Views, sample_ids
 from odma.serve_ray.scoring import ROUTING, ReplicaLoad
 from odma.serve_ray.settings import RaySettings
@@ -50,6 +52,7 @@ class ClusterView:
         if self.buckets is not None:
             self.buckets.follow()
         self.loads: dict[str, ReplicaLoad] = {}
+        self.stats: dict[str, EngineStats] = {}  # each live replica's last engine snapshot
         self.texts: dict[str, str] = {}
         self.median: float | None = None
         self.updated_at = 0.0
@@ -60,6 +63,8 @@ class ClusterView:
         self.median = snapshot.get("median")
         loads = {name: ReplicaLoad.from_dict(d) for name, d in (snapshot.get("replicas") or {}).items()}
         self.loads = {name: l for name, l in loads.items() if l is not None}
+        if "stats" in snapshot:
+            self.stats = {name: EngineStats.from_dict(d) for name, d in snapshot["stats"].items()}
         if "metrics" in snapshot:
             self.texts = snapshot["metrics"]
         self.updated_at = time.monotonic()
@@ -88,8 +93,9 @@ class FrontEngine:
     """odma-serve's `ServedEngine` for an ingress that holds no model: limits and checks from the model's config and
     the replicas' reports."""
 
-    def __init__(self, config: EngineConfig, tokenizer, model_config, view: ClusterView) -> None:
-        self.config, self.tokenizer, self.view = config, tokenizer, view
+    def __init__(self, config: EngineConfig, tokenizer, model_config, view: ClusterView,
+                 model_folder: Path | None = None) -> None:
+        self.config, self.tokenizer, self.view, self.model_folder = config, tokenizer, view, model_folder
         self.vocab_size = model_config.vocab_size
         self.eos_ids = tuple(model_config.eos_token_ids)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -185,7 +191,7 @@ class RemoteHandle:
 
 
 class RemoteRuntime:
-    """`AsyncEngine`'s interface over the engine deployment. A replica that fails mid-request (it died, Ray lost
+    """odma-serve's `ServedRuntime` over the engine deployment. A replica that fails mid-request (it died, Ray lost
     it) fails that request's unfinished samples with an error naming the replica's failure: the answer is a 500,
     or an error event in a stream, never a hang."""
 
@@ -224,6 +230,14 @@ class RemoteRuntime:
         if self._poller is not None:
             self._poller.cancel()
             self._poller = None
+
+    def drain(self) -> None:
+        """Refuse new requests (503); Ray Serve drains the replicas, and the requests they run, itself."""
+        self.closing = True
+
+    def close(self) -> None:
+        """Nothing is owned here beyond the poller: each replica closes its own engine."""
+        self.stop()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -328,6 +342,10 @@ class RemoteRuntime:
         """Nothing to do: the replica ends the request at the same token (it runs the same stop-string check,
         odma.serve_ray.replica), so its realized length is logged as in odma-serve."""
 
+    def stats(self) -> EngineStats:
+        """The replicas' last reported snapshots, merged (as their /metrics are)."""
+        return merge_stats(self.view.stats, policy=self.engine.config.policy)
+
 
 class ClusterMetrics:
     """The ingress's /metrics: the replicas' metrics merged under odma-serve's names, with the ingress's own
@@ -403,7 +421,8 @@ class Front:
 
         folder = resolve_model(config.model)
         view = ClusterView(config)
-        self.engine = FrontEngine(config, AutoTokenizer.from_pretrained(str(folder)), ModelConfig.from_folder(folder), view)
+        self.engine = FrontEngine(config, AutoTokenizer.from_pretrained(str(folder)), ModelConfig.from_folder(folder), view,
+                                  model_folder=folder)
         self.metrics = ClusterMetrics(view)
         predictor = None
         if settings.predict_at == "front" and config.policy != "static":

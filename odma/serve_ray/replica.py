@@ -148,7 +148,10 @@ class EngineReplica:
 
                 text = generate_latest(self.metrics.registry).decode()
                 load = replica_load(self.engine).as_dict()
-                self._install(await self.cluster.report.remote(self.name, lengths, load, text, self.wants_others_metrics))
+                stats = self.runtime.stats().as_dict()
+                # positional, as the rest: sent by keyword, the live cluster tests saw the ingress lose every replica
+                self._install(await self.cluster.report.remote(self.name, lengths, load, text, self.wants_others_metrics,
+                                                               stats))
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the cluster state restarts; keep the lengths and try again

@@ -22,7 +22,8 @@ from odma.server.openapi import INFO_RESPONSES, METRICS_RESPONSES, MODEL_RESPONS
 from odma.server.protocol import ApiLimits, request_models
 from odma.server.responses import ChatCompletionResponse, CompletionResponse, Health, ModelCard, ModelList
 from odma.server.render import TokenText
-from odma.server.runtime import SHUTTING_DOWN, AsyncEngine, Offload
+from odma.server.runtime import SHUTTING_DOWN, Offload
+from odma.server.served_engine import ServedRuntime
 from odma.server.streams import Sample, collect, sse
 
 MAX_BODY_BYTES = 64 << 20  # without a tokenizer (token ids only), as with one: far above any prompt that fits
@@ -36,7 +37,7 @@ one contiguous block sized from a predicted generation length. Every error is `{
 the KV pool's largest block; min_tokens <= max_tokens; top_logprobs needs logprobs: true."""
 
 
-def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases: tuple[str, ...] = (),
+def create_app(runtime: ServedRuntime, metrics: Metrics, model_name: str, aliases: tuple[str, ...] = (),
                defaults: SamplingDefaults | None = None, max_n: int = DEFAULT_MAX_N) -> FastAPI:
     engine = runtime.engine
     names = tuple(dict.fromkeys((model_name, *aliases)))
@@ -58,7 +59,7 @@ def create_app(runtime: AsyncEngine, metrics: Metrics, model_name: str, aliases:
     return app
 
 
-def _lifespan(runtime: AsyncEngine, offload: Offload):
+def _lifespan(runtime: ServedRuntime, offload: Offload):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         runtime.start()
@@ -69,7 +70,7 @@ def _lifespan(runtime: AsyncEngine, offload: Offload):
     return lifespan
 
 
-def _info_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, model_name: str,
+def _info_routes(app: FastAPI, runtime: ServedRuntime, metrics: Metrics, model_name: str,
                  served_names: tuple[str, ...]) -> None:
     engine = runtime.engine
     created = int(time.time())
@@ -100,7 +101,7 @@ def _info_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, model_nam
         return card(model_id)
 
 
-def _generation_routes(app: FastAPI, runtime: AsyncEngine, metrics: Metrics, limits: ApiLimits, jobs: JobBuilder,
+def _generation_routes(app: FastAPI, runtime: ServedRuntime, metrics: Metrics, limits: ApiLimits, jobs: JobBuilder,
                        model_name: str, offload: Offload) -> None:
     Completion, Chat = request_models(limits)
     texts = TokenText(runtime.engine.tokenizer)

@@ -283,7 +283,7 @@ def serve(app, runtime, host: str, port: int, log_level: str) -> None:
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S)
     DrainingServer(config).run()
-    runtime.engine.close()
+    runtime.close()
 
 
 def run() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from odma.engine.sampling import MAX_TEMPERATURE
 from odma.errors import ConfigError
+from odma.server.served_engine import ServedEngine
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ def _auto(folder: Path | None) -> tuple[dict[str, Any], str]:
                     else f"OpenAI's defaults ({folder.name}/generation_config.json sets none)")
 
 
-def engine_sampling_defaults(engine, mode: str, override: str | dict | None = None) -> "SamplingDefaults":
-    """The defaults of the model an `LLMEngine` serves: its converted folder, or the folder it was given."""
+def engine_sampling_defaults(engine: ServedEngine, mode: str, override: str | dict | None = None) -> "SamplingDefaults":
+    """The defaults of the model an engine serves: its converted folder, or the folder it was given."""
     from odma.models.weights import model_name, recommended_sampling
 
     config = engine.config

@@ -1,5 +1,5 @@
-"""Prometheus metrics: histograms the engine feeds through its hooks, gauges/counters read at scrape time
-from the pool and the scheduler (so they are never stale and cost nothing between scrapes)."""
+"""Prometheus metrics: histograms the engine feeds through its hooks, gauges/counters read at scrape time from the
+runtime's snapshot (`stats()`: the pools, queues and counters; never stale, nothing to keep between scrapes)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from odma.engine.sequence import Sequence
+from odma.engine.stats import EngineStats
+from odma.server.served_engine import ServedRuntime
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -46,7 +48,7 @@ class Metrics:
     def refused(self, reason: str) -> None:
         self.http_refusals[reason] = self.http_refusals.get(reason, 0) + 1
 
-    def attach(self, runtime) -> None:
+    def attach(self, runtime: ServedRuntime) -> None:
         self.registry.register(_EngineCollector(runtime, self))
 
 
@@ -70,7 +72,8 @@ def labelled(family, name: str, doc: str, label: str, values: dict):
 
 
 def predictor_info(pred) -> GaugeMetricFamily:
-    """Which length predictor serves, and whether it stands in for one that could not be loaded (and why)."""
+    """Which length predictor serves (`name`), and whether it stands in for one that could not be loaded
+    (`fallback_reason` says why): a `LoadedPredictor`, or a snapshot's `PredictorStats`."""
     info = GaugeMetricFamily("odma_predictor_info", "The length predictor in use (fallback=1: the one asked for "
                              "could not be loaded; reason says why)", labels=["name", "fallback", "reason"])
     info.add_metric([pred.name, "1" if pred.fallback_reason else "0", (pred.fallback_reason or "")[:200]], 1)
@@ -78,96 +81,85 @@ def predictor_info(pred) -> GaugeMetricFamily:
 
 
 class _EngineCollector:
-    """Reads the engine at scrape time; each method below yields one group of metrics."""
+    """Reads the runtime's snapshot (`stats()`) at scrape time; each method below yields one group of metrics."""
 
-    def __init__(self, runtime, metrics: Metrics) -> None:
+    def __init__(self, runtime: ServedRuntime, metrics: Metrics) -> None:
         self.runtime, self.metrics = runtime, metrics
 
     def collect(self):
-        engine = self.runtime.engine
-        per_device = [(w, w.pool.stats(), w.scheduler.counters) for w in engine.workers]
-        pool = _Sum([p for _, p, _ in per_device])  # totals over devices (one device: its own numbers)
-        sched = _Sum([c for _, _, c in per_device])
-        yield from self._queue(engine, self.runtime)
-        yield from self._kv(per_device, pool)
-        yield from self._devices(per_device)
-        yield from self._buckets(engine)
-        yield from self._growth(pool, sched)
-        yield from self._preemption(engine, sched)
-        yield from self._ballooning(engine, sched)
-        yield from self._work(engine)
-        yield from self._requests(engine)
-        yield predictor_info(engine.predictor)
-        yield from self._probe(engine)
+        stats = self.runtime.stats()
+        yield from self._queue(stats, self.runtime.waiting)
+        yield from self._kv(stats)
+        yield from self._devices(stats)
+        yield from self._buckets(stats)
+        yield from self._growth(stats)
+        yield from self._preemption(stats)
+        yield from self._ballooning(stats)
+        yield from self._work(stats)
+        yield from self._requests()
+        yield predictor_info(stats.predictor)
+        yield from self._probe(stats)
         yield labelled(GaugeMetricFamily, "odma_policy_info", "The reservation policy in use", "policy",
-                       {engine.config.policy: 1})
+                       {stats.policy: 1})
 
     @staticmethod
-    def _probe(engine):
+    def _probe(stats: EngineStats):
         """The served model's length probe: which head serves (shipped / online), its work, its cost, the online
         window and the calibration in force; a probe that was asked for and refused is reported with the reason."""
-        probe = engine.probe
+        probe = stats.probe
         if probe is None:
-            if engine.probe_fallback:
+            if stats.probe_fallback:
                 info = GaugeMetricFamily("odma_probe_info", "The length probe in use (refused: why)",
                                          labels=["source", "reason"])
-                info.add_metric(["refused", engine.probe_fallback[:200]], 1)
+                info.add_metric(["refused", stats.probe_fallback[:200]], 1)
                 yield info
             return
-        s = probe.stats()
-        online = s.get("online") or {}
-        cal = online.get("calibration") or {}
         info = GaugeMetricFamily("odma_probe_info", "The length probe in use: shipped heads or the online refit, and "
                                  "the calibration in force", labels=["source", "reason", "calibration"])
-        calib = json.dumps({k: cal.get(k) for k in ("alpha", "tau", "ceiling", "target")}) if cal else ""
-        info.add_metric([s["source"], "", calib], 1)
+        info.add_metric([probe.source, "", json.dumps(probe.calibration) if probe.calibration else ""], 1)
         yield info
-        yield counter("odma_probe_predictions", "Prompt-end predictions from the served model's states", s["predicted"])
-        yield counter("odma_probe_refinements", "Decode-time refinements of the remaining length", s["refined"])
-        yield counter("odma_probe_failures", "Probe calls that raised (the requests kept their tags)", s["failures"])
-        yield counter("odma_probe_seconds", "Time inside the probe (predict, refine, learn)", s["seconds"])
-        if online:
-            yield gauge("odma_probe_online_samples", "Finished requests in the online window", online["samples"])
-            yield counter("odma_probe_online_refits", "Online refits of the probe's head", online["refits"])
+        yield counter("odma_probe_predictions", "Prompt-end predictions from the served model's states", probe.predicted)
+        yield counter("odma_probe_refinements", "Decode-time refinements of the remaining length", probe.refined)
+        yield counter("odma_probe_failures", "Probe calls that raised (the requests kept their tags)", probe.failures)
+        yield counter("odma_probe_seconds", "Time inside the probe (predict, refine, learn)", probe.seconds)
+        if probe.online_samples is not None:
+            yield gauge("odma_probe_online_samples", "Finished requests in the online window", probe.online_samples)
+            yield counter("odma_probe_online_refits", "Online refits of the probe's head", probe.online_refits)
 
     @staticmethod
-    def _queue(engine, runtime):
+    def _queue(stats: EngineStats, waiting: int):
         # the door's count, which --max-queue bounds: it includes requests still being tokenized, which the engine
         # has not seen yet, and leaves out preempted ones waiting to run again (odma_device_waiting_requests has them)
-        yield gauge("odma_queue_depth", "Requests (samples) admitted and not running yet", runtime.waiting)
-        yield gauge("odma_running_requests", "Requests holding a block", engine.num_running)
+        yield gauge("odma_queue_depth", "Requests (samples) admitted and not running yet", waiting)
+        yield gauge("odma_running_requests", "Requests holding a block", stats.running)
 
     @staticmethod
-    def _kv(per_device, pool):
-        yield gauge("odma_kv_budget_bytes", "KV pool size", sum(p.total_tokens * p.bytes_per_token for _, p, _ in per_device))
-        yield gauge("odma_kv_reserved_bytes", "KV bytes reserved by live blocks", pool.reserved_bytes)
-        yield gauge("odma_kv_live_bytes", "KV bytes holding tokens", pool.live_bytes)
-        yield gauge("odma_kv_free_bytes", "KV bytes free (extents and cached blocks)", pool.free_bytes)
+    def _kv(stats: EngineStats):
+        yield gauge("odma_kv_budget_bytes", "KV pool size", stats.total("budget_bytes"))
+        yield gauge("odma_kv_reserved_bytes", "KV bytes reserved by live blocks", stats.total("reserved_bytes"))
+        yield gauge("odma_kv_live_bytes", "KV bytes holding tokens", stats.total("live_bytes"))
+        yield gauge("odma_kv_free_bytes", "KV bytes free (extents and cached blocks)", stats.total("free_bytes"))
         yield gauge("odma_kv_external_fragmentation",
                     "1 - the largest block a reservation could get / what free memory would give as one range "
                     "(cached blocks coalesced with free neighbours; the worst device)",
-                    max(p.external_fragmentation for _, p, _ in per_device))
-        per_bucket: dict[int, int] = {}
-        for _, p, _ in per_device:
-            for bucket, n in p.live_blocks_per_bucket.items():
-                per_bucket[bucket] = per_bucket.get(bucket, 0) + n
+                    stats.external_fragmentation)
         yield labelled(GaugeMetricFamily, "odma_bucket_live_blocks", "Live blocks per bucket (-1 = large)", "bucket",
-                       dict(sorted(per_bucket.items())))
+                       stats.live_blocks_per_bucket)
 
     @staticmethod
-    def _devices(per_device):
+    def _devices(stats: EngineStats):
         device_gauges = {
-            "odma_device_running_requests": ("Requests holding a block, per device", lambda w, p: len(w.scheduler.running)),
-            "odma_device_waiting_requests": ("Requests placed on the device and waiting", lambda w, p: len(w.scheduler.waiting)),
-            "odma_device_kv_reserved_bytes": ("KV bytes reserved by live blocks, per device", lambda w, p: p.reserved_bytes),
-            "odma_device_kv_live_bytes": ("KV bytes holding tokens, per device", lambda w, p: p.live_bytes),
+            "odma_device_running_requests": ("Requests holding a block, per device", "running"),
+            "odma_device_waiting_requests": ("Requests placed on the device and waiting", "waiting"),
+            "odma_device_kv_reserved_bytes": ("KV bytes reserved by live blocks, per device", "reserved_bytes"),
+            "odma_device_kv_live_bytes": ("KV bytes holding tokens, per device", "live_bytes"),
         }
-        for name, (doc, value) in device_gauges.items():
-            yield labelled(GaugeMetricFamily, name, doc, "device", {w.device: value(w, p) for w, p, _ in per_device})
+        for name, (doc, field) in device_gauges.items():
+            yield labelled(GaugeMetricFamily, name, doc, "device", {d.device: getattr(d, field) for d in stats.devices})
 
     @staticmethod
-    def _buckets(engine):
-        buckets = getattr(engine.policy, "buckets", None)
+    def _buckets(stats: EngineStats):
+        buckets = stats.buckets
         if buckets is None:
             return
         bounds = {i: b for i, b in enumerate(buckets.bounds)}
@@ -176,86 +168,75 @@ class _EngineCollector:
         yield gauge("odma_bucket_bounds_version", "Bucket bound refreshes that changed the bounds", buckets.version)
 
     @staticmethod
-    def _growth(pool, sched):
-        yield counter("odma_migrations", "Blocks moved to a larger range mid-decode", pool.migrations)
-        yield counter("odma_migrated_tokens", "Tokens copied by migrations", pool.migrated_tokens)
-        yield counter("odma_migration_refusals", "Growths refused for lack of room", pool.migration_refusals)
+    def _growth(stats: EngineStats):
+        pool, sched = stats.pool_counter, stats.scheduler_counter
+        yield counter("odma_migrations", "Blocks moved to a larger range mid-decode", pool("migrations"))
+        yield counter("odma_migrated_tokens", "Tokens copied by migrations", pool("migrated_tokens"))
+        yield counter("odma_migration_refusals", "Growths refused for lack of room", pool("migration_refusals"))
         yield counter("odma_grown_in_place", "Growths where the block lies: over the free units after it (counted in "
                       "migrations too) or, with --kv-growth map, by mapping memory behind it (nothing copied)",
-                      pool.grown_in_place)
-        yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)", pool.refusals)
+                      pool("grown_in_place"))
+        yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)",
+                      pool("refusals"))
         yield counter("odma_theta_refusals", "Admissions deferred to keep reservations within theta (eLLM Alg. 1)",
-                      sched.theta_refusals)
+                      sched("theta_refusals"))
         yield counter("odma_demand_refusals", "Admissions deferred: the running requests' predicted final KV would pass "
-                      "--admission-demand of the pool", sched.demand_refusals)
+                      "--admission-demand of the pool", sched("demand_refusals"))
         yield counter("odma_window_clears", "Held queue heads admitted by relocating the blocks in their way",
-                      sched.window_clears)
-        yield counter("odma_window_moves", "Blocks relocated to clear those windows", sched.window_moves)
+                      sched("window_clears"))
+        yield counter("odma_window_moves", "Blocks relocated to clear those windows", sched("window_moves"))
         yield counter("odma_prefix_copies", "Admissions that copied a shared prompt prefix's K/V from a running request",
-                      sched.prefix_copies)
-        yield counter("odma_prefix_copied_tokens", "Prompt tokens not computed thanks to those copies", sched.prefix_tokens)
+                      sched("prefix_copies"))
+        yield counter("odma_prefix_copied_tokens", "Prompt tokens not computed thanks to those copies",
+                      sched("prefix_tokens"))
         yield counter("odma_prefix_holds", "Admissions put off one step to copy a prefix prefilled in that step",
-                      sched.prefix_holds)
+                      sched("prefix_holds"))
 
     @staticmethod
-    def _preemption(engine, sched):
-        yield counter("odma_preemptions", "Requests freed under pressure and recomputed later", sched.preemptions)
-        yield counter("odma_stalls", "Request-steps spent waiting for room to grow", sched.stalls)
-        yield counter("odma_swap_outs", "Preempted requests whose K/V went to the host buffer", sched.swap_outs)
-        yield counter("odma_swap_ins", "Swapped requests whose K/V came back", sched.swap_ins)
-        swaps = [w.swap for w in engine.workers if w.swap is not None]
-        if swaps:
-            yield gauge("odma_swap_held_bytes", "K/V bytes in the host buffers now", sum(x.held_bytes for x in swaps))
+    def _preemption(stats: EngineStats):
+        sched = stats.scheduler_counter
+        yield counter("odma_preemptions", "Requests freed under pressure and recomputed later", sched("preemptions"))
+        yield counter("odma_stalls", "Request-steps spent waiting for room to grow", sched("stalls"))
+        yield counter("odma_swap_outs", "Preempted requests whose K/V went to the host buffer", sched("swap_outs"))
+        yield counter("odma_swap_ins", "Swapped requests whose K/V came back", sched("swap_ins"))
+        if stats.swapping:
+            yield gauge("odma_swap_held_bytes", "K/V bytes in the host buffers now", stats.total("swap_held_bytes"))
             yield gauge("odma_swap_buffer_bytes", "Logical size of the host buffers (eLLM Alg. 2 scales them)",
-                        sum(x.controller.logical_bytes for x in swaps))
+                        stats.total("swap_buffer_bytes"))
 
     @staticmethod
-    def _ballooning(engine, sched):
+    def _ballooning(stats: EngineStats):
         yield counter("odma_activation_refusals", "Prefills deferred until their activation room was freed",
-                      sched.activation_refusals)
+                      stats.scheduler_counter("activation_refusals"))
         yield counter("odma_prefill_chunks", "Prefill steps that fed part of a prompt (its activation room was lent)",
-                      sched.prefill_chunks)
-        elastics = [w.elastic.snapshot() for w in engine.workers if w.elastic is not None]
-        if not elastics:
+                      stats.scheduler_counter("prefill_chunks"))
+        if not stats.ballooning:
             return
-        e = _Sum(elastics)
-        yield gauge("odma_balloon_reserve_bytes", "Activation room kept for a max_prefill_tokens prefill", e["reserve_bytes"])
-        yield gauge("odma_balloon_lent_bytes", "Activation room lent to the KV pool now", e["lent_bytes"])
-        yield counter("odma_balloon_inflations", "Segments lent to the KV pool", e["balloon_inflations"])
-        yield counter("odma_balloon_deflations", "Segments taken back for a prefill", e["balloon_deflations"])
+        e = stats.balloon_total
+        yield gauge("odma_balloon_reserve_bytes", "Activation room kept for a max_prefill_tokens prefill", e("reserve_bytes"))
+        yield gauge("odma_balloon_lent_bytes", "Activation room lent to the KV pool now", e("lent_bytes"))
+        yield counter("odma_balloon_inflations", "Segments lent to the KV pool", e("balloon_inflations"))
+        yield counter("odma_balloon_deflations", "Segments taken back for a prefill", e("balloon_deflations"))
         yield counter("odma_balloon_rollbacks", "Deflations rolled back (a block had nowhere to go)",
-                      e["balloon_deflate_rollbacks"])
-        yield counter("odma_balloon_moved_bytes", "Live KV bytes copied out of deflated segments", e["balloon_moved_bytes"])
+                      e("balloon_deflate_rollbacks"))
+        yield counter("odma_balloon_moved_bytes", "Live KV bytes copied out of deflated segments", e("balloon_moved_bytes"))
 
     @staticmethod
-    def _work(engine):
-        yield counter("odma_engine_steps", "Model steps run", engine.steps)
-        yield counter("odma_engine_busy_seconds", "Seconds spent inside model steps", engine.busy_seconds)
-        yield counter("odma_engine_decode_tokens", "Decode tokens computed (Σ decode batch sizes)", engine.decode_tokens)
-        yield counter("odma_engine_prefill_tokens", "Prompt tokens computed, recomputations included", engine.prefill_tokens)
-        yield counter("odma_prompt_copies", "Samples of n > 1 requests that copied the prompt's K/V", engine.forks.copied)
+    def _work(stats: EngineStats):
+        yield counter("odma_engine_steps", "Model steps run", stats.steps)
+        yield counter("odma_engine_busy_seconds", "Seconds spent inside model steps", stats.busy_seconds)
+        yield counter("odma_engine_decode_tokens", "Decode tokens computed (Σ decode batch sizes)", stats.decode_tokens)
+        yield counter("odma_engine_prefill_tokens", "Prompt tokens computed, recomputations included", stats.prefill_tokens)
+        yield counter("odma_prompt_copies", "Samples of n > 1 requests that copied the prompt's K/V", stats.prompt_copies)
         yield counter("odma_prompt_recomputes", "Samples of n > 1 requests that prefilled the prompt themselves "
-                      "(no sibling held it any more)", engine.forks.recomputed)
+                      "(no sibling held it any more)", stats.prompt_recomputes)
         yield counter("odma_rejected_predictions", "Predictions that were not finite or negative (the request "
-                      "reserved for the worst case)", engine.rejected_predictions)
+                      "reserved for the worst case)", stats.rejected_predictions)
 
-    def _requests(self, engine):
+    def _requests(self):
         m = self.metrics
         yield counter("odma_generated_tokens", "Output tokens of finished requests", m.generated_tokens)
         yield labelled(CounterMetricFamily, "odma_requests_finished", "Finished requests by reason", "reason",
                        dict(sorted(m.finished.items())))
         yield labelled(CounterMetricFamily, "odma_http_refusals", "Requests refused at the door", "reason",
                        dict(sorted(m.http_refusals.items())))
-
-
-class _Sum:
-    """Attribute (or key) access summing over per-device records: pool stats, scheduler counters, snapshots."""
-
-    def __init__(self, records: list) -> None:
-        self._records = records
-
-    def __getattr__(self, name: str):
-        return sum(getattr(r, name) for r in self._records)
-
-    def __getitem__(self, key: str):
-        return sum(r[key] for r in self._records)

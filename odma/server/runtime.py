@@ -15,7 +15,9 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from odma.engine import LLMEngine, SamplingParams
 from odma.engine.sequence import RequestTags, Sequence, Status
+from odma.engine.stats import EngineStats
 from odma.server.admission import Door, Pass
+from odma.server.served_engine import Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,13 +53,6 @@ class Handle:
         return self.remaining == 0
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    token: int | None
-    finished: bool
-    seq: Sequence
-
-
 async def drain_events(handle, cancel) -> AsyncIterator[Event]:
     """The events of all the handle's samples until each finished; leaving early (client gone) calls
     `cancel(handle)`, which stops the samples still running and frees their blocks. Any handle with `queue`,
@@ -79,6 +74,8 @@ def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
 
 
 class AsyncEngine:
+    """odma-serve's `ServedRuntime` in process: the engine loop in a thread, each request's events on its queue."""
+
     def __init__(self, engine: LLMEngine, max_queue: int = 256) -> None:
         self.engine = engine
         self.door = Door(max_queue)
@@ -238,3 +235,11 @@ class AsyncEngine:
         """A stop string matched: end the request as a normal completion (its length is realized)."""
         self.engine.abort(request_id, reason="stop")
         self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the loop if it still runs, then close the engine (its length log, the probe's state)."""
+        self.stop()
+        self.engine.close()

@@ -1,13 +1,23 @@
-"""What odma-serve's HTTP app reads of an engine: the whole door between the server and whatever serves behind it
-(the in-process `LLMEngine`, or the Ray ingress's `FrontEngine` that holds no model). The engine loop
-(`runtime.py`) drives an `LLMEngine` itself; the app, the request checks and the answers go through this."""
+"""What odma-serve's HTTP app needs of whatever serves behind it: the whole door between the server and the
+engine. `ServedRuntime` is the runtime the app is handed (admission, jobs and their events, lifecycle, the
+snapshot /metrics reads); its `engine` is a `ServedEngine` (the model's limits, request checks, decoding). Both
+are implemented in process (`runtime.AsyncEngine` over an `LLMEngine`) and at the Ray ingress
+(odma.serve_ray.front's `RemoteRuntime` over a `FrontEngine` that holds no model). Nothing in odma/server reaches
+past these members (tests/test_server_door.py checks it)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
 
 from odma.engine.config import EngineConfig
 from odma.engine.sampling import SamplingParams
+from odma.engine.sequence import RequestTags, Sequence
+from odma.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from odma.server.admission import Pass
 
 
 @runtime_checkable
@@ -15,6 +25,7 @@ class ServedEngine(Protocol):
     config: EngineConfig
     tokenizer: Any  # a Hugging Face tokenizer (None: token ids in, token ids out)
     max_model_len: int  # prompt + output tokens one request may reach
+    model_folder: Path | None  # where the model's files are (its generation_config.json); None: not known
 
     @property
     def vocab_size(self) -> int: ...
@@ -36,3 +47,74 @@ class ServedEngine(Protocol):
         """Raise InvalidRequestError / RequestTooLargeError for a request that cannot be served."""
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One sample's step: its new token (None: none this step) and whether it finished; `seq` has the sample's
+    state (tokens, logprobs, finish reason)."""
+
+    token: int | None
+    finished: bool
+    seq: Sequence
+
+
+class RequestHandle(Protocol):
+    """One HTTP request's samples (n) and the queue their events arrive on."""
+
+    request_ids: list[str]
+    remaining: int  # samples not finished yet
+
+    @property
+    def finished(self) -> bool: ...
+
+
+@runtime_checkable
+class ServedRuntime(Protocol):
+    engine: ServedEngine
+
+    # -- lifecycle
+    def start(self) -> None:
+        """Begin serving (called once the app's event loop runs)."""
+
+    def stop(self) -> None:
+        """Stop serving; requests still live end."""
+
+    def drain(self) -> None:
+        """The server is stopping (thread-safe, from a signal handler too): refuse new requests, end live ones."""
+
+    def close(self) -> None:
+        """After `stop`: close what the runtime owns (the engine's length log, the probe's state)."""
+
+    @property
+    def closing(self) -> bool:
+        """Stopping: new requests are refused (503)."""
+
+    # -- admission
+    @property
+    def max_queue(self) -> int: ...
+
+    @property
+    def waiting(self) -> int:
+        """Samples admitted and not running yet (the queue --max-queue bounds)."""
+
+    def admit(self, samples: int = 1) -> Pass | None:
+        """Places in the queue for a request of `samples` samples, taken now (None: no room)."""
+
+    # -- requests
+    def submit(self, prompt: str | list[int], params: SamplingParams, *, n: int = 1, prompt_text: str | None = None,
+               tags: RequestTags | None = None, admitted: Pass | None = None) -> RequestHandle:
+        """Queue `n` samples of a prompt; validation errors raise here with nothing queued and the pass released."""
+
+    def events(self, handle: RequestHandle) -> AsyncIterator[Event]:
+        """The events of all the handle's samples until each finished; leaving early cancels the rest."""
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Stop the handle's unfinished samples and free their memory."""
+
+    def finish_early(self, request_id: str) -> None:
+        """A stop string matched: end the sample as a normal completion."""
+
+    # -- observability
+    def stats(self) -> EngineStats:
+        """The engine's snapshot (pools, queues, buckets, counters); several replicas' merged behind Ray."""

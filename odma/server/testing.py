@@ -54,4 +54,4 @@ def tiny_server(folder: str | Path, *, predictor=None, defaults: SamplingDefault
         srv.runtime = runtime
         srv.app = app
         yield srv
-    engine.close()
+    runtime.close()
