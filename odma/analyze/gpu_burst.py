@@ -24,7 +24,31 @@ from odma.kv import OffloadConfig, OffloadController
 
 GIB = 1 << 30
 PAGE_TOKENS = 16  # odma.engine.config.PAGE_TOKENS: the paged baseline's page
-BASE_POLICIES = ("static", "odma", "paged")
+BASE_POLICIES = ("static", "odma", "paged", "oracle")  # oracle: contiguous blocks of exactly the true length
+
+
+# odma's memory under pressure in the bench's engine part (--odma-memory): "compact-wait" (a block that cannot grow
+# for fragmentation gets a range by relocating blocks; one that still cannot waits a step) won the fitted replay of
+# the H100/H200 runs (docs/results/gpu/replay_fit.md); "swap" is the engine's default, what those runs did (the
+# newest request is swapped out); "compact" and "wait" are each change alone
+ODMA_MEMORY = ("compact-wait", "swap", "compact", "wait")
+
+
+def odma_memory(name: str, align: int = 16) -> dict:
+    """EngineConfig fields that `name` (one of ODMA_MEMORY) sets for odma's policy; the bench and this replay both
+    read them here."""
+    from odma.config import PoolConfig
+
+    if name not in ODMA_MEMORY:
+        raise ConfigError(f"odma memory must be one of {ODMA_MEMORY}, got {name!r}")
+    out: dict = {}
+    if name in ("compact-wait", "wait"):
+        out["preempt"] = "wait"
+    if name in ("compact-wait", "compact"):
+        out["pool"] = replace(PoolConfig(align=align), compact_growth=True)
+    elif align != PoolConfig().align:
+        out["pool"] = PoolConfig(align=align)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +82,7 @@ class StepRecord:
     decodes: int  # requests that fed one token
     context: int  # Σ tokens those requests attend over (their cached tokens)
     prefill: tuple[tuple[int, int], ...]  # (cached before, fed) of each prefill or recompute chunk
-    copied_tokens: int  # tokens growth copied while the step was planned
+    copied_tokens: int  # tokens growth (and relocation) copied while the step was planned
     swap_tokens: int  # tokens swapped out or in while the step was planned
     swaps: int  # swap copies (each one a synchronised transfer)
     running: int  # requests running after the step (what the bench averages)
@@ -128,32 +152,36 @@ class _NoMetrics:
 class BurstEngine:
     """The engine's loop around one device's scheduler, without a model: the order of `LLMEngine.step`."""
 
-    def __init__(self, config: BurstConfig, policy: str, *, scheduler_options: dict | None = None,
-                 oracle: bool = False) -> None:
+    def __init__(self, config: BurstConfig, policy: str, *, engine_overrides: dict | None = None,
+                 scheduler_options: dict | None = None, oracle: bool = False) -> None:
         from odma.engine.config import EngineConfig
         from odma.engine.length_predictor import LoadedPredictor, RunningMedian
         from odma.engine.prefill_cost import PrefillCost
         from odma.engine.scheduler import Scheduler
         from odma.engine.tagging import LengthTagger
-        from odma.kv import ContiguousKV, KVPool, PagedKV, build_policy
+        from odma.kv import ContiguousKV, ExactPolicy, KVPool, PagedKV, build_policy
 
         if policy not in BASE_POLICIES:
             raise ConfigError(f"policy must be one of {BASE_POLICIES}, got {policy!r}")
-        engine = EngineConfig()  # the engine's defaults: pool, buckets, preemption, window clearing, prefixes
+        # the engine's defaults (pool, buckets, preemption, window clearing, prefixes), with what a study changes
+        engine = EngineConfig(**(engine_overrides or {}))
         # bucket bounds refresh by completions only: the engine's 30-second timer would make the replay depend on
         # the host's speed (the raw runs' counts agree on the H100 and the H200, so it did not fire differently)
         buckets = replace(engine.buckets, refresh_every_s=float("inf"))
         self.config = config
         self.paged = policy == "paged"
-        self.oracle = oracle
-        self.policy = build_policy("odma" if self.paged else policy, max_tokens=config.max_tokens, buckets=buckets,
-                                   pool=engine.pool)
+        self.oracle = oracle or policy == "oracle"
+        if policy == "oracle":
+            self.policy = ExactPolicy(growth="double")
+        else:
+            self.policy = build_policy("odma" if self.paged else policy, max_tokens=config.max_tokens,
+                                       buckets=buckets, pool=engine.pool)
         bytes_per_token = config.model.kv_bytes_per_token
         total = config.kv_tokens
         options = dict(scheduler_options or {})
         common = dict(max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
                       order=engine.schedule, aging_rounds=engine.sjf_aging_rounds,
-                      chunk_prefills=engine.chunked_prefill, prefill_cost=PrefillCost.for_model(config.model))
+                      admission=engine.admission_rules(), chunk_prefills=engine.chunked_prefill, prefill_cost=PrefillCost.for_model(config.model))
         self.swap = None
         if self.paged:
             pages = total // PAGE_TOKENS
@@ -164,7 +192,7 @@ class BurstEngine:
             large_share = 0.0 if policy == "static" else engine.pool.large_share
             pool = KVPool(total, self.policy, large_share=large_share, align=engine.pool.align,
                           bytes_per_token=bytes_per_token, worst_case_prompt_share=engine.pool.worst_case_prompt_share)
-            self.kv = ContiguousKV(pool)
+            self.kv = ContiguousKV(pool, compact_growth=engine.pool.compact_growth)
             preempt = options.pop("preempt", engine.preempt)
             if preempt == "swap":
                 self.swap = ModelledSwap(config.swap_space_bytes, bytes_per_token)
@@ -240,15 +268,20 @@ class BurstEngine:
 
     @property
     def copied_tokens(self) -> int:
-        return self.kv.copied_tokens
+        """Tokens growth and relocations copied so far (the paged pool copies none)."""
+        return self.kv.copied_tokens + getattr(self.kv, "relocated_tokens", 0)
 
 
-def run_burst(config: BurstConfig, policy: str, *, scheduler_options: dict | None = None, oracle: bool = False,
+def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None = None,
+              scheduler_options: dict | None = None, oracle: bool = False,
               prompts: tuple[list[list[int]], list[int]] | None = None) -> BurstResult:
-    """The bench's warm-up, then the burst through `policy` ("static", "odma" or "paged"), every step recorded.
+    """The bench's warm-up, then the burst through `policy` ("static", "odma", "paged" or "oracle"), every step
+    recorded.
+    `engine_overrides`: EngineConfig fields that differ from the engine's defaults (a policy study's knobs);
     `oracle`: every request is tagged with its true length (a contiguous upper bound)."""
     prompts, lengths = prompts or bench_prompts(config)
-    engine = BurstEngine(config, policy, scheduler_options=scheduler_options, oracle=oracle)
+    engine = BurstEngine(config, policy, engine_overrides=engine_overrides, scheduler_options=scheduler_options,
+                         oracle=oracle)
     # the bench's warm-up: short and 512-token prompts of 4 tokens each (they seed the running median and the
     # bucket window, as on the GPU)
     warm = [p[:8] for p in prompts[:4]] + [(p * 64)[:min(config.max_prompt, 512)] for p in prompts[:2]]
@@ -289,4 +322,5 @@ def _counts(engine: BurstEngine) -> dict:
     c = engine.scheduler.counters
     stats = engine.kv.stats()
     return {"preemptions": c.preemptions, "swap_outs": c.swap_outs, "migrations": stats.migrations,
-            "migrated_tokens": stats.migrated_tokens, "grown_in_place": stats.grown_in_place}
+            "migrated_tokens": stats.migrated_tokens, "grown_in_place": stats.grown_in_place,
+            "relocated_tokens": stats.relocated_tokens, "compactions": getattr(engine.kv, "compactions", 0)}
