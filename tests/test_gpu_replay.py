@@ -117,9 +117,11 @@ def test_compaction_never_makes_room_that_is_not_there():
     kv.check()
 
 
-def test_compact_wait_replays_without_swaps():
+def test_the_memory_modes_change_what_they_say():
     _needs_trace()
-    swap = run_burst(SMALL, "odma").summary()
-    compact = run_burst(SMALL, "odma", engine_overrides=odma_memory("compact-wait")).summary()
-    assert swap["swap_outs"] > 0
-    assert compact["swap_outs"] == 0
+    prompts = bench_prompts(SMALL)
+    runs = {m: run_burst(SMALL, "odma", engine_overrides=odma_memory(m), prompts=prompts).summary()
+            for m in ("swap", "compact", "wait")}
+    assert runs["swap"]["swap_outs"] > 0 and runs["swap"]["compactions"] == 0
+    assert runs["compact"]["compactions"] > 0 and runs["compact"]["swap_outs"] < runs["swap"]["swap_outs"]
+    assert runs["wait"]["swap_outs"] == 0

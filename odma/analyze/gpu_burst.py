@@ -27,11 +27,12 @@ PAGE_TOKENS = 16  # odma.engine.config.PAGE_TOKENS: the paged baseline's page
 BASE_POLICIES = ("static", "odma", "paged", "oracle")  # oracle: contiguous blocks of exactly the true length
 
 
-# odma's memory under pressure in the bench's engine part (--odma-memory): "compact-wait" (a block that cannot grow
-# for fragmentation gets a range by relocating blocks; one that still cannot waits a step) won the fitted replay of
-# the H100/H200 runs (docs/results/gpu/replay_fit.md); "swap" is the engine's default, what those runs did (the
-# newest request is swapped out); "compact" and "wait" are each change alone
-ODMA_MEMORY = ("compact-wait", "swap", "compact", "wait")
+# odma's memory under pressure in the bench's engine part (--odma-memory), the first the default: "compact" (a block
+# that cannot grow for fragmentation gets a range by relocating blocks; if that fails too, the newest request is
+# swapped out) beat paged on both traces and budgets of the fitted replay (docs/results/gpu/replay_fit.md); "swap"
+# is the engine's default, what the raw runs did; "wait" stalls the request instead of swapping; "compact-wait"
+# both (best on Azure at 4 GiB, worst on ShareGPT there: waiting holds admissions back)
+ODMA_MEMORY = ("compact", "swap", "wait", "compact-wait")
 
 
 def odma_memory(name: str, align: int = 16) -> dict:

@@ -28,7 +28,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--kv-budget", default="4GiB", help="KV budget of every policy, comma-separated for several")
     p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--policies", default="static,paged,oracle,odma:swap,odma:compact-wait",
+    p.add_argument("--policies", default="static,paged,oracle,odma:swap,odma:compact",
                    help="static, paged, oracle (exact lengths, contiguous) and odma:MEMORY (compact-wait | swap | compact | "
                         "wait) "
                         "(default: %(default)s)")
@@ -80,9 +80,9 @@ def burst_rows(profile, trace: str, requests: int, budgets: list[int], max_token
                 raise ConfigError(f"{name}: only odma takes a memory mode")
             burst = run_burst(config, policy, engine_overrides=overrides, prompts=prompts)
             parts = profile.breakdown(burst.steps, burst.paged)
-            rows.append({"trace": trace, "kv_gib": round(budget / GIB, 2), "policy": name,
+            rows.append({**burst.summary(), "trace": trace, "kv_gib": round(budget / GIB, 2), "policy": name,
                          "tokens_per_s": round(burst.output_tokens / parts["seconds"], 1),
-                         **burst.summary(), **{k: round(v, 2) for k, v in parts.items()}})
+                         **{k: round(v, 2) for k, v in parts.items()}})
         paged = next((r["tokens_per_s"] for r in rows if r["policy"] == "paged" and r["kv_gib"] == round(budget / GIB, 2)),
                      None)
         for r in rows:

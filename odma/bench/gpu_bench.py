@@ -68,10 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine policies on the same KV budget; NAME-map: that policy growing by mapping "
                         "(--kv-growth map)")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--odma-memory", default="compact-wait", choices=ODMA_MEMORY,
-                   help="how odma's contiguous blocks meet a full pool: compact-wait (a block that cannot grow for "
-                        "fragmentation gets a range by relocating blocks; one that still cannot waits a step), or "
-                        "swap (the engine's default: the newest request is swapped out; the runs before this flag)")
+    p.add_argument("--odma-memory", default=ODMA_MEMORY[0], choices=ODMA_MEMORY,
+                   help="how odma's contiguous blocks meet a full pool: compact (a block that cannot grow for "
+                        "fragmentation gets a range by relocating blocks, else the newest request is swapped out), "
+                        "swap (the engine's default; the runs before this flag), wait (the request stalls instead), "
+                        "compact-wait (both) (default: %(default)s)")
     p.add_argument("--tests-log", default=None, help="a pytest log whose summary line goes into the JSON (gpu_check)")
     p.add_argument("--out", default=None, help="also write the JSON here, rewritten after each measurement (a run "
                                                "cut short keeps what it measured)")
