@@ -120,6 +120,10 @@ class PoolConfig:
     # the next bucket. Fewer migrations (-9 to -16 % replayed, -11 % real), but where memory binds the larger block is refused more
     # often: on the real engine +32 to +57 % preemptions and 0.96-0.98x throughput (docs/BENCHMARKS.md), so off
     growth_hint: str = "none"
+    # a block that cannot grow although the pool's free units could hold its growth (fragmentation) gets a range
+    # by relocating the blocks in the emptiest one (copies at the device's copy speed) instead of preempting a
+    # request; off by default where copies are slow (a CPU pool), on in odma-bench gpu's engine
+    compact_growth: bool = False
     # a request whose prompt exceeds this share of the pool's largest range reserves its worst case up front:
     # growing its block by migration would need a second range at least that large
     worst_case_prompt_share: float = 0.5

@@ -97,3 +97,24 @@ def test_an_unknown_growth_hint_is_refused():
 
     with pytest.raises(ConfigError, match="growth_hint must be one of"):
         PoolConfig(growth_hint="cal")
+
+
+def test_compaction_under_pressure_keeps_every_token(folder):
+    """With --compact-growth on a pool too small for the batch, blocks moved out of a growing block's way (and the
+    growth itself) leave every request's tokens as a roomy static run produces them."""
+    from dataclasses import replace as with_fields
+
+    from odma.config import PoolConfig
+
+    prompts = [[3 + i, 4 + i, 5 + i] + list(range(10 + i, 10 + 7 * (i % 4))) for i in range(12)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    reference = tiny_engine(folder, policy="static", kv_budget="8MiB").generate(prompts, params)
+    engine = tiny_engine(folder, policy="s3", predicted=1, kv_budget="160KiB", preempt="wait",
+                         pool=with_fields(PoolConfig(align=4), compact_growth=True))
+    assert engine.workers[0].kv.compact_growth
+    for a, b in zip(reference, engine.generate(prompts, params)):
+        assert a.output_ids == b.output_ids
+    kv = engine.workers[0].kv
+    assert kv.compactions > 0 and engine.pool.stats().relocated_tokens > 0
+    engine.pool.check_invariants()
+    assert engine.pool.stats().live_blocks == 0

@@ -62,6 +62,7 @@ POOL_FLAGS = {
     "growth_hint": (["--growth-hint", "pred"], "pred"),
     "large_share": (["--large-share", "0.2"], 0.2),
     "worst_case_prompt_share": (["--worst-case-prompt-share", "0.3"], 0.3),
+    "compact_growth": (["--compact-growth"], True),
 }
 CONFIG_ONLY = {"pool.align"} | {f"buckets.{f.name}" for f in dataclasses.fields(EngineConfig().buckets)} - {
     "buckets.large_bound"}

@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", help="JSON files written by replay --json")
     p.add_argument("--policies", help="rows to show, in this order (default: all)")
     p.set_defaults(func=cmd_table)
+    from odma.analyze.gpu_cli import add_parsers as add_gpu_parsers
+
+    add_gpu_parsers(sub)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:

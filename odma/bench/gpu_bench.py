@@ -49,6 +49,8 @@ DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from odma.analyze.gpu_burst import ODMA_MEMORY
+
     p.add_argument("--device", default="cuda", help="cuda[:N] (cpu: only with --tiny, in Triton's interpreter)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes: a dry run of every part (on CPU: interpreted)")
     p.add_argument("--parts", default=",".join(PARTS), help="which parts to run, comma-separated")
@@ -67,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine policies on the same KV budget; NAME-map: that policy growing by mapping "
                         "(--kv-growth map)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--odma-memory", default=ODMA_MEMORY[0], choices=ODMA_MEMORY,
+                   help="how odma's contiguous blocks meet a full pool: compact (a block that cannot grow for "
+                        "fragmentation gets a range by relocating blocks, else the newest request is swapped out), "
+                        "swap (the engine's default; the runs before this flag), wait (the request stalls instead), "
+                        "compact-wait (both) (default: %(default)s)")
     p.add_argument("--tests-log", default=None, help="a pytest log whose summary line goes into the JSON (gpu_check)")
     p.add_argument("--out", default=None, help="also write the JSON here, rewritten after each measurement (a run "
                                                "cut short keeps what it measured)")
@@ -477,6 +484,13 @@ def _engine(args, device, dtype_name: str, model, **overrides):
     return LLMEngine(EngineConfig(**(base | overrides)), model=model)
 
 
+def _odma_memory(args) -> dict:
+    """EngineConfig fields of odma's policy for --odma-memory (the replay of this part sets the same)."""
+    from odma.analyze.gpu_burst import odma_memory
+
+    return odma_memory(getattr(args, "odma_memory", "swap"), align=4 if args.tiny else 16)
+
+
 def _step_times(times: list) -> dict:
     """Medians of the runner's StepTime records: host and device milliseconds, and how many steps were host-bound."""
     if not times:
@@ -624,7 +638,9 @@ def bench_engine(args, device, dtype_name: str, report: Report, cap: Cap) -> dic
 
         def measure(name=name, share=share) -> dict:
             policy, mapped = (name[:-4], True) if name.endswith("-map") else (name, False)
-            engine = _engine(args, device, dtype_name, model, policy=policy, kv_growth="map" if mapped else "copy")
+            memory = _odma_memory(args) if policy == "odma" else {}
+            engine = _engine(args, device, dtype_name, model, policy=policy, kv_growth="map" if mapped else "copy",
+                             **memory)
             # compile every kernel variant before the clock starts: short contexts (one split), longer ones (several)
             warm = [p[:8] for p in prompts[:4]] + [(p * 64)[: min(max_prompt, 512)] for p in prompts[:2]]
             engine.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -633,6 +649,8 @@ def bench_engine(args, device, dtype_name: str, report: Report, cap: Cap) -> dic
             # how many requests of the burst fit at once if each held its worst case (what static reserves)
             result["worst_case_fit"] = result["kv_tokens"] // (min(map(len, prompts)) + max_tokens)
             result["predictor"] = engine.predictor.name
+            result["preempt"] = engine.config.preempt
+            result["compact_growth"] = engine.config.pool.compact_growth
             result["growth"] = "map" if type(engine.workers[0].kv).__name__ == "MappedKV" else "copy"
             del engine
             _backend(str(device)).empty_cache()

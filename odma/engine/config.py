@@ -1,6 +1,6 @@
 """The serving engine's configuration (frozen). `odma-serve` flags map onto these fields one to one (`--x-y` sets
-`x_y`; `--slo-ttft`/`--slo-tpot` set `slo_*_s`; `--growth`, `--reserve-scale`, `--large-share` and
-`--worst-case-prompt-share` set `pool.*`; `--max-tokens-cap` also sets `buckets.large_bound`). Config-only, on
+`x_y`; `--slo-ttft`/`--slo-tpot` set `slo_*_s`; `--growth`, `--reserve-scale`, `--large-share`,
+`--worst-case-prompt-share` and `--compact-growth` set `pool.*`; `--max-tokens-cap` also sets `buckets.large_bound`). Config-only, on
 purpose: `pool.align` (the unit every block and bucket bound is a multiple of) and the bucket manager's window,
 refresh and method (`buckets.*`): the replays chose them (docs/analyze.md) and a wrong value silently wastes
 memory, so they are set in code or through `odma-analyze` experiments, not per start."""

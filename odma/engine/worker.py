@@ -68,7 +68,8 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         pool = KVPool(total_tokens, policy, large_share=large_share, align=config.pool.align,
                       bytes_per_token=bytes_per_token, mover=runner.arena,
                       worst_case_prompt_share=config.pool.worst_case_prompt_share)
-        kv = ContiguousKV(pool, elastic=_build_elastic(config, backend, runner, pool) if config.balloon else None)
+        kv = ContiguousKV(pool, elastic=_build_elastic(config, backend, runner, pool) if config.balloon else None,
+                          compact_growth=config.pool.compact_growth)
     swap = None
     if config.preempt == "swap":
         from odma.engine.swap import HostSwap

@@ -17,7 +17,7 @@ from odma.kv.elastic import ElasticKV
 from odma.kv.placement import DeviceLoad
 from odma.kv.policy import SizedRequest
 from odma.kv.pool import KVPool, PoolStats
-from odma.kv.reclaim import clear_window
+from odma.kv.reclaim import clear_for_growth, clear_window
 
 
 class KVManager(ABC):
@@ -96,8 +96,12 @@ class ContiguousKV(KVManager):
     after each release (count-based in the replay, so it is deterministic) and the changes are recorded."""
 
     def __init__(self, pool: KVPool, *, name: str | None = None, elastic: ElasticKV | None = None,
-                 buckets: BucketManager | None = None) -> None:
+                 buckets: BucketManager | None = None, compact_growth: bool = False) -> None:
         self.pool = pool
+        # a block that cannot grow while the pool's free units could hold its growth (fragmentation) gets a range
+        # by relocating the blocks in it (odma.kv.reclaim.clear_for_growth): copies instead of a preemption
+        self.compact_growth = compact_growth
+        self.compactions = 0  # growths that found room only after blocks were relocated for them
         self.name = name or pool.policy.name
         self.elastic = elastic
         self.buckets = buckets
@@ -135,6 +139,9 @@ class ContiguousKV(KVManager):
         old = pool.extend(request_id, held) if held is not None else pool.block_of(request_id)
         length = pool.length_of(request_id)  # what a growth copies
         new = pool.extend(request_id, new_len)
+        if new is None and self.compact_growth and clear_for_growth(pool, request_id, new_len)[1]:
+            new = pool.extend(request_id, new_len)
+            self.compactions += new is not None
         if new is None:
             return None
         return Growth(new.capacity, 0 if new is old else length, new.offset != old.offset)
@@ -159,6 +166,11 @@ class ContiguousKV(KVManager):
     def copied_tokens(self) -> int:
         return self.pool.migrated_tokens
 
+    @property
+    def relocated_tokens(self) -> int:
+        """Σ live tokens moved at the same size (window clearing, compaction): copies a cost model charges too."""
+        return self.pool.relocated_tokens
+
     def make_way(self, req: SizedRequest) -> tuple[int, bool]:
         return clear_window(self.pool, req)
 
@@ -177,6 +189,8 @@ class ContiguousKV(KVManager):
             "pool_refusals": s.refusals,
             "migration_refusals": s.migration_refusals,
             "migrated_tokens": s.migrated_tokens,
+            "relocated_tokens": s.relocated_tokens,
+            "compactions": self.compactions,
             "free_list_hits": s.free_list_hits,
             "flushes": s.flushes,
         }

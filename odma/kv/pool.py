@@ -66,6 +66,8 @@ class PoolCounters:
     migration_refusals: int = 0
     grown_in_place: int = 0  # of the migrations: blocks extended over the free units after them
     releases: int = 0
+    relocations: int = 0  # blocks moved elsewhere at the same size (window clearing, compaction, deflation)
+    relocated_tokens: int = 0  # live tokens those moves copied
     free_list_hits: int = 0
     flushes: int = 0
 
@@ -262,9 +264,7 @@ class KVPool:
                 self._live_tokens += new_len - live.length
                 live.length = new_len
                 return old
-            res = self.policy.grow(r, new_len - r.prompt_tokens, live.reservation)
-            units = self._units_for(r.prompt_tokens + max(res.output_tokens, new_len - r.prompt_tokens))
-            units = min(units, self._largest_range_units())
+            res, units = self._growth_target(live, new_len)
             if units * self.align < new_len:
                 raise RequestTooLargeError(f"request {r.request_id}: {new_len} tokens exceed the largest block")
             new = self._grow_in_place(old, units, res.bucket)
@@ -379,6 +379,8 @@ class KVPool:
                     raise
             self._move(live, new)
             self._recycle(old)
+            self._n.relocations += 1
+            self._n.relocated_tokens += live.length
             return new
 
     # the primitives odma.kv.reclaim builds window clearing from; callers hold `lock` across them
@@ -386,6 +388,23 @@ class KVPool:
     @property
     def lock(self) -> threading.RLock:
         return self._lock
+
+    def _growth_target(self, live: _Live, new_len: int) -> tuple[Reservation, int]:
+        """The policy's growth reservation for `new_len` tokens and the units of the block it needs."""
+        r = live.request
+        res = self.policy.grow(r, new_len - r.prompt_tokens, live.reservation)
+        units = self._units_for(r.prompt_tokens + max(res.output_tokens, new_len - r.prompt_tokens))
+        return res, min(units, self._largest_range_units())
+
+    def growth_units(self, req: SizedRequest | str, new_len: int) -> tuple[int, bool] | None:
+        """(units, whether it may lie in the large region) of the block `extend(req, new_len)` would migrate to;
+        None when its block holds `new_len` already."""
+        with self._lock:
+            live = self._lookup(req)
+            if new_len <= live.block.capacity:
+                return None
+            res, units = self._growth_target(live, new_len)
+            return units, res.bucket == LARGE or units > self._largest_range_units(MAIN)
 
     def reservation_units(self, req: SizedRequest) -> tuple[int, bool] | None:
         """(units, whether it may lie in the large region) of the block `reserve(req)` would carve now; None when
@@ -526,6 +545,11 @@ class KVPool:
     def migrated_tokens(self) -> int:
         """Σ live tokens copied by growth (migrations and in-place re-layouts) so far."""
         return self._n.migrated_tokens
+
+    @property
+    def relocated_tokens(self) -> int:
+        """Σ live tokens copied by relocations (window clearing, compaction, deflation) so far."""
+        return self._n.relocated_tokens
 
     @property
     def live_blocks(self) -> int:

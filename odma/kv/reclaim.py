@@ -1,7 +1,8 @@
 """Taking a range back from the live blocks in it: window clearing. A request that holds the queue but finds no
 contiguous range gets one without waiting for every block in the pool to end: the range it would need where the
 fewest live tokens sit is fenced and the blocks inside are relocated elsewhere (into lent segments, say), largest
-first. Built on the pool's primitives (fence a range, relocate a block) under its lock; ballooning's deflation,
+first. A running request whose block cannot grow for the same reason gets its range the same way (compaction:
+copies instead of a preemption). Built on the pool's primitives (fence a range, relocate a block) under its lock; ballooning's deflation,
 which drains a lent segment the same way, is `odma.kv.balloon`.
 """
 
@@ -27,33 +28,57 @@ def clear_window(pool: KVPool, req: SizedRequest) -> tuple[int, bool]:
         if need is None:
             return 0, False  # reserve() refuses it as too large: nothing to make room for
         units, large = need
-        # The window's blocks must fit in the free space outside it, so the pool needs `units` free in all:
-        # checked first, because a held head asks every round while memory stays full.
-        if pool.free_units < units:
+        return _clear(pool, units, large, pool.live_spans())
+
+
+def clear_for_growth(pool: KVPool, request_id: str, new_len: int) -> tuple[int, bool]:
+    """Make room for the block that `pool.extend(request_id, new_len)` migrates to when no free range holds it but
+    the pool's free units do (fragmentation, not capacity): the range with the fewest live tokens is cleared as
+    `clear_window` clears one. The growing block itself is never moved (it is copied once, by the growth), so a
+    range over it is chosen only when no other exists, and then nothing is cleared. Returns (blocks moved,
+    cleared); cleared means the `extend` that follows finds room."""
+    with pool.lock:
+        need = pool.growth_units(request_id, new_len)
+        if need is None:
             return 0, False
-        lives = pool.live_spans()
-        spans = [(block, length) for _, block, length in lives]
-        best = None
-        for lo, size, region in pool.base_ranges(large):
-            found = emptiest_window(spans, lo, size, units, pool.align)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = (*found, region)
-        if best is None:
-            return 0, False
-        _, start, inside, region = best
-        inside = [lives[i] for i in inside]
-        pool.fence_range(start, units, region)
-        moved = 0
-        try:
-            # after fencing, the free units counted are those outside the window
-            if sum(block.capacity for _, block, _ in inside) // pool.align <= pool.free_units:
-                for rid, _, _ in sorted(inside, key=lambda live: -live[1].capacity):
-                    if pool.relocate(rid) is None:
-                        break
-                    moved += 1
-        finally:  # the range's withheld units (those freed by the moves too) are free again
-            pool.lift_range(start, units, region)
-        return moved, moved == len(inside)
+        units, large = need
+        own = pool.total_tokens + 1  # more live tokens than any range holds: a window over it is the last choice
+        spans = [(rid, block, own if rid == request_id else length) for rid, block, length in pool.live_spans()]
+        return _clear(pool, units, large, spans, keep=request_id)
+
+
+def _clear(pool: KVPool, units: int, large: bool, lives: list[tuple[str, Block, int]],
+           keep: str | None = None) -> tuple[int, bool]:
+    """Clear the `units` range (in the large region too when `large`) with the fewest live tokens among `lives`
+    (request id, block, tokens) by relocating its blocks elsewhere; never the block of `keep`."""
+    # The window's blocks must fit in the free space outside it, so the pool needs `units` free in all:
+    # checked first, because a held head asks every round while memory stays full.
+    if pool.free_units < units:
+        return 0, False
+    spans = [(block, length) for _, block, length in lives]
+    best = None
+    for lo, size, region in pool.base_ranges(large):
+        found = emptiest_window(spans, lo, size, units, pool.align)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (*found, region)
+    if best is None:
+        return 0, False
+    _, start, inside, region = best
+    inside = [lives[i] for i in inside]
+    if any(rid == keep for rid, _, _ in inside):
+        return 0, False
+    pool.fence_range(start, units, region)
+    moved = 0
+    try:
+        # after fencing, the free units counted are those outside the window
+        if sum(block.capacity for _, block, _ in inside) // pool.align <= pool.free_units:
+            for rid, _, _ in sorted(inside, key=lambda live: -live[1].capacity):
+                if pool.relocate(rid) is None:
+                    break
+                moved += 1
+    finally:  # the range's withheld units (those freed by the moves too) are free again
+        pool.lift_range(start, units, region)
+    return moved, moved == len(inside)
 
 
 def emptiest_window(blocks: Sequence[tuple[Block, int]], lo: int, size: int, units: int,

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pred: a request's first growth goes straight to the bucket holding its L̂; "
                         "none: bucket by bucket")
     p.add_argument("--large-share", type=float, default=d.pool.large_share, help="share of the pool held for the large bucket")
+    p.add_argument("--compact-growth", action=argparse.BooleanOptionalAction, default=d.pool.compact_growth,
+                   help="a block that cannot grow although enough KV is free (fragmentation) gets a range by relocating "
+                        "the blocks in the emptiest one (copies) instead of a preemption; pays where copies are fast "
+                        "(GPUs: docs/results/gpu/replay_fit.md)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode batch cap")
     p.add_argument("--schedule", default=d.schedule, choices=ORDERS,
                    help="order of service: fcfs, or sjf (shortest predicted remaining output first, with aging)")
@@ -199,7 +203,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         balloon_chunked_prefill=args.balloon_chunked_prefill, clear_window=args.clear_window,
         prefix_share_min_tokens=args.prefix_share_min_tokens,
         pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale,
-                     growth_hint=args.growth_hint, worst_case_prompt_share=args.worst_case_prompt_share),
+                     growth_hint=args.growth_hint, worst_case_prompt_share=args.worst_case_prompt_share,
+                     compact_growth=args.compact_growth),
         buckets=replace(BucketConfig(), large_bound=args.max_tokens_cap),
     )
 

@@ -1,0 +1,199 @@
+"""`odma-analyze fit-gpu`: a `GpuProfile` fitted to raw `odma-bench gpu` runs, and the replay checked against them.
+
+Each raw run's engine part is replayed (`odma.analyze.gpu_burst`, the same burst: its counts must equal the
+run's, or the fit stops) and the profile's parameters are chosen so that the replayed steps cost what the run
+measured: each policy's seconds and device p50, and the step part's device time (batch 16 at 1K contexts), in
+relative (log) error. Six parameters are fitted (step_ms, ms_per_1k_context, paged_read_factor,
+ms_per_1k_prefill, host_ms, swap_gbps); two are read, not fitted: the copy speed (part vmm: one 1 GiB block
+copied) and paged's extra host time (the runner's host p50, paged minus contiguous). Another device's profile
+is the fitted one with its device terms scaled by the ratio of the two devices' step parts (and its own copy
+speed): no engine run of that device is used, so its runs check the profile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from odma.analyze.gpu_burst import GIB, BurstConfig, BurstResult, bench_prompts, run_burst
+from odma.analyze.gpu_profile import GpuProfile
+from odma.engine.prefill_cost import PrefillCost
+from odma.engine.config import parse_bytes
+from odma.errors import ConfigError
+
+POLICIES = ("static", "odma", "paged")
+FITTED = ("step_ms", "ms_per_1k_context", "paged_read_factor", "ms_per_1k_prefill", "host_ms", "swap_gbps")
+CHECKED_COUNTS = ("steps", "preemptions", "swap_outs", "migrations", "migrated_tokens", "mean_running")
+
+
+@dataclass(frozen=True)
+class RawRun:
+    """What one raw GPU run measured: its burst, each policy's numbers, and the step and copy parts if it ran them."""
+
+    path: str
+    device: str  # "H100" / "H200" (from the run's device string)
+    config: BurstConfig
+    policies: dict[str, dict]  # policy → the run's numbers (tokens_per_s, seconds, steps, device_ms_p50, ...)
+    micro_device_ms: float | None  # part step: device ms of a captured batch of 16 at 1K contexts
+    micro_context: int  # tokens that batch reads
+    copy_ms_per_gib: float | None  # part vmm: one 1 GiB block copied
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem
+
+
+def read_raw_run(path: str | Path) -> RawRun:
+    """A raw `odma-bench gpu` JSON with an engine part; policies that failed or were cut are left out."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from None
+    engine = data.get("engine")
+    if not isinstance(engine, dict) or "policies" not in engine:
+        raise ConfigError(f"{path}: no engine part (odma-bench gpu --parts engine)")
+    if engine.get("model") != "paper-7b" or data.get("tiny"):
+        raise ConfigError(f"{path}: not a paper-7b run (tiny runs time Triton's interpreter)")
+    name = str(data.get("device", ""))
+    device = next((d for d in ("H100", "H200", "A100", "B200") if d in name), name.split(" (")[0] or "gpu")
+    config = BurstConfig(trace=engine["trace"], requests=int(engine["requests"]), max_tokens=int(engine["max_tokens"]),
+                         kv_budget_bytes=parse_bytes(engine["kv_budget"], "kv budget"))
+    policies = {p: r for p, r in engine["policies"].items()
+                if p in POLICIES and "tokens_per_s" in r and not r.get("cut_at_cap")}
+    micro, context = None, 0
+    step = data.get("step")
+    if isinstance(step, dict):
+        capture = step.get("modes", {}).get("capture", {})
+        if "device_ms_p50" in capture:
+            micro, context = float(capture["device_ms_p50"]), int(step["batch"]) * int(step["context"])
+    copy = None
+    for row in (data.get("vmm") or {}).get("rows", []):
+        if row.get("block_bytes") == GIB and "copy_block_ms" in row.get("result", {}):
+            copy = float(row["result"]["copy_block_ms"])
+    return RawRun(str(path), device, config, policies, micro, context, copy)
+
+
+def replay_runs(runs: list[RawRun], check: bool = True) -> dict[BurstConfig, dict[str, BurstResult]]:
+    """Each distinct burst once per policy. `check`: its counts must equal every run's (else ConfigError)."""
+    out: dict[BurstConfig, dict[str, BurstResult]] = {}
+    for run in runs:
+        if run.config not in out:
+            prompts = bench_prompts(run.config)
+            out[run.config] = {p: run_burst(run.config, p, prompts=prompts) for p in POLICIES}
+        if check:
+            for policy, measured in run.policies.items():
+                replayed = out[run.config][policy].summary()
+                wrong = {k: (measured.get(k), replayed[k]) for k in CHECKED_COUNTS
+                         if k in measured and measured[k] != replayed[k]}
+                if wrong:
+                    raise ConfigError(f"{run.name} {policy}: the replay's counts differ from the run's "
+                                      f"(measured, replayed): {wrong}")
+    return out
+
+
+def _profile_from(x: dict, name: str, device: str, copy: float, paged_extra: float, fitted_on, span: float,
+                  bytes_per_token: int) -> GpuProfile:
+    return GpuProfile(name=name, device=device, step_ms=x["step_ms"], ms_per_1k_context=x["ms_per_1k_context"],
+                      paged_read_factor=x["paged_read_factor"], ms_per_1k_prefill=x["ms_per_1k_prefill"],
+                      host_ms=x["host_ms"], paged_host_ms=x["host_ms"] + paged_extra, copy_ms_per_gib=copy,
+                      swap_gbps=x["swap_gbps"], bytes_per_token=bytes_per_token, prefill_span=span,
+                      fitted_on=tuple(fitted_on))
+
+
+def fit_profile(runs: list[RawRun], bursts: dict[BurstConfig, dict[str, BurstResult]], name: str,
+                copy_ms_per_gib: float | None = None) -> GpuProfile:
+    """The profile whose replayed seconds and device p50s are closest (least squares of log ratios) to the runs'."""
+    from scipy.optimize import least_squares
+
+    if not runs:
+        raise ConfigError("fit-gpu needs at least one raw run")
+    devices = {r.device for r in runs}
+    if len(devices) > 1:
+        raise ConfigError(f"one profile is fitted on one device's runs, got {sorted(devices)}")
+    copies = [r.copy_ms_per_gib for r in runs if r.copy_ms_per_gib]
+    copy = copy_ms_per_gib or (statistics.mean(copies) if copies else None)
+    if copy is None:
+        raise ConfigError("no run measured the copy speed (part vmm); pass copy_ms_per_gib")
+    host = {kind: [r.policies[p]["host_ms_p50"] for r in runs for p in r.policies
+                   if (p == "paged") == (kind == "paged") and "host_ms_p50" in r.policies[p]]
+            for kind in ("contiguous", "paged")}
+    paged_extra = (statistics.mean(host["paged"]) - statistics.mean(host["contiguous"])
+                   if host["paged"] and host["contiguous"] else 0.0)
+    model = runs[0].config.model
+    span = PrefillCost.for_model(model).span
+    bpt = model.kv_bytes_per_token
+
+    def profile(v) -> GpuProfile:
+        return _profile_from(dict(zip(FITTED, map(math.exp, v))), name, runs[0].device, copy, max(paged_extra, 1e-6),
+                             [r.name for r in runs], span, bpt)
+
+    def residuals(v) -> list[float]:
+        prof = profile(v)
+        out = []
+        for run in runs:
+            for policy, measured in run.policies.items():
+                burst = bursts[run.config][policy]
+                out.append(math.log(prof.breakdown(burst.steps, burst.paged)["seconds"] / measured["seconds"]))
+                if measured.get("device_ms_p50"):
+                    out.append(math.log(prof.device_p50_ms(burst.steps, burst.paged) / measured["device_ms_p50"]))
+            if run.micro_device_ms:
+                out.append(math.log((prof.step_ms + prof.ms_per_1k_context * run.micro_context / 1e3)
+                                    / run.micro_device_ms))
+        return out
+
+    start = [math.log(v) for v in (6.0, 0.03, 1.5, 0.05, 2.0, 20.0)]
+    fit = least_squares(residuals, start, method="trf", x_scale=1.0)
+    return profile(fit.x)
+
+
+def scale_profile(profile: GpuProfile, fit_runs: list[RawRun], other: list[RawRun], name: str) -> GpuProfile:
+    """`profile` moved to the device of `other`: device terms × (its step part / the fit runs' step part), its own
+    copy speed. Needs a step part on both sides."""
+    mine = [r.micro_device_ms for r in fit_runs if r.micro_device_ms]
+    theirs = [r.micro_device_ms for r in other if r.micro_device_ms]
+    copies = [r.copy_ms_per_gib for r in other if r.copy_ms_per_gib]
+    if not mine or not theirs or not copies:
+        raise ConfigError("scaling a profile needs a step part (and a vmm part) on both devices")
+    factor = statistics.mean(theirs) / statistics.mean(mine)
+    device = other[0].device
+    note = (f"{profile.name} with its device terms x {factor:.3f} (the step parts' device times, {device} / "
+            f"{profile.device}) and {device}'s copy speed; host and swap as fitted; no {device} engine run used")
+    return profile.scaled(name, device, factor, statistics.mean(copies), note)
+
+
+def compare(profile: GpuProfile, runs: list[RawRun], bursts: dict[BurstConfig, dict[str, BurstResult]]) -> list[dict]:
+    """Per run and policy: measured and replayed tok/s (and odma ÷ paged where both ran)."""
+    rows = []
+    for run in runs:
+        replayed = {}
+        for policy, measured in run.policies.items():
+            burst = bursts[run.config][policy]
+            parts = profile.breakdown(burst.steps, burst.paged)
+            tps = burst.output_tokens / parts["seconds"]
+            replayed[policy] = tps
+            rows.append({"run": run.name, "device": run.device, "policy": policy,
+                         "measured_tps": measured["tokens_per_s"], "replayed_tps": round(tps, 1),
+                         "error": round(tps / measured["tokens_per_s"] - 1, 4),
+                         "measured_p50_ms": measured.get("device_ms_p50"),
+                         "replayed_p50_ms": round(profile.device_p50_ms(burst.steps, burst.paged), 3),
+                         **{k: round(v, 2) for k, v in parts.items()}})
+        if "odma" in run.policies and "paged" in run.policies:
+            m = run.policies["odma"]["tokens_per_s"] / run.policies["paged"]["tokens_per_s"]
+            r = replayed["odma"] / replayed["paged"]
+            rows.append({"run": run.name, "device": run.device, "policy": "odma/paged", "measured_tps": round(m, 3),
+                         "replayed_tps": round(r, 3), "error": round(r / m - 1, 4)})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = ["| run | policy | measured tok/s | replayed tok/s | error | device p50 ms (measured / replayed) |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        p50 = f"{r['measured_p50_ms']} / {r['replayed_p50_ms']}" if r.get("measured_p50_ms") else ""
+        lines.append(f"| {r['run']} ({r['device']}) | {r['policy']} | {r['measured_tps']} | {r['replayed_tps']} | "
+                     f"{100 * r['error']:+.1f} % | {p50} |")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""The GPU bench's burst replayed (odma.analyze.gpu_burst), its step-time profile and fit (gpu_profile, gpu_fit), and
+growth by compaction (odma.kv.reclaim.clear_for_growth), which the replay chose for odma on GPUs."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from odma.analyze.gpu_burst import BurstConfig, bench_prompts, odma_memory, run_burst
+from odma.analyze.gpu_fit import FITTED, RawRun, fit_profile, read_raw_run
+from odma.analyze.gpu_profile import GpuProfile, gpu_profile_names, load_gpu_profile
+from odma.errors import ConfigError
+from odma.kv import ContiguousKV, ExactPolicy, KVPool, KVRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+RAW = ROOT / "docs" / "results" / "gpu"
+SMALL = BurstConfig(requests=40, max_tokens=256, max_prompt=512, kv_budget_bytes=160 << 20,
+                    swap_space_bytes=64 << 20)
+
+
+def _needs_trace():
+    try:
+        bench_prompts(replace(SMALL, requests=1))
+    except Exception as exc:  # noqa: BLE001 - the shared datasets are absent on this machine
+        pytest.skip(f"azure-conv trace unavailable: {exc}")
+
+
+def test_the_replay_gives_the_raw_runs_counts():
+    """The counts of the H100 and H200 runs (the same on both) come out of the replayed scheduling exactly."""
+    _needs_trace()
+    run = read_raw_run(RAW / "gpu_rerun_h100.json")
+    prompts = bench_prompts(run.config)
+    for policy in ("odma", "paged"):
+        replayed = run_burst(run.config, policy, prompts=prompts).summary()
+        measured = run.policies[policy]
+        for key in ("steps", "preemptions", "swap_outs", "migrations", "migrated_tokens", "mean_running",
+                    "peak_running"):
+            assert replayed[key] == measured[key], (policy, key)
+
+
+def test_the_fit_recovers_known_parameters():
+    _needs_trace()
+    truth = GpuProfile(name="truth", device="X", step_ms=5.0, ms_per_1k_context=0.04, paged_read_factor=1.4,
+                       ms_per_1k_prefill=20.0, host_ms=1.2, paged_host_ms=2.0, copy_ms_per_gib=1.3, swap_gbps=25.0,
+                       prefill_span=16256.0)
+    prompts = bench_prompts(SMALL)
+    bursts = {SMALL: {p: run_burst(SMALL, p, prompts=prompts) for p in ("static", "odma", "paged")}}
+    measured = {}
+    for policy, b in bursts[SMALL].items():
+        seconds = truth.breakdown(b.steps, b.paged)["seconds"]
+        measured[policy] = {"seconds": seconds, "tokens_per_s": b.output_tokens / seconds,
+                            "device_ms_p50": truth.device_p50_ms(b.steps, b.paged),
+                            "host_ms_p50": truth.paged_host_ms if b.paged else truth.host_ms}
+    runs = [RawRun("synthetic.json", "X", SMALL, measured, truth.step_ms + truth.ms_per_1k_context * 16.384, 16384,
+                   truth.copy_ms_per_gib)]
+    fitted = fit_profile(runs, bursts, "fitted")
+    for name in FITTED:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+    assert fitted.paged_host_ms == pytest.approx(truth.paged_host_ms)
+    assert fitted.copy_ms_per_gib == truth.copy_ms_per_gib
+
+
+def test_a_shipped_profile_loads_and_replays_deterministically():
+    _needs_trace()
+    assert {"h100-7b", "h200-7b"} <= set(gpu_profile_names())
+    profile = load_gpu_profile("h100-7b")
+    assert profile.device == "H100" and profile.paged_read_factor > 1
+    first, second = (run_burst(SMALL, "odma") for _ in range(2))
+    assert first.summary() == second.summary()
+    assert profile.breakdown(first.steps, False) == profile.breakdown(second.steps, False)
+    assert 0 < profile.breakdown(first.steps, False)["seconds"] < math.inf
+
+
+def test_profiles_refuse_bad_values(tmp_path):
+    with pytest.raises(ConfigError, match="unknown GPU profile"):
+        load_gpu_profile("no-such-gpu")
+    bad = json.loads((Path(__file__).resolve().parent.parent / "odma/analyze/gpu_profiles/h200-7b.json").read_text())
+    bad["swap_gbps"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="swap_gbps"):
+        load_gpu_profile(str(tmp_path / "bad.json"))
+    with pytest.raises(ConfigError, match="odma memory"):
+        odma_memory("teleport")
+
+
+def _fragmented(compact: bool) -> ContiguousKV:
+    """Five blocks of 32 tokens filling 160; the first and fourth end: 64 tokens free, in two holes of 32."""
+    kv = ContiguousKV(KVPool(160, ExactPolicy(), align=16, large_share=0.0), compact_growth=compact)
+    for i in range(5):
+        assert kv.admit(KVRequest(f"r{i}", 16, 100, predicted_tokens=16)) is not None
+        kv.grow(f"r{i}", 32)
+    kv.evict("r0")
+    kv.evict("r3")
+    return kv
+
+
+def test_growth_that_fragmentation_refuses_compacts_instead():
+    # r1 must grow to 48 tokens (its neighbour r2 is live): 64 are free, but no range of 48
+    assert _fragmented(compact=False).grow("r1", 33) is None  # without compaction: preempt or wait
+    kv = _fragmented(compact=True)
+    growth = kv.grow("r1", 33)
+    assert growth is not None and growth.capacity >= 48 and growth.copied_tokens == 32  # r1's own tokens, once
+    assert kv.compactions == 1
+    assert kv.relocated_tokens == 32  # one 32-token block was moved out of the way (here: its neighbour)
+    kv.check()
+
+
+def test_compaction_never_makes_room_that_is_not_there():
+    kv = _fragmented(compact=True)
+    kv.admit(KVRequest("r5", 16, 100, predicted_tokens=16))  # 32 more held: 32 free, fewer than a growth needs
+    assert kv.grow("r1", 33) is None
+    assert kv.compactions == 0 and kv.relocated_tokens == 0
+    kv.check()
+
+
+def test_the_memory_modes_change_what_they_say():
+    _needs_trace()
+    prompts = bench_prompts(SMALL)
+    runs = {m: run_burst(SMALL, "odma", engine_overrides=odma_memory(m), prompts=prompts).summary()
+            for m in ("swap", "compact", "wait")}
+    assert runs["swap"]["swap_outs"] > 0 and runs["swap"]["compactions"] == 0
+    assert runs["compact"]["compactions"] > 0 and runs["compact"]["swap_outs"] < runs["swap"]["swap_outs"]
+    assert runs["wait"]["swap_outs"] == 0
