@@ -124,6 +124,7 @@ class Planner:
     def __init__(self, prompts: Prompts, model: str, seed: int) -> None:
         self.prompts, self.model = prompts, model
         self.rng = random.Random(seed)
+        self.burst_rng = random.Random(seed + 1)  # bursts interleave by timing: their draws stay off the mix's
         self._i = 0
         self._kinds, self._weights = zip(*MIX)
 
@@ -172,7 +173,7 @@ class Planner:
 
     def burst_member(self) -> Plan:
         r = self._record()
-        return self._plan("burst", self.rng.random() < 0.5, False, r.prompt, min(r.output_tokens, 16))
+        return self._plan("burst", self.burst_rng.random() < 0.5, False, r.prompt, min(r.output_tokens, 16))
 
 
 async def send(client, url: str, plan: Plan, t0: float, timeout_s: float) -> Outcome:
