@@ -20,11 +20,11 @@ def test_a_short_soak_classifies_every_outcome(tiny_folder, tmp_path, capsys):
     out = tmp_path / "soak"
     with tiny_server(tiny_folder, max_queue=2, max_tokens_cap=32, default_max_tokens=16) as srv:
         assert soak_probe.listening_pid(int(srv.url.rsplit(":", 1)[1])) == os.getpid()
-        # seed 2 draws 2 bad requests, 5 cuts, 3 early cancels and 2 long prompts among its first 40 requests
+        # seed 54 draws a cut or cancel first, bad requests 5th and 7th and a long prompt among its first 12 requests
         cli.main(["soak", "--url", srv.url, "--pid", str(os.getpid()), "--minutes", "0.3", "--concurrency", "3",
                   "--think-s", "0", "--max-queue", "2", "--burst-size", "12", "--burst-every-s", "6",
                   "--pause-every-s", "7", "--pause-s", "1", "--sample-every-s", "1", "--trace", "nq",
-                  "--max-tokens-cap", "32", "--long-prompt-tokens", "600", "--timeout", "60", "--seed", "2",
+                  "--max-tokens-cap", "32", "--long-prompt-tokens", "600", "--timeout", "60", "--seed", "54",
                   "--out", str(out), "--json"])
     printed = json.loads(capsys.readouterr().out)
     result = json.loads((out / "soak.json").read_text())
@@ -51,9 +51,11 @@ def test_a_short_soak_classifies_every_outcome(tiny_folder, tmp_path, capsys):
     assert counts["lost"] == counts["server_error"] == counts["bad_accepted"] == counts["unexpected_4xx"] == 0
     assert counts["refused"] >= 1 and counts["refused_with_retry_after"] == counts["refused"]
     assert counts["by_kind"]["burst"].get("refused", 0) >= 1
-    assert counts["by_kind"]["bad"] == {"rejected": counts["rejected"]} and counts["rejected"] >= 1
+    # a bad request is refused 4xx (or 429 first, when it meets a full queue: the door comes before validation)
+    assert set(counts["by_kind"]["bad"]) <= {"rejected", "refused"}
+    assert counts["by_kind"]["bad"]["rejected"] == counts["rejected"] >= 1
     assert all(r.startswith("4") for r in counts["reasons"])
-    assert counts["full"] >= 20 and counts["cut"] + counts["cancelled"] >= 1
+    assert counts["full"] >= 5 and counts["cut"] + counts["cancelled"] >= 1
     for target in ("lost", "server_errors", "other_failures", "refusals_say_retry_after", "gauges_zero_at_pauses"):
         assert result["targets"][target]["pass"], (target, result["targets"][target])
     assert result["targets"]["gauges_zero_at_pauses"]["measured"]["idle_points"] == len(result["idle_samples"])

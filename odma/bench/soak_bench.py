@@ -219,7 +219,7 @@ class Soak:
         except Exception as exc:  # noqa: BLE001 - a missed scrape is recorded, the soak goes on
             s["metrics_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if self.args.kill_replica_at is not None:
-            s["replicas"] = len(_engine_replicas())
+            s["replicas"] = len(_engine_replicas(self.pid))
         return s
 
     async def _sampler(self, client) -> None:
@@ -227,9 +227,18 @@ class Soak:
             self.samples.append(await self._sample(client))
             await asyncio.sleep(self.args.sample_every_s)
 
-    async def _killer(self) -> None:
+    async def _killer(self, client) -> None:
         await asyncio.sleep(max(0.0, self.args.kill_replica_at * 60 - self.now()))
-        replicas = _engine_replicas()
+        # not in a pause: the kill must find requests running on the replicas, not only sent
+        want = max(2, self.args.concurrency // 2)
+        while self.now() < self.duration_s:
+            if self.open.is_set():
+                with contextlib.suppress(Exception):
+                    r = await client.get(self.url + "/metrics", timeout=10)
+                    if soak_probe.gauges(r.text, self.gauge_names).get("running", 0) >= want:
+                        break
+            await asyncio.sleep(0.25)
+        replicas = _engine_replicas(self.pid)
         if not replicas:
             self.kill = {"t_s": round(self.now(), 2), "error": "no engine replica process found"}
             return
@@ -239,7 +248,7 @@ class Soak:
         self.kill = {"t_s": round(self.now(), 2), "pid": victim, "replicas_before": replicas,
                      "in_flight": len(self.killed_ids)}
         while self.now() < self.duration_s:  # until Ray has started a replacement
-            now = [p for p in _engine_replicas() if p != victim]
+            now = [p for p in _engine_replicas(self.pid) if p != victim]
             if len(now) >= len(replicas):
                 self.kill["replaced_after_s"] = round(self.now() - self.kill["t_s"], 2)
                 self.kill["replicas_after"] = now
@@ -256,7 +265,7 @@ class Soak:
             side = [asyncio.ensure_future(c) for c in (self._sampler(client), self._bursts(client),
                                                        self._pauses(client))]
             if self.args.kill_replica_at is not None:
-                side.append(asyncio.ensure_future(self._killer()))
+                side.append(asyncio.ensure_future(self._killer(client)))
             await asyncio.gather(*(self._client(client, i) for i in range(self.args.concurrency)))
             for task in side:
                 task.cancel()
@@ -269,8 +278,11 @@ class Soak:
             self.idle.append({**end, "final": True})
 
 
-def _engine_replicas() -> list[int]:
-    return [p for p in soak_probe.matching(REPLICA_PROCESS) if ENGINE_DEPLOYMENT in _cmdline(p)]
+def _engine_replicas(server_pid: int | None) -> list[int]:
+    """The engine replicas' processes of this server (its descendants: other Ray clusters on the machine are not
+    ours to kill)."""
+    ours = set(soak_probe.children(server_pid)) if server_pid else set()
+    return [p for p in soak_probe.matching(REPLICA_PROCESS) if p in ours and ENGINE_DEPLOYMENT in _cmdline(p)]
 
 
 def _cmdline(pid: int) -> str:
