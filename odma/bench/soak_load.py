@@ -108,7 +108,7 @@ BAD_REQUESTS = (
     ("malformed JSON", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}'),
     ("not an object", "/v1/completions", b'["prompt"]'),
     ("negative temperature", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}),
-    ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}),
+    ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}),  # 0 is valid: prompt scoring
     ("max_tokens past the cap", "/v1/completions", {"prompt": "hi", "max_tokens": 10_000_000}),
     ("no messages", "/v1/chat/completions", {"max_tokens": 4}),
     ("unknown model", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "model": "no-such-model"}),
@@ -121,8 +121,8 @@ BAD_REQUESTS = (
 class Planner:
     """Draws the next request of the steady mix (and the burst members) from the prompts, reproducibly."""
 
-    def __init__(self, prompts: Prompts, model: str, seed: int) -> None:
-        self.prompts, self.model = prompts, model
+    def __init__(self, prompts: Prompts, model: str, seed: int, bad_requests: tuple = BAD_REQUESTS) -> None:
+        self.prompts, self.model, self.bad_requests = prompts, model, bad_requests
         self.rng = random.Random(seed)
         self.burst_rng = random.Random(seed + 1)  # bursts interleave by timing: their draws stay off the mix's
         self._i = 0
@@ -151,7 +151,7 @@ class Planner:
     def next(self) -> Plan:
         kind = self.rng.choices(self._kinds, self._weights)[0]
         if kind == "bad":
-            what, path, body = self.rng.choice(BAD_REQUESTS)
+            what, path, body = self.rng.choice(self.bad_requests)
             if isinstance(body, bytes):
                 return Plan(f"bad: {what}", path, None, False, raw=body, expect_4xx=True)
             body = {"model": self.model, **body}
