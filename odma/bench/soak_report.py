@@ -159,6 +159,9 @@ def plot(result: dict, path: Path) -> None:
     series(axes[0, 0], "tree_rss_mb", "server + children RSS (MB)", ls="--")
     series(axes[0, 1], "fds", "open fds")
     series(axes[0, 1], "threads", "threads")
+    if any(s.get("processes", 1) > 1 for s in samples):  # Ray's or vLLM's processes: the targets read the tree
+        series(axes[0, 1], "tree_fds", "open fds, server + children", ls="--")
+        series(axes[0, 1], "tree_threads", "threads, server + children", ls="--")
     series(axes[1, 0], "queue_depth", "queue depth")
     series(axes[1, 0], "running", "running")
     series(axes[1, 0], "in_flight", "client in flight", ls=":")
