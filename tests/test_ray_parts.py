@@ -501,3 +501,98 @@ def test_a_port_for_a_late_binding_server_lies_below_the_ephemeral_range():
         assert 1024 <= port < _ephemeral_low()
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free, as promised
+
+
+# -- a replica that dies under a request -------------------------------------------------------------
+
+
+class _Call:
+    """One streaming call to the engine deployment as the ingress sees it: batches of wire events, and the
+    replica's process dying after `dies_after` of them (None: never)."""
+
+    def __init__(self, batches: list, dies_after: int | None = None) -> None:
+        self.batches, self.dies_after = batches, dies_after
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        from ray.exceptions import ActorDiedError
+
+        for i, batch in enumerate(self.batches + [None]):
+            if i == self.dies_after:
+                raise ActorDiedError()
+            if batch is not None:
+                yield batch
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Engines:
+    """The engine deployment's handle: each call takes the next scripted `_Call` and records the job."""
+
+    def __init__(self, calls: list[_Call]) -> None:
+        self.calls, self.jobs = calls, []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, job):
+        self.jobs.append(job)
+        return self.calls.pop(0)
+
+
+def _answer(tokens: list[int]) -> list:
+    last = len(tokens) - 1
+    return [[(0, t, i == last, "length" if i == last else None, None, i + 1, None, None)] for i, t in enumerate(tokens)]
+
+
+def _run_on(folder, calls: list[_Call]):
+    """((token, finished) per event, (finish_reason, error)), the runtime and the deployment handle after one
+    request over scripted calls."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'odma[ray]')")
+    import asyncio
+
+    from odma.serve_ray.front import RemoteRuntime
+
+    engine = tiny_engine(folder, kv_budget="1MiB")
+    view = ClusterView(engine.config)
+    view.apply({"replicas": {"r0": load(max_request_tokens=engine.max_request_tokens).as_dict(),
+                             "r1": load(max_request_tokens=engine.max_request_tokens).as_dict()}})
+    front = FrontEngine(engine.config, None, ModelConfig.from_folder(folder), view)
+    engines = _Engines(calls)
+    runtime = RemoteRuntime(front, engines, None, RaySettings(), None)
+
+    async def one():
+        handle = runtime.submit([1, 2, 3], SamplingParams(max_tokens=3))
+        events = [e async for e in runtime.events(handle)]  # the sample's view is shared: its end is read last
+        return [(e.token, e.finished) for e in events], (events[-1].seq.finish_reason, events[-1].seq.error)
+
+    return asyncio.run(one()), runtime, engines
+
+
+def test_a_request_whose_replica_dies_before_answering_goes_to_another(folder):
+    (events, end), runtime, engines = _run_on(folder, [_Call([], dies_after=0), _Call(_answer([7, 8, 9]))])
+    assert events == [(7, False), (8, False), (9, True)] and end == ("length", None)
+    assert len(engines.jobs) == 2 and engines.jobs[0] == engines.jobs[1]  # the same job, sent again
+    assert runtime.retried == 1 and runtime.failed_streams == 0
+
+
+def test_a_request_whose_replica_dies_after_answering_fails_with_the_reason(folder):
+    # a token reached the client: sending it again would repeat or change what the client already has
+    (events, end), runtime, engines = _run_on(folder, [_Call(_answer([7, 8, 9]), dies_after=1), _Call(_answer([5]))])
+    assert events == [(7, False), (None, True)]
+    assert end[0] == "error" and end[1].startswith("replica failed: ActorDiedError")
+    assert len(engines.jobs) == 1 and runtime.retried == 0 and runtime.failed_streams == 1
+
+
+def test_a_request_is_sent_again_at_most_twice(folder):
+    calls = [_Call([], dies_after=0) for _ in range(3)] + [_Call(_answer([5]))]
+    (events, end), runtime, engines = _run_on(folder, calls)
+    assert events == [(None, True)] and end[0] == "error" and "ActorDiedError" in end[1]
+    assert len(engines.jobs) == 3 and runtime.retried == 2 and runtime.failed_streams == 1

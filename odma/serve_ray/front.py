@@ -190,6 +190,16 @@ class RemoteHandle:
         return self.remaining == 0
 
 
+REPLICA_RETRIES = 2  # a request whose replica dies before its first event goes to another replica this often
+
+
+def _replica_died(exc: BaseException) -> bool:
+    """Whether the engine replica's process is gone (killed, OOM, node lost), as Ray reports it."""
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
+
+    return isinstance(exc, RayActorError)
+
+
 class RemoteRuntime:
     """odma-serve's `ServedRuntime` over the engine deployment. A replica that fails mid-request (it died, Ray lost
     it) fails that request's unfinished samples with an error naming the replica's failure: the answer is a 500,
@@ -204,6 +214,7 @@ class RemoteRuntime:
         self._generate = engines.options(stream=True).generate
         self._poller: asyncio.Task | None = None
         self.failed_streams = 0  # requests whose replica failed under them
+        self.retried = 0  # requests sent again because their replica died before answering
         self.closing = False  # the app asks before admitting; Ray Serve drains the replicas itself when it stops
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -294,12 +305,25 @@ class RemoteRuntime:
         stream = None
         try:
             job = await self._sized(job)
-            stream = self._generate.remote(job)
-            async for batch in stream:
-                for event in batch:
-                    view = views.views[event[0]]
-                    token, finished = view.apply(event)
-                    handle.queue.put_nowait(Event(token, finished, view))
+            for attempt in range(1 + REPLICA_RETRIES):
+                stream = self._generate.remote(job)
+                received = False
+                try:
+                    async for batch in stream:
+                        received = True
+                        for event in batch:
+                            view = views.views[event[0]]
+                            token, finished = view.apply(event)
+                            handle.queue.put_nowait(Event(token, finished, view))
+                    break
+                except Exception as exc:  # noqa: BLE001 - only a replica that died before answering is retried
+                    if received or attempt == REPLICA_RETRIES or not _replica_died(exc):
+                        raise
+                    # nothing came back yet, so nothing reached the client: the request goes to another replica
+                    # (the router drops the dead one as soon as a call to it fails)
+                    self.retried += 1
+                    log.warning("request %s: its replica died before answering (%s); sent again", job.request_id,
+                                type(exc).__name__)
         except asyncio.CancelledError:
             if stream is not None:
                 stream.cancel()
@@ -398,6 +422,8 @@ class _Cluster:
              ROUTING.stats_age_s),
             ("odma_ray_failed_requests", "Requests failed because their replica failed",
              m.runtime.failed_streams if m.runtime is not None else 0),
+            ("odma_ray_retried_requests", "Requests sent again because their replica died before answering",
+             m.runtime.retried if m.runtime is not None else 0),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
