@@ -26,6 +26,8 @@ from odma.serve_ray.front import ClusterView, FrontPredictor
 from odma.vllm.tagging import LengthTags
 from predictor import Prediction, Predictor, load_predictor
 from predictor.base import PredictRequest
+
+from fake_predictors import Answers
 from predictor.running_median import RunningMedian
 from predictor.serving import ServedPredictor, usable_prediction
 
@@ -44,20 +46,6 @@ class Constant(Predictor):
 
     def predict(self, requests):
         return [Prediction(self.length, 0.25) for _ in requests]
-
-
-class Answers:
-    """Duck-typed (no base class): answers a fixed list, or raises."""
-
-    name = "answers"
-
-    def __init__(self, answers):
-        self.answers = answers
-
-    def predict(self, requests):
-        if self.answers == "fail":
-            raise RuntimeError("predictor down")
-        return self.answers[: len(requests)]
 
 
 class Learner(Predictor):

@@ -15,6 +15,8 @@ from odma.vllm.runs import BlockRuns
 from odma.vllm.tagging import LengthTags, remaining, user_text
 from predictor.running_median import RunningMedian
 
+from fake_predictors import Answers
+
 # -- runs ------------------------------------------------------------------------------------------------
 
 
@@ -291,27 +293,16 @@ def test_user_text_is_the_last_user_turn_of_a_chat_prompt():
     assert user_text("plain completion prompt") == "plain completion prompt"
 
 
-class _Fixed:
-    name = "fixed"
-
-    def __init__(self, answers):
-        self.answers = answers
-
-    def predict(self, requests):
-        if self.answers == "fail":
-            raise RuntimeError("predictor down")
-        return self.answers[: len(requests)]
-
 
 def test_length_tags_reserve_a_bucket_at_most_max_tokens_and_survive_a_failing_predictor():
-    tags = LengthTags(LoadedPredictor(_Fixed([(100.0, 0.0), (float("nan"), 0.2), (5000.0, 0.1)]), "fixed", None),
+    tags = LengthTags(LoadedPredictor(Answers([(100.0, 0.0), (float("nan"), 0.2), (5000.0, 0.1)]), "fixed", None),
                       max_tokens_cap=2048, generator="m")
     out = tags.tag(["a", "b", "c"], [10, 10, 10], [512, 64, 300], [0.0, 0.0, 0.0])
     assert out[0].predicted == 100.0 and 100 <= out[0].reserved_output <= 512
     assert out[1].predicted is None and out[1].reserved_output == 64  # NaN: sized for its max_tokens
     assert out[2].reserved_output == 300  # never above max_tokens
     assert remaining(out[0], 30) == 70.0 and remaining(out[1], 3) == math.inf
-    failing = LengthTags(LoadedPredictor(_Fixed("fail"), "fixed", None), max_tokens_cap=2048, generator="m")
+    failing = LengthTags(LoadedPredictor(Answers("fail"), "fixed", None), max_tokens_cap=2048, generator="m")
     assert [t.reserved_output for t in failing.tag(["x"], [4], [128], [1.0])] == [128]
     tags.observe(out[0], 130)
     s = tags.stats.as_dict()
