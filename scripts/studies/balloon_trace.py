@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
         if len(self.running) > peaks.get(name, {}).get("running", -1):
             held = [(q.prompt_tokens > own.long_threshold, q.block.capacity) for q in self.running]
             peaks[name] = {"step": step, "running": len(self.running), "waiting": len(self.waiting),
-                           "free_tokens": self.pool.stats().free_tokens,
+                           "free_tokens": self.kv.stats().free_tokens,
                            "lent_tokens": self.elastic.lent_bytes // args.bytes_per_token if self.elastic else 0,
                            "long_running": sum(long for long, _ in held),
                            "long_tokens": sum(c for long, c in held if long),
