@@ -19,11 +19,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def default_data_dir() -> Path:
-    """$ODMA_DATA_DIR, else ../shared/datasets beside the repo (the shared read-only data)."""
+    """$ODMA_DATA_DIR, else ../shared/datasets beside the repo (the shared read-only data). An installed wheel has
+    no repo around it: there the first of ./shared/datasets and ../shared/datasets (from the working directory)
+    that exists, else the path beside the package (named in the error of whatever reads it)."""
     env = os.environ.get("ODMA_DATA_DIR")
     if env:
         return Path(env).expanduser()
-    return REPO_ROOT.parent / "shared" / "datasets"
+    beside_repo = REPO_ROOT.parent / "shared" / "datasets"
+    if beside_repo.is_dir():
+        return beside_repo
+    for candidate in (Path.cwd() / "shared" / "datasets", Path.cwd().parent / "shared" / "datasets"):
+        if candidate.is_dir():
+            return candidate
+    return beside_repo
 
 
 def default_cache_dir() -> Path:

@@ -171,3 +171,18 @@ def test_smollm2_answers_come_from_the_data_dir_where_the_repository_has_none(tm
         json.dumps({"id": "a#s1", "prompt": "Say hi", "prompt_tokens": 3, "output_tokens": 7, "finished": True}) + "\n")
     trace = load_trace("smollm2-answers", data_dir=tmp_path)
     assert trace.name == "smollm2-answers" and trace.output_lengths() == [7] and trace.meta["length_cap"] == 512
+
+
+def test_the_data_dir_of_an_installed_package_is_found_from_the_working_directory(tmp_path, monkeypatch):
+    """A wheel installed into a venv has no ../shared beside its package: the working directory's is used."""
+    import odma.config as config
+
+    monkeypatch.delenv("ODMA_DATA_DIR", raising=False)
+    monkeypatch.setattr(config, "REPO_ROOT", tmp_path / "venv" / "lib" / "site-packages")
+    project = tmp_path / "project"
+    (tmp_path / "shared" / "datasets").mkdir(parents=True)
+    project.mkdir()
+    monkeypatch.chdir(project)
+    assert config.default_data_dir() == project.parent / "shared" / "datasets"
+    monkeypatch.setenv("ODMA_DATA_DIR", str(tmp_path / "elsewhere"))
+    assert config.default_data_dir() == tmp_path / "elsewhere"
