@@ -716,7 +716,8 @@ def _accuracy(seqs, lengths, max_tokens: int) -> dict:
 def _work(args, run: EngineRun, vocab_size: int):
     from odma.bench.gpu_work import burst_from_trace
 
-    n = run.requests or args.requests or (8 if args.tiny else 400)
+    n = run.requests or args.requests or 400
+    n = min(n, 8) if args.tiny else n  # a dry run: the same runs, 8 requests each
     max_tokens = min(args.max_tokens, 16) if args.tiny else args.max_tokens
     max_prompt = min(args.max_prompt, 24) if args.tiny else args.max_prompt
     return burst_from_trace(run.trace, n, max_prompt=max_prompt, max_tokens=max_tokens,
