@@ -707,7 +707,8 @@ def _accuracy(seqs, lengths, max_tokens: int) -> dict:
     out: dict = {"tagged": len(pairs), "untagged": len(lengths) - len(pairs)}
     if pairs:
         errors = [abs(p - n) for p, n in pairs]
-        out |= {"median_abs_error": round(statistics.median(errors), 1), "mean_abs_error": round(statistics.mean(errors), 1),
+        out |= {"median_abs_error": round(statistics.median(errors), 1),
+                "mean_abs_error": round(statistics.mean(errors), 1),
                 "under_share": round(sum(1 for p, n in pairs if p < n) / len(pairs), 3),
                 "mean_predicted": round(statistics.mean(p for p, _ in pairs), 1)}
     return out
@@ -839,6 +840,8 @@ def run(args: argparse.Namespace) -> dict:
     if set(parts) - set(PARTS):
         raise ConfigError(f"--parts takes {', '.join(PARTS)}, got {args.parts!r}")
     caps = _caps(args.caps)
+    if "engine" in parts:
+        engine_runs(args)  # a bad --engine-run fails here, before anything runs
     result: dict = {"device": backend.describe(), "torch": torch.__version__, "tiny": args.tiny,
                     "interpreted": triton_attention.interpreting(), "caps_s": {p: caps[p] for p in parts}}
     try:
