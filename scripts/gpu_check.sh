@@ -1,41 +1,72 @@
 #!/usr/bin/env bash
-# The accelerator path on one NVIDIA GPU in one command (about 9 minutes on an H100, caps included):
-#   1. the GPU tests (CUDA conformance, Triton kernels, the engine through them, decode graphs, the driver's virtual
-#      memory), at most TESTS_CAP seconds (150);
-#   2. odma-bench gpu: contiguous vs paged decode kernels (context 1K/4K/16K x batch 1/16/64, GB/s against the
-#      measured copy bandwidth, error against SDPA), the same for odma's vLLM backend (one-run vs scattered blocks in
-#      vLLM's per-head planes, beside torch's SDPA over dense K/V), one growth step's mapping vs moving a 1/4 GiB block, a decode
-#      step of the 7B shape at batch 16 as a CUDA graph and eagerly (host vs device time), and the engine with random
-#      weights of the paper model's shape on a natural-length trace, odma vs static vs paged (vs odma growing by
-#      mapping) on one KV budget. Each part has a time cap (6.5 minutes in all); each measurement is tried on its own.
+# The accelerator path on one NVIDIA GPU in one command of at most 8 minutes, caps included. The parts run in
+# order (GPU_CHECK_PARTS picks them), each under its own time cap, each saving what it measured as it goes:
+#   tests   the GPU tests that matter most (CUDA conformance, the engine through the Triton kernels, decode
+#           graphs; GPU_TESTS names others), 8 processes, at most CAP_TESTS seconds (70)
+#   bench   odma-bench gpu, part engine (BENCH_PARTS; kernels, runs, vmm and step were measured before and stay
+#           available): random weights of the paper model's shape, every policy on one KV budget, on
+#             ShareGPT's first turns (their text: SmolLM2's chat template; 200 requests) under odma with the
+#               learned predictor, the running median and the oracle, paged and static;
+#             Azure's conversation trace (lengths only; 400 requests) under odma and paged.
+#           At most CAP_BENCH seconds (245: 230 for the engine's bursts, shared in proportion to their tokens).
+# Planned on an H100 at ~3,000 tok/s: env 10 s + tests 70 s + bench 245 s = 325 s, which leaves ~150 s for the
+# parts other branches add (http: odma-serve on the GPU; peer: transformers' continuous batching): append
+# `part_NAME` below and its name to PARTS.
 # Everything lands in OUT (default runs/gpu_check): env.txt, tests.log, gpu_check.json (rewritten after every
-# measurement, so a run cut short keeps what it measured).
+# measurement, so a run cut short keeps what it measured), parts.txt (seconds each part took).
 #
-# Needs python3 with torch, triton and pytest (the GPU machines' image has them; nothing is installed) and the trace:
-# the Azure conversation CSV under $ODMA_DATA_DIR/azure_llm_2023/ (default: ../shared/datasets, or .gpu/data when
-# that exists, which is where a run that travels without ../shared carries it).
-#   scripts/gpu_check.sh --stage        copy the trace into .gpu/data (git ignores it) so that it travels with the tree
-#   scripts/gpu_check.sh [OUT]          on a GPU (docs/backends.md gives the command for a lent machine)
-#   scripts/gpu_check.sh --cpu [OUT]    the CPU dry run (tiny shapes, Triton's interpreter, one test per file; CI
-#                                       runs it)
-# TESTS_CAP=S and GPU_BENCH_ARGS="--caps kernels=S,..." shorten a run to fit a lease.
+# Needs python3 with torch, triton and pytest (the GPU machines' image has them; nothing is installed). A machine
+# without our data and model packages gets them from `.gpu/` (git-ignored; it travels with the tree):
+#   scripts/gpu_check.sh --stage [DIR]   stage into DIR (default .gpu) the Azure CSV, ShareGPT's records as JSONL,
+#                                        SmolLM2's tokenizer (odma's cache) and the default learned predictor as a
+#                                        self-contained folder, check that they load without those packages, print
+#                                        the size
+#   scripts/gpu_check.sh [OUT]           on a GPU (docs/backends.md gives the command for a lent machine)
+#   scripts/gpu_check.sh --cpu [OUT]     the CPU dry run of the same plan (stages into OUT/stage; tiny shapes,
+#                                        Triton's interpreter, one test per file; CI runs it)
+# CAP_TESTS=S, CAP_BENCH=S, BENCH_PARTS=engine,step and GPU_BENCH_ARGS="--caps engine=S" reshape a run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+SHAREGPT_REQUESTS=200
+AZURE_REQUESTS=400
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY_LOCAL=.venv/bin/python || PY_LOCAL=$PY
+
+stage() {  # stage DIR RECORDS: fill DIR, then load it back as a GPU machine would
+  local dir=$1 records=$2
+  "$PY_LOCAL" -m odma.bench.gpu_stage "$dir" --trace "sharegpt=$records" || return 1
+  env -u ODMA_DATA_DIR -u ODMA_CACHE_DIR "$PY_LOCAL" -m odma.bench.gpu_stage --verify "$dir" || return 1
+  echo "staged in $dir: $(du -sh "$dir" | cut -f1)"
+}
+
 if [ "${1:-}" = "--stage" ]; then
-  src=${ODMA_DATA_DIR:-../shared/datasets}/azure_llm_2023/conv.csv
-  mkdir -p .gpu/data/azure_llm_2023 && cp "$src" .gpu/data/azure_llm_2023/ && echo "staged $src in .gpu/data"
+  stage "${2:-.gpu}" "$SHAREGPT_REQUESTS"
   exit $?
 fi
 CPU=0
 if [ "${1:-}" = "--cpu" ]; then CPU=1; shift; fi
 OUT=${1:-${OUT:-runs/gpu_check}}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && [ "$CPU" = 1 ] && PY=.venv/bin/python
+[ "$CPU" = 1 ] && PY=$PY_LOCAL
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if [ -z "${ODMA_DATA_DIR:-}" ] && [ -d .gpu/data ]; then export ODMA_DATA_DIR=$PWD/.gpu/data; fi
 export PYTHONUNBUFFERED=1
 status=0
+
+if [ "$CPU" = 1 ]; then  # the dry run stages afresh and runs from the staged files, as a GPU machine must
+  STAGED=$OUT/stage
+  stage "$STAGED" 8 || exit 1
+else
+  STAGED=.gpu
+fi
+if [ -d "$STAGED/predictor/default" ]; then
+  export ODMA_DATA_DIR=$PWD/$STAGED/data ODMA_CACHE_DIR=$PWD/$STAGED/cache
+  [[ "$STAGED" = /* ]] && export ODMA_DATA_DIR=$STAGED/data ODMA_CACHE_DIR=$STAGED/cache
+  LEARNED=$STAGED/predictor/default
+  SHAREGPT=$STAGED/traces/sharegpt.jsonl
+else  # a machine with our packages and ../shared
+  LEARNED=default
+  SHAREGPT=sharegpt
+fi
 
 "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/env.txt"
 import platform, torch
@@ -50,27 +81,49 @@ if torch.cuda.is_available():
     print("gpu", p.name, p.multi_processor_count, "SMs", round(p.total_memory / 2**30), "GiB")
 PYEOF
 
-TESTS="tests/test_backends_conformance.py tests/test_triton_attention.py tests/test_engine_triton.py
-       tests/test_decode_graphs.py tests/test_cuda_vmm.py tests/test_triton_runs.py"
+# what the engine part stands on: the CUDA backend, the engine through the Triton kernels, decode graphs (the
+# kernels' own tests, test_triton_attention/_runs and test_cuda_vmm, ran before and stay for a longer lease)
+TESTS=${GPU_TESTS:-tests/test_backends_conformance.py tests/test_engine_triton.py tests/test_decode_graphs.py}
+ENGINE_RUNS=(--engine-run "$SHAREGPT:$SHAREGPT_REQUESTS=odma:$LEARNED,odma:median,odma:oracle,paged,static"
+             --engine-run "azure-conv:$AZURE_REQUESTS=odma,paged")
 if [ "$CPU" = 1 ]; then
   export TRITON_INTERPRET=1
-  # the same stage, one quick test per file: the orchestration is what the dry run checks
+  # the same plan, one quick test per file: the orchestration is what the dry run checks
   PICK=(-k "identity or single_token_block or paged_needs or buckets_cover or without_a_gpu or found_on_the_device")
-  BENCH=(--device cpu --tiny --rounds 1 --caps kernels=120,runs=60,vmm=60,step=120,engine=300)
-  TESTS_CAP=${TESTS_CAP:-300}
+  BENCH=(--device cpu --tiny --rounds 1 --caps kernels=120,runs=60,vmm=60,step=120,engine=600)
+  CAP_TESTS=${CAP_TESTS:-300}
+  CAP_BENCH=${CAP_BENCH:-1200}
 else
   PICK=()
-  BENCH=()
-  TESTS_CAP=${TESTS_CAP:-150}
+  BENCH=(--caps engine=230,step=20)
+  CAP_TESTS=${CAP_TESTS:-70}
+  CAP_BENCH=${CAP_BENCH:-245}
 fi
-XDIST=""
-[ "$CPU" = 0 ] && "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"  # Triton compiles each variant once per process
-# shellcheck disable=SC2086
-timeout "$TESTS_CAP" "$PY" -m pytest -q $XDIST -p no:cacheprovider "${PICK[@]}" $TESTS 2>&1 | tee "$OUT/tests.log"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-# shellcheck disable=SC2086
-"$PY" -m odma.bench.gpu_bench "${BENCH[@]}" ${GPU_BENCH_ARGS:-} --tests-log "$OUT/tests.log" --json --out "$OUT/gpu_check.json" \
-  >/dev/null || status=1
-"$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1)[:8000])" "$OUT/gpu_check.json" \
-  || status=1
+
+part_tests() {
+  local xdist=""
+  [ "$CPU" = 0 ] && "$PY" -c "import xdist" 2>/dev/null && xdist="-n 8"  # Triton compiles each variant per process
+  # shellcheck disable=SC2086
+  timeout "$CAP_TESTS" "$PY" -m pytest -q $xdist -p no:cacheprovider "${PICK[@]}" $TESTS 2>&1 | tee "$OUT/tests.log"
+  [ "${PIPESTATUS[0]}" = 0 ]
+}
+
+part_bench() {
+  local rc
+  # shellcheck disable=SC2086
+  timeout "$CAP_BENCH" "$PY" -m odma.bench.gpu_bench "${BENCH[@]}" --parts "${BENCH_PARTS:-engine}" \
+    "${ENGINE_RUNS[@]}" ${GPU_BENCH_ARGS:-} --tests-log "$OUT/tests.log" --json --out "$OUT/gpu_check.json" >/dev/null
+  rc=$?
+  "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1)[:8000])" \
+    "$OUT/gpu_check.json" || return 1
+  return $rc
+}
+
+PARTS=${GPU_CHECK_PARTS:-tests bench}
+: >"$OUT/parts.txt"
+for part in $PARTS; do
+  started=$SECONDS
+  if ! "part_$part"; then status=1; echo "part $part failed" >&2; fi
+  echo "$part $((SECONDS - started)) s" | tee -a "$OUT/parts.txt"
+done
 exit $status

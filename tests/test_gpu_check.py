@@ -5,6 +5,7 @@ failure in one policy, or a part's time cap, loses nothing else. Timings here me
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -19,10 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
+    # every part of the bench (the GPU plan runs only the engine; the others stay available and must not rot)
+    env = dict(os.environ, BENCH_PARTS="kernels,runs,vmm,step,engine")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", str(out)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads((out / "gpu_check.json").read_text())
+    result = json.loads((out / "gpu_check.json").read_text())
+    result["_stdout"] = done.stdout
+    result["_out"] = out
+    return result
 
 
 def test_the_dry_run_covers_every_part(dry_run):
@@ -48,16 +54,47 @@ def test_the_dry_run_covers_every_part(dry_run):
     modes = result["step"]["modes"]
     assert modes["capture"]["graph_steps"] == modes["capture"]["steps_timed"] > 0  # every timed step a static batch
     assert modes["off"]["graph_steps"] == 0 and modes["off"]["graphs"] is None
-    engine = result["engine"]
-    assert set(engine["policies"]) == {"static", "odma", "paged", "odma-map"}
-    assert engine["policies"]["odma-map"]["growth"] == "map"  # the host's virtual memory on CPU
-    for policy, r in engine["policies"].items():
-        assert r["errors"] == 0 and r["short"] == 0 and not r["cut_at_cap"], policy
-        assert r["output_tokens"] == engine["forced_output_tokens"] and r["completed"] == r["requests"], policy
-        assert r["steps_timed"] == r["steps"] and r["host_ms_p50"] > 0, policy
-    static, odma = engine["policies"]["static"], engine["policies"]["odma"]
+    runs = result["engine"]["runs"]
+    staged = str(result["_out"] / "stage")
+    sharegpt, azure = f"{staged}/traces/sharegpt.jsonl", "azure-conv"
+    assert list(runs) == [sharegpt, azure]  # both traces, one model, results keyed by trace
+    learned = f"odma:{staged}/predictor/default"  # the staged, self-contained learned predictor
+    assert list(runs[sharegpt]["policies"]) == [learned, "odma:median", "odma:oracle", "paged", "static"]
+    assert list(runs[azure]["policies"]) == ["odma", "paged"]
+    assert runs[sharegpt]["work"]["texts"] == runs[sharegpt]["work"]["requests"] == 8  # ShareGPT carries text
+    assert runs[azure]["work"]["texts"] == 0  # Azure's trace has lengths only
+    for run in runs.values():
+        work = run["work"]
+        assert run["skipped"] == []
+        for policy, r in run["policies"].items():
+            assert r["errors"] == 0 and r["short"] == 0 and not r["cut_at_cap"], policy
+            assert r["output_tokens"] == work["forced_output_tokens"] and r["completed"] == r["requests"], policy
+            assert r["steps_timed"] == r["steps"] and r["host_ms_p50"] > 0, policy
+            assert r["prediction"]["tagged"] == work["requests"] and r["predictor_fallback"] is None, policy
+            for key in ("preemptions", "migrations", "migrated_tokens", "swap_outs", "mean_running", "peak_running"):
+                assert key in r, (policy, key)
+    text = runs[sharegpt]["policies"]
+    assert text[learned]["predictor"] == "encoder:default"  # the learned one loaded, not its fallback
+    assert text["odma:median"]["predictor"] == "running-median"
+    assert text["odma:oracle"]["prediction"]["median_abs_error"] == 0  # exact lengths, handed over upstream
+    assert text["odma:oracle"]["prediction"]["under_share"] == 0
+    assert text["odma:median"]["prediction"]["mean_predicted"] == 16  # the prior 128, cut to max_tokens (tiny: 16)
+    for variant in (learned, "odma:median", "odma:oracle"):  # every odma variant against both baselines
+        assert runs[sharegpt][f"{variant}_vs_paged"] > 0 and runs[sharegpt][f"{variant}_vs_static"] > 0
+    assert runs[azure]["odma_vs_paged"] > 0
+    static, odma = text["static"], text["odma:median"]
     assert static["peak_running"] <= static["worst_case_fit"]  # static holds every request's worst case
     assert odma["peak_running"] >= static["peak_running"]
+    assert "staged in" in result["_stdout"] and '"encoder:default"' in result["_stdout"]  # the staged files loaded
+    assert [line.split()[0] for line in (result["_out"] / "parts.txt").read_text().splitlines()] == ["tests", "bench"]
+
+
+def test_map_growth_runs_in_the_engine_part(tmp_path):
+    from odma.bench import gpu_bench
+
+    result = gpu_bench.run(_args(tmp_path, parts="engine", policies="odma,odma-map"))
+    policies = result["engine"]["runs"]["azure-conv"]["policies"]
+    assert policies["odma-map"]["growth"] == "map" and policies["odma"]["growth"] == "copy"  # host VM on CPU
 
 
 def _args(tmp_path, **overrides):
@@ -86,7 +123,7 @@ def test_a_failing_policy_leaves_the_others_numbers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(llm_engine.LLMEngine, "__init__", broken_paged)
     gpu_bench.run(_args(tmp_path, parts="engine", policies="static,paged,odma"))
-    saved = json.loads((tmp_path / "r.json").read_text())["engine"]["policies"]
+    saved = json.loads((tmp_path / "r.json").read_text())["engine"]["runs"]["azure-conv"]["policies"]
     assert saved["paged"] == {"error": "RuntimeError: injected: the paged pool failed to start"}
     assert saved["static"]["output_tokens"] > 0 and saved["odma"]["output_tokens"] > 0
 

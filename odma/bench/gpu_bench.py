@@ -22,7 +22,10 @@
   28/4 heads, head_dim 128, bf16) on a natural-length trace, every policy on the same KV budget: all requests
   arrive at once with max_tokens = the cap (static reserves prompt + cap, as a worst-case server does) and each is
   ended at its trace length (tokens are forced: ignore_eos; random weights mean nothing). Host and device time per
-  step for each policy.
+  step for each policy. A trace with text (ShareGPT, Alpaca, NQ, a JSONL trace) sends each prompt as SmolLM2's chat
+  template makes it, and its text to the length predictor each policy names (`odma:default`, the trained encoder;
+  `odma:median`; `odma:oracle`, the exact lengths), whose accuracy on the burst is reported beside the throughput;
+  several traces run on one model (`--engine-run TRACE=POLICIES`, repeated). The burst is `gpu_work.BurstWork`.
 
 Nothing is lost to one failure or to time: every part, every policy and every measurement is tried on its own, the
 JSON (--out) is rewritten after each measurement, and each part stops starting new measurements at its time cap
@@ -42,6 +45,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 PARTS = ("kernels", "runs", "vmm", "step", "engine")
@@ -67,7 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", default=None, help="KV budget of every policy (default 4GiB; tiny: 48KiB)")
     p.add_argument("--policies", default="static,odma,paged,odma-map",
                    help="engine policies on the same KV budget; NAME-map: that policy growing by mapping "
-                        "(--kv-growth map)")
+                        "(--kv-growth map); NAME:PREDICTOR: that policy with that length predictor (default: "
+                        "the running median)")
+    p.add_argument("--engine-run", action="append", default=None, metavar="TRACE[:REQUESTS]=POLICIES",
+                   help="a burst of TRACE (its first REQUESTS records, default --requests) under each POLICY (comma-"
+                        "separated, each optionally POLICY:PREDICTOR: odma:default, odma:median, odma:oracle, "
+                        "odma:FOLDER); repeat it to run several traces on one model (results keyed by trace). "
+                        "Without it: --trace under --policies")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--odma-memory", default=ODMA_MEMORY[0], choices=ODMA_MEMORY,
                    help="how odma's contiguous blocks meet a full pool: compact (a block that cannot grow for "
@@ -467,7 +477,7 @@ def _model(args, device, dtype_name: str):
     return _MODELS[key]
 
 
-def _engine(args, device, dtype_name: str, model, **overrides):
+def _engine(args, device, dtype_name: str, model, loaded=None, **overrides):
     from odma.config import PoolConfig
     from odma.engine.config import EngineConfig
     from odma.engine.llm_engine import LLMEngine
@@ -481,7 +491,7 @@ def _engine(args, device, dtype_name: str, model, **overrides):
         max_tokens_cap=max_tokens, default_max_tokens=max_tokens, max_num_seqs=args.max_num_seqs,
         max_prefill_tokens=max(8192, max_prompt), max_model_len=max_prompt + max_tokens,
         pool=PoolConfig(align=4 if args.tiny else 16), threads=1 if args.tiny else 4)
-    return LLMEngine(EngineConfig(**(base | overrides)), model=model)
+    return LLMEngine(EngineConfig(**(base | overrides)), model=model, predictor=loaded)
 
 
 def _odma_memory(args) -> dict:
@@ -558,13 +568,16 @@ def bench_step(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
     return out
 
 
-def _burst(engine, prompts, lengths, params, deadline: float) -> dict:
-    """All requests at once; each is ended at its trace length; past `deadline` (perf_counter) the rest are aborted
-    and the burst is reported as cut. Returns what the burst did."""
+def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=None) -> dict:
+    """All requests at once (each with its prompt's text for the length predictor, and its tags, where given); each
+    is ended at its trace length; past `deadline` (perf_counter) the rest are aborted and the burst is reported as
+    cut. Returns what the burst did, with the accuracy of the lengths the engine predicted."""
     before = _counts(engine)
     runner = engine.workers[0].runner
     runner.time_steps = True
-    seqs = [engine.add_request(p, params) for p in prompts]
+    texts = texts or [None] * len(prompts)
+    tags = tags or [None] * len(prompts)
+    seqs = [engine.add_request(p, params, prompt_text=t, tags=g) for p, t, g in zip(prompts, texts, tags)]
     target = {s.request_id: n for s, n in zip(seqs, lengths)}
     stopped: set[str] = set()
     running, times = [], []
@@ -598,6 +611,7 @@ def _burst(engine, prompts, lengths, params, deadline: float) -> dict:
         "short": sum(1 for s in seqs if s.num_generated < target[s.request_id]),
         "peak_running": max(running, default=0), "mean_running": round(statistics.mean(running), 1) if running else 0,
         "steps": len(running), **_step_times(times), **{k: after[k] - before[k] for k in after},
+        "prediction": _accuracy(seqs, lengths, params.max_tokens),
     }
 
 
@@ -608,62 +622,193 @@ def _counts(engine) -> dict:
             "grown_in_place": stats.grown_in_place, "swap_outs": c.swap_outs}
 
 
-def bench_engine(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
-    from odma.engine import SamplingParams
-    from odma.traces import load_trace
+@dataclass(frozen=True)
+class PolicyRun:
+    """One engine policy of a run: `odma`, `paged`, `static`, NAME-map (growing by mapping), each optionally with
+    the length predictor it runs (`odma:default`, `odma:median`, `odma:oracle`, `odma:PATH`, as
+    `predictor.registry` takes specs); none named is the running median, as the engine part always ran."""
 
-    model = _model(args, device, dtype_name)
-    n = args.requests or (8 if args.tiny else 400)
+    label: str  # as given: the key of its results
+    policy: str
+    mapped: bool
+    predictor: str
+
+    @classmethod
+    def parse(cls, label: str) -> "PolicyRun":
+        from odma.errors import ConfigError
+
+        name, _, predictor = label.partition(":")
+        policy, mapped = (name[:-4], True) if name.endswith("-map") else (name, False)
+        if policy not in ENGINE_POLICIES:
+            raise ConfigError(f"engine policy {label!r}: the policy is one of {', '.join(ENGINE_POLICIES)} (NAME-map "
+                              "grows by mapping), optionally followed by :PREDICTOR")
+        return cls(label, policy, mapped, predictor or "median")
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One trace's burst and the policies that run it (`--engine-run TRACE[:REQUESTS]=POLICY,POLICY,...`)."""
+
+    trace: str
+    requests: int | None  # None: --requests (default 400; tiny: 8)
+    policies: tuple[PolicyRun, ...]
+
+    @classmethod
+    def parse(cls, spec: str) -> "EngineRun":
+        from odma.errors import ConfigError
+
+        trace, sep, policies = spec.partition("=")
+        names = [p.strip() for p in policies.split(",") if p.strip()]
+        if not sep or not trace.strip() or not names:
+            raise ConfigError(f"--engine-run takes TRACE[:REQUESTS]=POLICY,POLICY,..., got {spec!r}")
+        trace, requests = trace.strip(), None
+        head, colon, tail = trace.rpartition(":")
+        if colon and tail.isdigit():  # a trace name may hold ':' itself (alpaca-eval:GENERATOR)
+            trace, requests = head, int(tail)
+            if requests < 1:
+                raise ConfigError(f"--engine-run {spec!r}: REQUESTS must be >= 1")
+        return cls(trace, requests, tuple(PolicyRun.parse(n) for n in names))
+
+
+ENGINE_POLICIES = ("static", "odma", "paged")
+
+
+def engine_runs(args) -> list[EngineRun]:
+    """The runs of --engine-run, else the one run of --trace and --policies."""
+    specs = args.engine_run or [f"{args.trace}={args.policies}"]
+    return [EngineRun.parse(s) for s in specs]
+
+
+def _predictions(spec: str, work) -> tuple[Any, list]:
+    """(the LoadedPredictor the engine runs, each request's RequestTags or None). An oracle reads each request's
+    realized length, which the engine's request never carries (a served request has none): its predictions are
+    made here by `predictor.oracle` over the burst's forced lengths and handed to the engine as predictions made
+    upstream (RequestTags.prediction), the way a cluster's router hands its own."""
+    from odma.engine.length_predictor import LoadedPredictor, load_engine_predictor
+    from odma.engine.sequence import RequestTags
+    from predictor.registry import load_predictor
+
+    predictor = load_predictor(spec) if spec == "oracle" or spec.startswith("noisy-oracle") else None
+    if predictor is None:
+        return load_engine_predictor(spec), [None] * work.requests
+    from types import SimpleNamespace
+
+    asked = [SimpleNamespace(request_id=f"burst-{i}", output_tokens=n) for i, n in enumerate(work.lengths)]
+    tags = [RequestTags(prediction=(p.length, p.uncertainty)) for p in predictor.predict(asked)]
+    return LoadedPredictor(predictor, f"{predictor.name} (upstream)", None), tags
+
+
+def _accuracy(seqs, lengths, max_tokens: int) -> dict:
+    """How well the predictions the engine tagged the burst with matched the forced lengths: median and mean
+    absolute error (tokens; a prediction counts at most max_tokens, as the forced lengths are cut there and no
+    request reserves more), the share predicted short (an under-prediction makes a block grow), and how many
+    requests were left untagged (an unusable prediction: they reserved the worst case)."""
+    pairs = [(min(s.predicted_length, max_tokens), n) for s, n in zip(seqs, lengths) if s.predicted_length is not None]
+    out: dict = {"tagged": len(pairs), "untagged": len(lengths) - len(pairs)}
+    if pairs:
+        errors = [abs(p - n) for p, n in pairs]
+        out |= {"median_abs_error": round(statistics.median(errors), 1),
+                "mean_abs_error": round(statistics.mean(errors), 1),
+                "under_share": round(sum(1 for p, n in pairs if p < n) / len(pairs), 3),
+                "mean_predicted": round(statistics.mean(p for p, _ in pairs), 1)}
+    return out
+
+
+def _work(args, run: EngineRun, vocab_size: int):
+    from odma.bench.gpu_work import burst_from_trace
+
+    n = run.requests or args.requests or 400
+    n = min(n, 8) if args.tiny else n  # a dry run: the same runs, 8 requests each
     max_tokens = min(args.max_tokens, 16) if args.tiny else args.max_tokens
     max_prompt = min(args.max_prompt, 24) if args.tiny else args.max_prompt
-    records = load_trace(args.trace, limit=n).records[:n]
-    rng = random.Random(0)
-    vocab = model.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(max(1, min(r.prompt_tokens, max_prompt)))] for r in records]
-    lengths = [max(1, min(r.output_tokens or 1, max_tokens)) for r in records]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    out: dict = {"model": "paper-7b" if not args.tiny else "tiny-qwen2", "dtype": dtype_name, "trace": args.trace,
-                 "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-                 "forced_output_tokens": sum(lengths), "max_tokens": max_tokens,
-                 "kv_budget": args.kv_budget or ("48KiB" if args.tiny else "4GiB"),
-                 "model_seconds": getattr(model, "made_seconds", None), "policies": {}, "skipped": []}
+    return burst_from_trace(run.trace, n, max_prompt=max_prompt, max_tokens=max_tokens,
+                            kv_budget=args.kv_budget or ("48KiB" if args.tiny else "4GiB"), vocab_size=vocab_size)
+
+
+def bench_engine(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
+    """Every --engine-run on the same model: its trace's burst under each of its policies. The part's time is
+    shared by the bursts still to run in proportion to their forced output tokens (a long trace gets more)."""
+    model = _model(args, device, dtype_name)
+    runs = engine_runs(args)
+    out: dict = {"model": "paper-7b" if not args.tiny else "tiny-qwen2", "dtype": dtype_name,
+                 "model_seconds": getattr(model, "made_seconds", None), "runs": {}, "skipped": []}
     report.result["engine"] = out
-    for i, name in enumerate(names):
-        share = cap.left() / (len(names) - i)  # what is left, shared by the policies still to run
+    works: dict[str, Any] = {}
+    for run in runs:
+        key = run.trace if run.trace not in out["runs"] else f"{run.trace}#{len(out['runs']) + 1}"
+        entry: dict = {"trace": run.trace, "policies": {}, "skipped": []}
+        out["runs"][key] = entry
+        _attempt(entry, "work", lambda run=run, key=key: _describe(works.setdefault(key, _work(
+            args, run, model.config.vocab_size))), report)
+    todo = [(key, p) for key, run in zip(list(out["runs"]), runs) for p in run.policies if key in works]
+    for i, (key, policy) in enumerate(todo):
+        entry, work = out["runs"][key], works[key]
+        weight = work.output_tokens / sum(works[k].output_tokens for k, _ in todo[i:])
+        share = cap.left() * weight
         if share <= 0:
-            out["skipped"].append({"policy": name, "why": "time cap"})
+            entry["skipped"].append({"policy": policy.label, "why": "time cap"})
             report.save()
             continue
-
-        def measure(name=name, share=share) -> dict:
-            policy, mapped = (name[:-4], True) if name.endswith("-map") else (name, False)
-            memory = _odma_memory(args) if policy == "odma" else {}
-            engine = _engine(args, device, dtype_name, model, policy=policy, kv_growth="map" if mapped else "copy",
-                             **memory)
-            # compile every kernel variant before the clock starts: short contexts (one split), longer ones (several)
-            warm = [p[:8] for p in prompts[:4]] + [(p * 64)[: min(max_prompt, 512)] for p in prompts[:2]]
-            engine.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-            result = _burst(engine, prompts, lengths, params, time.perf_counter() + share)
-            result["kv_tokens"] = engine.pool.stats().total_tokens
-            # how many requests of the burst fit at once if each held its worst case (what static reserves)
-            result["worst_case_fit"] = result["kv_tokens"] // (min(map(len, prompts)) + max_tokens)
-            result["predictor"] = engine.predictor.name
-            result["preempt"] = engine.config.preempt
-            result["compact_growth"] = engine.config.pool.compact_growth
-            result["growth"] = "map" if type(engine.workers[0].kv).__name__ == "MappedKV" else "copy"
-            del engine
-            _backend(str(device)).empty_cache()
-            return result
-
-        _attempt(out["policies"], name, measure, report)
-    done = {p: r for p, r in out["policies"].items() if "tokens_per_s" in r and not r["cut_at_cap"]}
-    tps = {p: r["tokens_per_s"] for p, r in done.items()}
-    for a, b, key in (("odma", "static", "odma_vs_static"), ("odma", "paged", "odma_vs_paged"),
-                      ("odma-map", "odma", "map_vs_copy")):
-        if a in tps and b in tps:
-            out[key] = round(tps[a] / tps[b], 3)
+        _attempt(entry["policies"], policy.label,
+                 lambda policy=policy, work=work, share=share: _measure_policy(args, device, dtype_name, model, work,
+                                                                               policy, time.perf_counter() + share),
+                 report)
+    for entry in out["runs"].values():
+        entry.update(_ratios(entry["policies"]))
     report.save()
+    return out
+
+
+def _describe(work) -> dict:
+    return {"requests": work.requests, "texts": sum(t is not None for t in work.texts),
+            "prompt_tokens": work.prompt_tokens, "forced_output_tokens": work.output_tokens,
+            "max_tokens": work.max_tokens, "kv_budget": work.kv_budget}
+
+
+def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRun, deadline: float) -> dict:
+    """One policy's burst of `work`, ended at `deadline` (perf_counter) whatever it has done by then."""
+    from odma.engine import SamplingParams
+    from odma.engine.length_predictor import LoadedPredictor
+    from predictor.running_median import RunningMedian
+
+    memory = _odma_memory(args) if policy.policy == "odma" else {}
+    # warm-ups run under a throwaway median: the measured predictor (a running median learns) sees only the burst
+    engine = _engine(args, device, dtype_name, model, policy=policy.policy,
+                     kv_growth="map" if policy.mapped else "copy",
+                     loaded=LoadedPredictor(RunningMedian(), RunningMedian.name, None), **memory)
+    prompts = [list(p) for p in work.prompts]
+    max_prompt = min(args.max_prompt, 24) if args.tiny else args.max_prompt
+    # compile every kernel variant before the clock starts: short contexts (one split), longer ones (several)
+    warm = [p[:8] for p in prompts[:4]] + [(p * 64)[: min(max_prompt, 512)] for p in prompts[:2]]
+    engine.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.predictor, tags = _predictions(policy.predictor, work)
+    params = SamplingParams(max_tokens=work.max_tokens, temperature=0, ignore_eos=True)
+    result = _burst(engine, prompts, work.lengths, params, deadline, texts=work.texts, tags=tags)
+    result["kv_tokens"] = engine.pool.stats().total_tokens
+    # how many requests of the burst fit at once if each held its worst case (what static reserves)
+    result["worst_case_fit"] = result["kv_tokens"] // (min(map(len, prompts)) + work.max_tokens)
+    result["predictor"] = engine.predictor.name
+    result["predictor_fallback"] = engine.predictor.fallback_reason
+    result["preempt"] = engine.config.preempt
+    result["compact_growth"] = engine.config.pool.compact_growth
+    result["growth"] = "map" if type(engine.workers[0].kv).__name__ == "MappedKV" else "copy"
+    del engine
+    _backend(str(device)).empty_cache()
+    return result
+
+
+def _ratios(policies: dict) -> dict:
+    """tok/s of every odma variant over paged and over static (`odma_vs_paged`, `odma:default_vs_static`, ...),
+    and odma-map over odma; only between bursts that ran to the end."""
+    tps = {p: r["tokens_per_s"] for p, r in policies.items() if "tokens_per_s" in r and not r["cut_at_cap"]}
+    out = {}
+    for a in tps:
+        if a.split(":")[0] == "odma":
+            for b in ("paged", "static"):
+                if b in tps:
+                    out[f"{a}_vs_{b}"] = round(tps[a] / tps[b], 3)
+    if "odma-map" in tps and "odma" in tps:
+        out["map_vs_copy"] = round(tps["odma-map"] / tps["odma"], 3)
     return out
 
 
@@ -695,6 +840,8 @@ def run(args: argparse.Namespace) -> dict:
     if set(parts) - set(PARTS):
         raise ConfigError(f"--parts takes {', '.join(PARTS)}, got {args.parts!r}")
     caps = _caps(args.caps)
+    if "engine" in parts:
+        engine_runs(args)  # a bad --engine-run fails here, before anything runs
     result: dict = {"device": backend.describe(), "torch": torch.__version__, "tiny": args.tiny,
                     "interpreted": triton_attention.interpreting(), "caps_s": {p: caps[p] for p in parts}}
     try:

@@ -4,6 +4,7 @@ the HTTP server and a peer all run the same `BurstWork`, so their figures compar
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 
@@ -35,3 +36,51 @@ class BurstWork:
     @property
     def prompt_tokens(self) -> int:
         return sum(map(len, self.prompts))
+
+
+def burst_from_records(name: str, records, *, max_prompt: int, max_tokens: int, kv_budget: str, vocab_size: int,
+                       tokenizer=None, seed: int = 0) -> BurstWork:
+    """The burst of a trace's records, in their order. A record with a prompt becomes that prompt as the served
+    model sees it (`tokenizer.chat_prompt`, SmolLM2's chat template), tokenized and cut to `max_prompt` tokens;
+    its text (the user's message, what a length predictor is trained on) is kept. A trace without text (Azure's
+    lengths only) gets random ids of its recorded prompt length, cut likewise (texts None). Every request is
+    forced to its recorded output length cut to `max_tokens` (at least 1). Ids at or past `vocab_size` (a tiny
+    model's vocabulary) are folded into it, so the same work runs on a dry-run model. Torch-free."""
+    records = list(records)
+    if not records:
+        raise ValueError(f"trace {name!r} has no records")
+    with_text = [bool(r.prompt) for r in records]
+    if any(with_text) and not all(with_text):
+        raise ValueError(f"trace {name!r} mixes records with and without a prompt text: a burst is one or the other")
+    rng = random.Random(seed)
+    prompts: list[tuple[int, ...]] = []
+    texts: list[str | None] = []
+    for r in records:
+        if r.prompt:
+            if tokenizer is None:
+                raise ValueError(f"trace {name!r} has text: its prompts need a tokenizer")
+            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt))[:max_prompt]
+            prompts.append(tuple(i % vocab_size for i in ids))
+            texts.append(r.prompt)
+        else:
+            n = max(1, min(r.prompt_tokens, max_prompt))
+            prompts.append(tuple(rng.randrange(vocab_size) for _ in range(n)))
+            texts.append(None)
+    lengths = tuple(max(1, min(r.output_tokens or 1, max_tokens)) for r in records)
+    return BurstWork(name, tuple(prompts), tuple(texts), lengths, max_tokens, kv_budget)
+
+
+def burst_from_trace(spec: str, requests: int, *, max_prompt: int, max_tokens: int, kv_budget: str,
+                     vocab_size: int, tokenizer_name: str = "smollm2") -> BurstWork:
+    """`burst_from_records` over the first `requests` records of `odma.traces.load_trace(spec)` (a named trace or
+    a JSONL path); SmolLM2's tokenizer (`odma.tokenizer.load_tokenizer`) is loaded only for a trace with text."""
+    from odma.traces import load_trace
+
+    records = load_trace(spec, limit=requests).records[:requests]
+    tokenizer = None
+    if any(r.prompt for r in records):
+        from odma.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_name)
+    return burst_from_records(spec, records, max_prompt=max_prompt, max_tokens=max_tokens, kv_budget=kv_budget,
+                              vocab_size=vocab_size, tokenizer=tokenizer)
