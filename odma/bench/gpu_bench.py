@@ -23,6 +23,8 @@
   arrive at once with max_tokens = the cap (static reserves prompt + cap, as a worst-case server does) and each is
   ended at its trace length (tokens are forced: ignore_eos; random weights mean nothing). Host and device time per
   step for each policy.
+- peer: Hugging Face transformers' continuous batching on the same burst, model shape and KV bytes (gpu_peer.py
+  says its settings and why): tok/s, output tokens against the forced sum, first-token times.
 
 Nothing is lost to one failure or to time: every part, every policy and every measurement is tried on its own, the
 JSON (--out) is rewritten after each measurement, and each part stops starting new measurements at its time cap
@@ -44,8 +46,11 @@ import sys
 import time
 from typing import Any, Callable
 
-PARTS = ("kernels", "runs", "vmm", "step", "engine")
-DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220}  # seconds: 7.2 minutes in all
+from odma.bench.gpu_peer import bench_peer
+
+PARTS = ("kernels", "runs", "vmm", "step", "engine", "peer")
+# seconds: 8.4 minutes in all (peer: transformers' continuous batching on the burst, odma/bench/gpu_peer.py)
+DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220, "peer": 75}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (median reported)")
     p.add_argument("--trace", default="azure-conv", help="natural lengths for the engine part (odma.traces)")
     p.add_argument("--requests", type=int, default=None, help="requests in the engine burst (default 400; tiny: 8)")
+    p.add_argument("--peer-requests", type=int, default=None,
+                   help="requests in the peer's burst (default: --requests, else 200; tiny: 8)")
     p.add_argument("--max-tokens", type=int, default=1024, help="every request's max_tokens (trace lengths are cut)")
     p.add_argument("--max-prompt", type=int, default=4096, help="longer prompts are cut to this")
     p.add_argument("--kv-budget", default=None, help="KV budget of every policy (default 4GiB; tiny: 48KiB)")
@@ -712,7 +719,8 @@ def run(args: argparse.Namespace) -> dict:
              "runs": lambda cap: bench_runs(args, device, DTYPES[dtype_name], report, cap),
              "vmm": lambda cap: bench_vmm(args, device, DTYPES[dtype_name], report, cap),
              "step": lambda cap: bench_step(args, device, dtype_name, report, cap),
-             "engine": lambda cap: bench_engine(args, device, dtype_name, report, cap)}
+             "engine": lambda cap: bench_engine(args, device, dtype_name, report, cap),
+             "peer": lambda cap: bench_peer(args, device, dtype_name, report, cap)}
     for name in PARTS:
         if name in parts:
             _attempt(result, name, lambda name=name: bench[name](Cap(caps[name])), report)
