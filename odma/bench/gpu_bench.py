@@ -26,6 +26,8 @@
   template makes it, and its text to the length predictor each policy names (`odma:default`, the trained encoder;
   `odma:median`; `odma:oracle`, the exact lengths), whose accuracy on the burst is reported beside the throughput;
   several traces run on one model (`--engine-run TRACE=POLICIES`, repeated). The burst is `gpu_work.BurstWork`.
+- peer: Hugging Face transformers' continuous batching on the same burst, model shape and KV bytes (gpu_peer.py
+  says its settings and why): tok/s, output tokens against the forced sum, first-token times.
 
 Nothing is lost to one failure or to time: every part, every policy and every measurement is tried on its own, the
 JSON (--out) is rewritten after each measurement, and each part stops starting new measurements at its time cap
@@ -48,8 +50,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-PARTS = ("kernels", "runs", "vmm", "step", "engine")
-DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220}  # seconds: 7.2 minutes in all
+from odma.bench.gpu_peer import bench_peer
+
+PARTS = ("kernels", "runs", "vmm", "step", "engine", "peer")
+# seconds: 8.4 minutes in all (peer: transformers' continuous batching on the burst, odma/bench/gpu_peer.py)
+DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220, "peer": 75}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (median reported)")
     p.add_argument("--trace", default="azure-conv", help="natural lengths for the engine part (odma.traces)")
     p.add_argument("--requests", type=int, default=None, help="requests in the engine burst (default 400; tiny: 8)")
+    p.add_argument("--peer-requests", type=int, default=None,
+                   help="requests in the peer's burst (default: those of the first engine run; tiny: 8)")
     p.add_argument("--max-tokens", type=int, default=1024, help="every request's max_tokens (trace lengths are cut)")
     p.add_argument("--max-prompt", type=int, default=4096, help="longer prompts are cut to this")
     p.add_argument("--kv-budget", default=None, help="KV budget of every policy (default 4GiB; tiny: 48KiB)")
@@ -725,6 +732,15 @@ def _work(args, run: EngineRun, vocab_size: int):
                             kv_budget=args.kv_budget or ("48KiB" if args.tiny else "4GiB"), vocab_size=vocab_size)
 
 
+def peer_work(args, vocab_size: int):
+    """The burst a peer runs: the engine's first run's (its trace and requests; --peer-requests cuts it), so the
+    peer's figures compare with that run's policies on the same work."""
+    run = engine_runs(args)[0]
+    if args.peer_requests:
+        run = EngineRun(run.trace, args.peer_requests, run.policies)
+    return _work(args, run, vocab_size)
+
+
 def bench_engine(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
     """Every --engine-run on the same model: its trace's burst under each of its policies. The part's time is
     shared by the bursts still to run in proportion to their forced output tokens (a long trace gets more)."""
@@ -859,7 +875,9 @@ def run(args: argparse.Namespace) -> dict:
              "runs": lambda cap: bench_runs(args, device, DTYPES[dtype_name], report, cap),
              "vmm": lambda cap: bench_vmm(args, device, DTYPES[dtype_name], report, cap),
              "step": lambda cap: bench_step(args, device, dtype_name, report, cap),
-             "engine": lambda cap: bench_engine(args, device, dtype_name, report, cap)}
+             "engine": lambda cap: bench_engine(args, device, dtype_name, report, cap),
+             "peer": lambda cap: bench_peer(args, device, dtype_name, report, cap,
+                                            lambda vocab: peer_work(args, vocab))}
     for name in PARTS:
         if name in parts:
             _attempt(result, name, lambda name=name: bench[name](Cap(caps[name])), report)
