@@ -23,10 +23,13 @@
   arrive at once with max_tokens = the cap (static reserves prompt + cap, as a worst-case server does) and each is
   ended at its trace length (tokens are forced: ignore_eos; random weights mean nothing). Host and device time per
   step for each policy.
+- http: odma-serve against the engine alone on one burst (odma/bench/gpu_http.py): the engine in process and the
+  server in its own process, each with at most 64 requests running, the server driven by 64 streaming clients:
+  tokens/s, TTFT, requests ok/failed, output tokens of each, and http / engine tokens/s.
 
 Nothing is lost to one failure or to time: every part, every policy and every measurement is tried on its own, the
 JSON (--out) is rewritten after each measurement, and each part stops starting new measurements at its time cap
-(--caps; the defaults sum to under 7 minutes on an H100), saying what it skipped.
+(--caps; the defaults sum to under 8.5 minutes on an H100), saying what it skipped.
 
 `--tiny` shrinks every shape so the whole command runs on a CPU in Triton's interpreter (CI runs it so that it
 cannot rot); its timings are the interpreter's and mean nothing.
@@ -44,8 +47,10 @@ import sys
 import time
 from typing import Any, Callable
 
-PARTS = ("kernels", "runs", "vmm", "step", "engine")
-DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220}  # seconds: 7.2 minutes in all
+from odma.bench import gpu_http
+
+PARTS = ("kernels", "runs", "vmm", "step", "engine", "http")
+DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220, "http": 75}  # seconds: 8.4 minutes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fragmentation gets a range by relocating blocks, else the newest request is swapped out), "
                         "swap (the engine's default; the runs before this flag), wait (the request stalls instead), "
                         "compact-wait (both) (default: %(default)s)")
+    gpu_http.add_arguments(p)
     p.add_argument("--tests-log", default=None, help="a pytest log whose summary line goes into the JSON (gpu_check)")
     p.add_argument("--out", default=None, help="also write the JSON here, rewritten after each measurement (a run "
                                                "cut short keeps what it measured)")
@@ -712,7 +718,8 @@ def run(args: argparse.Namespace) -> dict:
              "runs": lambda cap: bench_runs(args, device, DTYPES[dtype_name], report, cap),
              "vmm": lambda cap: bench_vmm(args, device, DTYPES[dtype_name], report, cap),
              "step": lambda cap: bench_step(args, device, dtype_name, report, cap),
-             "engine": lambda cap: bench_engine(args, device, dtype_name, report, cap)}
+             "engine": lambda cap: bench_engine(args, device, dtype_name, report, cap),
+             "http": lambda cap: gpu_http.bench_http(args, device, dtype_name, report, cap)}
     for name in PARTS:
         if name in parts:
             _attempt(result, name, lambda name=name: bench[name](Cap(caps[name])), report)
