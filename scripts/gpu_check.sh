@@ -7,11 +7,13 @@
 #      vLLM's per-head planes, beside torch's SDPA over dense K/V), one growth step's mapping vs moving a 1/4 GiB block, a decode
 #      step of the 7B shape at batch 16 as a CUDA graph and eagerly (host vs device time), and the engine with random
 #      weights of the paper model's shape on a natural-length trace, odma vs static vs paged (vs odma growing by
-#      mapping) on one KV budget. Each part has a time cap (6.5 minutes in all); each measurement is tried on its own.
+#      mapping) on one KV budget, and odma-serve over HTTP against the engine alone on one burst (64 running). Each
+#      part has a time cap (8.4 minutes in all); each measurement is tried on its own.
 # Everything lands in OUT (default runs/gpu_check): env.txt, tests.log, gpu_check.json (rewritten after every
 # measurement, so a run cut short keeps what it measured).
 #
-# Needs python3 with torch, triton and pytest (the GPU machines' image has them; nothing is installed) and the trace:
+# Needs python3 with torch, triton and pytest (the GPU machines' image has them), the server's packages the image
+# lacks as wheels in .whl/ (scripts/gpu_wheels.sh downloads them; installed into /tmp/site, no network) and the trace:
 # the Azure conversation CSV under $ODMA_DATA_DIR/azure_llm_2023/ (default: ../shared/datasets, or .gpu/data when
 # that exists, which is where a run that travels without ../shared carries it).
 #   scripts/gpu_check.sh --stage        copy the trace into .gpu/data (git ignores it) so that it travels with the tree
@@ -36,6 +38,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -z "${ODMA_DATA_DIR:-}" ] && [ -d .gpu/data ]; then export ODMA_DATA_DIR=$PWD/.gpu/data; fi
 export PYTHONUNBUFFERED=1
 status=0
+if [ "$CPU" = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then  # odma-serve's packages (the http part)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH || status=1
+fi
 
 "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/env.txt"
 import platform, torch
@@ -56,7 +62,7 @@ if [ "$CPU" = 1 ]; then
   export TRITON_INTERPRET=1
   # the same stage, one quick test per file: the orchestration is what the dry run checks
   PICK=(-k "identity or single_token_block or paged_needs or buckets_cover or without_a_gpu or found_on_the_device")
-  BENCH=(--device cpu --tiny --rounds 1 --caps kernels=120,runs=60,vmm=60,step=120,engine=300)
+  BENCH=(--device cpu --tiny --rounds 1 --caps kernels=120,runs=60,vmm=60,step=120,engine=300,http=240)
   TESTS_CAP=${TESTS_CAP:-300}
 else
   PICK=()
