@@ -58,6 +58,12 @@ def test_the_dry_run_covers_every_part(dry_run):
     static, odma = engine["policies"]["static"], engine["policies"]["odma"]
     assert static["peak_running"] <= static["worst_case_fit"]  # static holds every request's worst case
     assert odma["peak_running"] >= static["peak_running"]
+    http = result["http"]  # odma-serve on the CPU (the tiny random model) against the engine alone, one burst
+    for run in ("engine", "server"):
+        r = http[run]
+        assert r["requests_ok"] == http["requests"] and r["requests_failed"] == 0 and not r["cut_at_cap"], (run, r)
+        assert r["output_tokens"] == http["forced_output_tokens"] and r["ttft_p50_s"] > 0, (run, r)
+    assert http["tokens_equal"] and http["http_vs_engine"] > 0 and http["server"]["exit_code"] == 0
 
 
 def _args(tmp_path, **overrides):
