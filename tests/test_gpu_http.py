@@ -66,7 +66,7 @@ def test_the_http_part_serves_the_engines_burst_and_every_forced_token(tmp_path,
         assert "error" not in r, r
         assert r["requests_ok"] == 5 and r["requests_failed"] == 0 and not r["cut_at_cap"], r
         assert r["output_tokens"] == sum(work.lengths), r
-        assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] < r["seconds"], r
+        assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"], r
     assert part["tokens_equal"] is True and part["http_vs_engine"] > 0
     assert part["server"]["exit_code"] == 0  # stopped by SIGTERM, cleanly
     assert part["server"]["ready_s"] > 0 and "--max-num-seqs" in part["server_flags"]
