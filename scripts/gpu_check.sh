@@ -3,20 +3,22 @@
 # order (GPU_CHECK_PARTS picks them), each under its own time cap, each saving what it measured as it goes:
 #   tests   the GPU tests that matter most (CUDA conformance, the engine through the Triton kernels, decode
 #           graphs; GPU_TESTS names others), 8 processes, at most CAP_TESTS seconds (70)
-#   bench   odma-bench gpu, part engine (BENCH_PARTS; kernels, runs, vmm and step were measured before and stay
-#           available): random weights of the paper model's shape, every policy on one KV budget, on
+#   bench   odma-bench gpu, parts engine, http and peer (BENCH_PARTS; kernels, runs, vmm and step were measured
+#           before and stay available): random weights of the paper model's shape, every policy on one KV budget, on
 #             ShareGPT's first turns (their text: SmolLM2's chat template; 200 requests) under odma with the
 #               learned predictor, the running median and the oracle, paged and static;
-#             Azure's conversation trace (lengths only; 400 requests) under odma and paged.
-#           At most CAP_BENCH seconds (245: 230 for the engine's bursts, shared in proportion to their tokens).
-# Planned on an H100 at ~3,000 tok/s: env 10 s + tests 70 s + bench 245 s = 325 s, which leaves ~150 s for the
-# parts other branches add (http: odma-serve on the GPU; peer: transformers' continuous batching): append
-# `part_NAME` below and its name to PARTS.
+#             Azure's conversation trace (lengths only; 400 requests) under odma and paged;
+#           then odma-serve over HTTP against the engine alone on one burst (64 running), and transformers'
+#           continuous batching on ShareGPT's burst. At most CAP_BENCH seconds (395: 230 for the engine's bursts,
+#           shared in proportion to their tokens, 75 for http, 75 for the peer).
+# Planned on an H100 at ~3,000 tok/s: env and wheels 15 s + tests 70 s + bench 395 s = 480 s.
+# A new part: append `part_NAME` below and its name to PARTS.
 # Everything lands in OUT (default runs/gpu_check): env.txt, tests.log, gpu_check.json (rewritten after every
 # measurement, so a run cut short keeps what it measured), parts.txt (seconds each part took).
 #
-# Needs python3 with torch, triton and pytest (the GPU machines' image has them; nothing is installed). A machine
-# without our data and model packages gets them from `.gpu/` (git-ignored; it travels with the tree):
+# Needs python3 with torch, triton and pytest (the GPU machines' image has them). A machine without our data and
+# model packages gets them from `.gpu/`, and odma-serve's packages as wheels from `.whl/` (scripts/gpu_wheels.sh;
+# installed into /tmp/site, no network); both are git-ignored and travel with the tree (`carry`):
 #   scripts/gpu_check.sh --stage [DIR]   stage into DIR (default .gpu) the Azure CSV, ShareGPT's records as JSONL,
 #                                        SmolLM2's tokenizer (odma's cache) and the default learned predictor as a
 #                                        self-contained folder, check that they load without those packages, print
@@ -51,6 +53,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 status=0
+if [ "$CPU" = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then  # odma-serve's packages (the http part)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH || status=1
+fi
 
 if [ "$CPU" = 1 ]; then  # the dry run stages afresh and runs from the staged files, as a GPU machine must
   STAGED=$OUT/stage
@@ -90,14 +96,14 @@ if [ "$CPU" = 1 ]; then
   export TRITON_INTERPRET=1
   # the same plan, one quick test per file: the orchestration is what the dry run checks
   PICK=(-k "identity or single_token_block or paged_needs or buckets_cover or without_a_gpu or found_on_the_device")
-  BENCH=(--device cpu --tiny --rounds 1 --caps kernels=120,runs=60,vmm=60,step=120,engine=600)
+  BENCH=(--device cpu --tiny --rounds 1 --caps kernels=120,runs=60,vmm=60,step=120,engine=600,http=240,peer=240)
   CAP_TESTS=${CAP_TESTS:-300}
-  CAP_BENCH=${CAP_BENCH:-1200}
+  CAP_BENCH=${CAP_BENCH:-1800}
 else
   PICK=()
-  BENCH=(--caps engine=230,step=20)
+  BENCH=(--caps engine=230,http=75,peer=75,step=20)
   CAP_TESTS=${CAP_TESTS:-70}
-  CAP_BENCH=${CAP_BENCH:-245}
+  CAP_BENCH=${CAP_BENCH:-395}
 fi
 
 part_tests() {
@@ -111,7 +117,7 @@ part_tests() {
 part_bench() {
   local rc
   # shellcheck disable=SC2086
-  timeout "$CAP_BENCH" "$PY" -m odma.bench.gpu_bench "${BENCH[@]}" --parts "${BENCH_PARTS:-engine}" \
+  timeout "$CAP_BENCH" "$PY" -m odma.bench.gpu_bench "${BENCH[@]}" --parts "${BENCH_PARTS:-engine,http,peer}" \
     "${ENGINE_RUNS[@]}" ${GPU_BENCH_ARGS:-} --tests-log "$OUT/tests.log" --json --out "$OUT/gpu_check.json" >/dev/null
   rc=$?
   "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1)[:8000])" \

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     # every part of the bench (the GPU plan runs only the engine; the others stay available and must not rot)
-    env = dict(os.environ, BENCH_PARTS="kernels,runs,vmm,step,engine")
+    env = dict(os.environ, BENCH_PARTS="kernels,runs,vmm,step,engine,http,peer")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", str(out)],
                           capture_output=True, text=True, timeout=1800, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -86,6 +86,16 @@ def test_the_dry_run_covers_every_part(dry_run):
     assert static["peak_running"] <= static["worst_case_fit"]  # static holds every request's worst case
     assert odma["peak_running"] >= static["peak_running"]
     assert "staged in" in result["_stdout"] and '"encoder:default"' in result["_stdout"]  # the staged files loaded
+    http = result["http"]  # odma-serve on the CPU (the tiny random model) against the engine alone, one burst
+    for run in ("engine", "server"):
+        r = http[run]
+        assert r["requests_ok"] == http["requests"] and r["requests_failed"] == 0 and not r["cut_at_cap"], (run, r)
+        assert r["output_tokens"] == http["forced_output_tokens"] and r["ttft_p50_s"] > 0, (run, r)
+    assert http["tokens_equal"] and http["http_vs_engine"] > 0 and http["server"]["exit_code"] == 0
+    peer = result["peer"]  # transformers' continuous batching on the first engine run's burst (ShareGPT's)
+    if "skipped" not in peer:
+        assert peer["trace"] == sharegpt and peer["requests"] == runs[sharegpt]["work"]["requests"], peer
+        assert peer["output_tokens"] == peer["forced_output_tokens"] == runs[sharegpt]["work"]["forced_output_tokens"]
     assert [line.split()[0] for line in (result["_out"] / "parts.txt").read_text().splitlines()] == ["tests", "bench"]
 
 

@@ -28,10 +28,13 @@
   several traces run on one model (`--engine-run TRACE=POLICIES`, repeated). The burst is `gpu_work.BurstWork`.
 - peer: Hugging Face transformers' continuous batching on the same burst, model shape and KV bytes (gpu_peer.py
   says its settings and why): tok/s, output tokens against the forced sum, first-token times.
+- http: odma-serve against the engine alone on one burst (odma/bench/gpu_http.py): the engine in process and the
+  server in its own process, each with at most 64 requests running, the server driven by 64 streaming clients:
+  tokens/s, TTFT, requests ok/failed, output tokens of each, and http / engine tokens/s.
 
 Nothing is lost to one failure or to time: every part, every policy and every measurement is tried on its own, the
 JSON (--out) is rewritten after each measurement, and each part stops starting new measurements at its time cap
-(--caps; the defaults sum to under 7 minutes on an H100), saying what it skipped.
+(--caps; the defaults sum to under 8.5 minutes on an H100), saying what it skipped.
 
 `--tiny` shrinks every shape so the whole command runs on a CPU in Triton's interpreter (CI runs it so that it
 cannot rot); its timings are the interpreter's and mean nothing.
@@ -50,11 +53,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from odma.bench import gpu_http
 from odma.bench.gpu_peer import bench_peer
 
-PARTS = ("kernels", "runs", "vmm", "step", "engine", "peer")
-# seconds: 8.4 minutes in all (peer: transformers' continuous batching on the burst, odma/bench/gpu_peer.py)
-DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220, "peer": 75}
+PARTS = ("kernels", "runs", "vmm", "step", "engine", "http", "peer")
+# seconds: 9.6 minutes in all (gpu_check runs engine, http and peer in about 6.5)
+DEFAULT_CAPS = {"kernels": 80, "runs": 40, "vmm": 30, "step": 60, "engine": 220, "http": 75, "peer": 75}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fragmentation gets a range by relocating blocks, else the newest request is swapped out), "
                         "swap (the engine's default; the runs before this flag), wait (the request stalls instead), "
                         "compact-wait (both) (default: %(default)s)")
+    gpu_http.add_arguments(p)
     p.add_argument("--tests-log", default=None, help="a pytest log whose summary line goes into the JSON (gpu_check)")
     p.add_argument("--out", default=None, help="also write the JSON here, rewritten after each measurement (a run "
                                                "cut short keeps what it measured)")
@@ -876,6 +881,7 @@ def run(args: argparse.Namespace) -> dict:
              "vmm": lambda cap: bench_vmm(args, device, DTYPES[dtype_name], report, cap),
              "step": lambda cap: bench_step(args, device, dtype_name, report, cap),
              "engine": lambda cap: bench_engine(args, device, dtype_name, report, cap),
+             "http": lambda cap: gpu_http.bench_http(args, device, dtype_name, report, cap),
              "peer": lambda cap: bench_peer(args, device, dtype_name, report, cap,
                                             lambda vocab: peer_work(args, vocab))}
     for name in PARTS:

@@ -30,6 +30,7 @@ from odma.errors import ConfigError, InvalidRequestError, RequestTooLargeError
 from odma.kv import KVPool, build_policy, rank_devices
 from odma.models import DTYPES
 from odma.models.llama import CausalLM
+from odma.models.random_served import is_random_model, make_random_served_model
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,15 @@ class LLMEngine:
             parse_kv_budget(config.kv_budget, b.memory_info().total_bytes)
         folder = None
         self.weights = config.dtype  # what the served weights are: a dtype, or "native" (a GGUF's own blocks)
-        if model is None:
+        if model is None and is_random_model(config.model):
+            if len(devices) > 1:
+                raise ConfigError(f"{config.model} is made on one device: serve it with --device, not --devices")
+            if config.weights == "native":
+                raise ConfigError(f"{config.model} has dense random weights: --weights native does not apply")
+            model, random_tokenizer = make_random_served_model(config.model, DTYPES[config.dtype],
+                                                               str(backends[0].device))
+            tokenizer = tokenizer if tokenizer is not None else random_tokenizer
+        elif model is None:
             from odma.models.weights import load_served_model
 
             model, folder, self.weights = load_served_model(config.model, config.weights, config.dtype,

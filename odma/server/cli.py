@@ -39,7 +39,11 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="odma-serve", description=__doc__, formatter_class=_HelpWithDefaults)
     d = EngineConfig()
-    p.add_argument("--model", default=d.model, help="smollm2 (default), a HF folder, a .gguf file or a hub name")
+    p.add_argument("--model", default=d.model,
+                   help="smollm2 (default), a HF folder, a .gguf file, a hub name, or random:paper-7b / "
+                        "random:tiny-qwen2: RANDOM weights of that shape (the paper's 7B model; a 2-layer stand-in "
+                        "for CPUs) made on the device, SmolLM2's tokenizer, no download; for benchmarks with forced "
+                        "lengths (ignore_eos): its text means nothing and it never ends a request itself")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models reports (default: from --model)")
     p.add_argument("--device", default=d.device, help="cpu | cuda[:N] | mlu[:N]")
     p.add_argument("--devices", default=None,
