@@ -125,3 +125,21 @@ def test_the_memory_modes_change_what_they_say():
     assert runs["swap"]["swap_outs"] > 0 and runs["swap"]["compactions"] == 0
     assert runs["compact"]["compactions"] > 0 and runs["compact"]["swap_outs"] < runs["swap"]["swap_outs"]
     assert runs["wait"]["swap_outs"] == 0
+
+
+def test_the_bench_default_keeps_headroom_instead_of_preempting():
+    """odma-bench gpu's default memory (the first of ODMA_MEMORY) admits within θ of the pool and lets a block that
+    cannot grow wait: on a small burst it preempts nobody where compaction alone swaps requests out."""
+    from odma.analyze.gpu_burst import HEADROOM_THETA, ODMA_MEMORY
+
+    assert ODMA_MEMORY[0] == "headroom"
+    fields = odma_memory("headroom")
+    assert fields["preempt"] == "wait" and fields["admission_theta"] == HEADROOM_THETA < 1
+    assert fields["pool"].compact_growth
+    _needs_trace()
+    prompts = bench_prompts(SMALL)
+    old = run_burst(SMALL, "odma", engine_overrides=odma_memory("compact"), prompts=prompts).summary()
+    new = run_burst(SMALL, "odma", engine_overrides=fields, prompts=prompts).summary()
+    assert old["preemptions"] > 0
+    assert new["preemptions"] < old["preemptions"] and new["swap_outs"] == 0
+    assert new["output_tokens"] == old["output_tokens"]  # every request still finishes

@@ -27,12 +27,16 @@ PAGE_TOKENS = 16  # odma.engine.config.PAGE_TOKENS: the paged baseline's page
 BASE_POLICIES = ("static", "odma", "paged", "oracle")  # oracle: contiguous blocks of exactly the true length
 
 
-# odma's memory under pressure in the bench's engine part (--odma-memory), the first the default: "compact" (a block
-# that cannot grow for fragmentation gets a range by relocating blocks; if that fails too, the newest request is
-# swapped out) beat paged on both traces and budgets of the fitted replay (docs/results/gpu/replay_fit.md); "swap"
-# is the engine's default, what the raw runs did; "wait" stalls the request instead of swapping; "compact-wait"
-# both (best on Azure at 4 GiB, worst on ShareGPT there: waiting holds admissions back)
-ODMA_MEMORY = ("compact", "swap", "wait", "compact-wait")
+# odma's memory under pressure in the bench's engine part (--odma-memory), the first the default: "headroom"
+# (compaction, a block that cannot grow waits instead of swapping a request out, and admission keeps reservations
+# within HEADROOM_THETA of the pool so that the running requests have room to grow into: no preemption on either
+# trace or budget of the fitted replay, 1.04-1.07x paged at 4 GiB and 1.13x at 16 GiB,
+# docs/results/gpu/replay_policy.md); "compact" (a block that cannot grow for fragmentation gets a range by relocating
+# blocks; if that fails too, the newest request is swapped out: 735-811 preemptions at 4 GiB); "swap" is the engine's
+# default, what the first raw runs did; "wait" stalls the request instead of swapping; "compact-wait" both (best on
+# Azure at 4 GiB, worst on ShareGPT there: waiting holds admissions back while the pool stays full)
+ODMA_MEMORY = ("headroom", "compact", "swap", "wait", "compact-wait")
+HEADROOM_THETA = 0.9  # reservations at most this share of the pool (eLLM's θ); 0.85-0.93 replayed within 2 %
 
 
 def odma_memory(name: str, align: int = 16) -> dict:
@@ -43,9 +47,11 @@ def odma_memory(name: str, align: int = 16) -> dict:
     if name not in ODMA_MEMORY:
         raise ConfigError(f"odma memory must be one of {ODMA_MEMORY}, got {name!r}")
     out: dict = {}
-    if name in ("compact-wait", "wait"):
+    if name in ("compact-wait", "wait", "headroom"):
         out["preempt"] = "wait"
-    if name in ("compact-wait", "compact"):
+    if name == "headroom":
+        out["admission_theta"] = HEADROOM_THETA
+    if name in ("compact-wait", "compact", "headroom"):
         out["pool"] = replace(PoolConfig(align=align), compact_growth=True)
     elif align != PoolConfig().align:
         out["pool"] = PoolConfig(align=align)
