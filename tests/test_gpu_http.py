@@ -116,3 +116,20 @@ def test_the_server_is_stopped_when_the_burst_fails(tmp_path, launched, monkeypa
     with pytest.raises(ConnectionError, match="injected"):
         gpu_http.http_run(flags, work, tmp_path / "server.log", 240, float("inf"))
     assert len(launched) == 1 and _gone(launched[0]) and launched[0].returncode == 0
+
+
+@pytest.mark.parametrize("memory", ["headroom", "compact", "swap", "wait", "compact-wait"])
+def test_the_server_gets_the_engine_parts_odma_memory(tmp_path, memory):
+    """The server's flags give it the odma memory the engine part runs (the same EngineConfig fields)."""
+    from odma.analyze.gpu_burst import odma_memory
+    from odma.bench import gpu_http
+    from odma.server import cli
+
+    args = _args(tmp_path, "--http-requests", "2", "--odma-memory", memory)
+    work = gpu_http.burst_work(args)
+    parser = cli.build_parser()
+    config = cli.config_from_args(parser.parse_args(gpu_http.server_flags(args, work, "cpu", "float32")))
+    want = odma_memory(memory)
+    assert config.preempt == want.get("preempt", "swap")
+    assert config.pool.compact_growth == ("pool" in want and want["pool"].compact_growth)
+    assert config.admission_theta == want.get("admission_theta", 1.0)

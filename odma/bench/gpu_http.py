@@ -86,7 +86,10 @@ def server_flags(args, work: BurstWork, device: str, dtype_name: str) -> list[st
     from odma.engine.config import device_capabilities
 
     attention = "triton" if device_capabilities(device).attention == "triton" else "auto"
-    memory = getattr(args, "odma_memory", "swap")
+    from odma.analyze.gpu_burst import odma_memory
+
+    memory = odma_memory(getattr(args, "odma_memory", "swap"))  # the engine part's odma memory, as flags
+    pool = memory.get("pool")
     longest = max(map(len, work.prompts))
     return ["--model", served_model(args), "--device", device, "--dtype", dtype_name, "--policy", "odma",
             "--kv-budget", work.kv_budget, "--kv-growth", "copy", "--max-num-seqs", str(CONCURRENCY),
@@ -95,8 +98,9 @@ def server_flags(args, work: BurstWork, device: str, dtype_name: str) -> list[st
             "--max-model-len", str(longest + work.max_tokens), "--max-prefill-tokens", str(max(8192, longest)),
             "--max-queue", str(work.requests + 8), "--threads", "1" if args.tiny else "4",
             "--generation-config", "vllm",
-            "--compact-growth" if "compact" in memory else "--no-compact-growth",
-            *(["--preempt", "wait"] if "wait" in memory else [])]
+            "--compact-growth" if pool is not None and pool.compact_growth else "--no-compact-growth",
+            *(["--preempt", memory["preempt"]] if "preempt" in memory else []),
+            *(["--admission-theta", str(memory["admission_theta"])] if "admission_theta" in memory else [])]
 
 
 def warm_prompts(work: BurstWork) -> list[list[int]]:
