@@ -127,19 +127,28 @@ def test_the_memory_modes_change_what_they_say():
     assert runs["wait"]["swap_outs"] == 0
 
 
-def test_the_bench_default_keeps_headroom_instead_of_preempting():
-    """odma-bench gpu's default memory (the first of ODMA_MEMORY) admits within θ of the pool and lets a block that
-    cannot grow wait: on a small burst it preempts nobody where compaction alone swaps requests out."""
+def test_the_bench_default_packs_and_headroom_waits_instead_of_preempting():
+    """odma-bench gpu's default memory (the first of ODMA_MEMORY) packs odma's blocks, as the engine does on an
+    accelerator; "headroom" admits within θ of the pool and lets a block that cannot grow wait. On a small burst both
+    preempt fewer requests than compaction alone, which swaps them out."""
     from odma.analyze.gpu_burst import HEADROOM_THETA, ODMA_MEMORY
+    from odma.engine.config import PACKED_THETA, EngineConfig
 
-    assert ODMA_MEMORY[0] == "headroom"
-    fields = odma_memory("headroom")
-    assert fields["preempt"] == "wait" and fields["admission_theta"] == HEADROOM_THETA < 1
-    assert fields["pool"].compact_growth
+    assert ODMA_MEMORY[0] == "packed"
+    packed = odma_memory("packed")
+    assert packed["packing"] and packed["admission_theta"] == PACKED_THETA
+    engine = EngineConfig(device="cuda", **packed)
+    assert engine.pool == engine.resolved_pool  # the preset spells out what packing sets: a run's config says it
+    assert EngineConfig(device="cuda", **odma_memory("swap")).resolved_pool == EngineConfig(device="cpu").pool
+    headroom = odma_memory("headroom")
+    assert headroom["preempt"] == "wait" and headroom["admission_theta"] == HEADROOM_THETA < 1
+    assert headroom["pool"].compact_growth and not headroom["packing"]
     _needs_trace()
     prompts = bench_prompts(SMALL)
     old = run_burst(SMALL, "odma", engine_overrides=odma_memory("compact"), prompts=prompts).summary()
-    new = run_burst(SMALL, "odma", engine_overrides=fields, prompts=prompts).summary()
     assert old["preemptions"] > 0
-    assert new["preemptions"] < old["preemptions"] and new["swap_outs"] == 0
-    assert new["output_tokens"] == old["output_tokens"]  # every request still finishes
+    for fields in (packed, headroom):
+        new = run_burst(SMALL, "odma", engine_overrides=fields, prompts=prompts).summary()
+        assert new["preemptions"] < old["preemptions"] / 4
+        assert new["output_tokens"] == old["output_tokens"]  # every request still finishes
+    assert run_burst(SMALL, "odma", engine_overrides=packed, prompts=prompts).summary()["slides"] > 0
