@@ -310,8 +310,11 @@ class BurstEngine:
 
     @property
     def copied_tokens(self) -> int:
-        """Tokens growth and relocations copied so far (the paged pool copies none)."""
-        return self.kv.copied_tokens + getattr(self.kv, "relocated_tokens", 0)
+        """Tokens growth and relocations copied so far (the paged pool copies none); a slide or a growth into the
+        gaps beside a block that overlaps its old place passes through a temporary and counts twice."""
+        pool = getattr(self.kv, "pool", None)
+        overlapped = pool.overlapped_tokens if pool is not None else 0
+        return self.kv.copied_tokens + getattr(self.kv, "relocated_tokens", 0) + overlapped
 
 
 def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None = None,
@@ -369,4 +372,4 @@ def _counts(engine: BurstEngine) -> dict:
     return {"preemptions": c.preemptions, "swap_outs": c.swap_outs, "migrations": stats.migrations,
             "migrated_tokens": stats.migrated_tokens, "grown_in_place": stats.grown_in_place,
             "relocated_tokens": stats.relocated_tokens, "compactions": getattr(engine.kv, "compactions", 0),
-            "slides": getattr(engine.kv, "slides", 0)}
+            "slides": getattr(engine.kv, "slides", 0), "overlapped_tokens": getattr(stats, "overlapped_tokens", 0)}

@@ -69,6 +69,9 @@ class PoolCounters:
     releases: int = 0
     relocations: int = 0  # blocks moved elsewhere at the same size (window clearing, compaction, deflation)
     relocated_tokens: int = 0  # live tokens those moves copied
+    # of the tokens moved by slides and growth into neighbours, those whose move overlapped the block's old place: they
+    # pass through a temporary, so they are copied twice (a cost model charges them again)
+    overlapped_tokens: int = 0
     free_list_hits: int = 0
     flushes: int = 0
 
@@ -298,6 +301,7 @@ class KVPool:
                     raise
             self._n.grown_in_place += in_place
             self._n.grown_into_neighbours += over_old and not in_place
+            self._n.overlapped_tokens += live.length if over_old and not in_place else 0
             # the swap: from here on the request's KV is the new block
             self._move(live, new)
             live.reservation = res
@@ -431,6 +435,7 @@ class KVPool:
             self._move(live, new)
             self._n.relocations += 1
             self._n.relocated_tokens += live.length
+            self._n.overlapped_tokens += live.length if gap < old.capacity // a else 0
             return new
 
     def free_extents(self, region: str) -> list[tuple[int, int]]:
@@ -631,6 +636,11 @@ class KVPool:
     def relocated_tokens(self) -> int:
         """Σ live tokens copied by relocations (window clearing, compaction, deflation) so far."""
         return self._n.relocated_tokens
+
+    @property
+    def overlapped_tokens(self) -> int:
+        """Σ tokens of moves that overlapped the block's old place (copied through a temporary: twice)."""
+        return self._n.overlapped_tokens
 
     @property
     def live_blocks(self) -> int:
