@@ -31,7 +31,7 @@ BASE_POLICIES = ("static", "odma", "paged", "oracle")  # oracle: contiguous bloc
 # (docs/results/gpu/replay_policy.md): "packed" (the engine's default on accelerators, EngineConfig.packing: compaction
 # that slides blocks over the gaps when no window can be cleared, growth over the gaps beside a block and by 64 tokens,
 # admission within θ 0.97 of the pool, a swap only when none of it finds room: 1.09-1.10x paged at 4 GiB, 1.13x at
-# 16 GiB, 1-9 preemptions of 400); "headroom" (compaction, a block that cannot grow waits, admission within θ 0.9:
+# 16 GiB, 0-5 preemptions of 400); "headroom" (compaction, a block that cannot grow waits, admission within θ 0.9:
 # no preemption, 1.04-1.07x at 4 GiB); "compact" (compaction, else the newest request is swapped out: 735-811
 # preemptions at 4 GiB); "swap", the engine's CPU default, what the first raw runs did; "wait" stalls the request
 # instead of swapping; "compact-wait" both (waiting holds admissions back while the pool stays full)

@@ -34,7 +34,8 @@ DECODE_GRAPHS = ("auto", "capture", "static", "off")
 PAGE_TOKENS = 16
 
 # packing's admission share (EngineConfig.packing): reservations within 97 % of the pool leave the running requests
-# room to grow into; 0.95-0.97 replayed within 1 % of each other, 0.99 and 1.0 preempted 36-67 of 400 requests
+# room to grow into; in the GPU replay 0.99 and 1.0 preempted up to 11 and 22 of 400 requests, relocated 1.6-2.1x as
+# many tokens and lost 0.3-1.3 % (docs/results/gpu/replay_policy.md)
 PACKED_THETA = 0.97
 
 # what the realized-length log keeps of each prompt: the text, its SHA-256, or nothing
