@@ -152,3 +152,19 @@ def test_the_bench_default_packs_and_headroom_waits_instead_of_preempting():
         assert new["preemptions"] < old["preemptions"] / 4
         assert new["output_tokens"] == old["output_tokens"]  # every request still finishes
     assert run_burst(SMALL, "odma", engine_overrides=packed, prompts=prompts).summary()["slides"] > 0
+
+
+def test_a_raw_run_is_replayed_with_the_odma_memory_it_ran(tmp_path):
+    """fit-gpu replays each run's odma as the run ran it: the recorded --odma-memory, "swap" for the first runs (no
+    compaction, no waiting), and a clear error where a compacting run does not say which preset it was."""
+    from odma.analyze.gpu_fit import read_raw_run
+
+    assert read_raw_run(RAW / "gpu_rerun_h100.json").odma_memory == "swap"
+    raw = json.loads((RAW / "gpu_rerun_h100.json").read_text())
+    raw["engine"]["policies"]["odma"]["compact_growth"] = True
+    (tmp_path / "unsaid.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="odma-memory"):
+        read_raw_run(tmp_path / "unsaid.json")
+    raw["engine"]["odma_memory"] = "packed"
+    (tmp_path / "packed.json").write_text(json.dumps(raw))
+    assert read_raw_run(tmp_path / "packed.json").odma_memory == "packed"
