@@ -97,6 +97,10 @@ class Capabilities:
     attention: str = "triton"  # what attention "auto" runs: native (`decode_attention()`), triton or sdpa
     graphs: bool = False  # `capture_graph` records graphs; decode batches are captured by default
     parallel_pools: bool = True  # several devices of this kind step at once (False: they share the host's cores)
+    # copying a block inside device memory costs far less than sending it to the host and back (HBM against the
+    # host link): odma packs its blocks (compaction, sliding) rather than swap a request out. False where both are
+    # the same memcpy (a CPU pool)
+    cheap_block_copies: bool = False
     torch_extension: str | None = None  # the module that registers the device with torch (imported when opened)
 
     def __post_init__(self) -> None:
@@ -117,24 +121,37 @@ class MemoryInfo:
         return iter((self.free_bytes, self.total_bytes))
 
 
+# an overlapping move goes through temporaries of at most this many bytes (groups of a layer's K or V slices): few
+# copies per move (a slid block of a 7B model's ~1 K tokens: 3 groups), a bounded transient for a long one
+OVERLAP_TEMP_BYTES = 32 << 20
+
+
 def copy_kv(view: Callable[[Block], torch.Tensor], src: Block, dst: Block, n_tokens: int) -> None:
-    """The migration copy: the first n_tokens of every layer's K and V, sequentially. `dst` may be `src`
-    grown in place (same offset, larger capacity): a block's layout depends on its capacity, so each
-    layer's K and V move further right; the last move first, each through a temporary of one K or V slice
-    (a slice can overlap its own new place, never a later slice's old one)."""
+    """The migration copy: the first n_tokens of every layer's K and V, sequentially. `dst` may overlap `src` (a
+    block grown in place or over the gap before it, or slid over a gap): a block's layout depends on its offset and
+    capacity, so each layer's K and V slice moves by its own distance. The slices that move toward the block's
+    start go first, front first, then those that move toward its end, back first, a group of neighbouring slices at
+    a time through a temporary (at most OVERLAP_TEMP_BYTES): a group's new place may overlap its own old one, and only
+    the old ones of slices moved already."""
     if n_tokens > min(src.capacity, dst.capacity) or n_tokens < 0:
         raise BackendError(f"cannot copy {n_tokens} tokens from {src} to {dst}")
-    if not n_tokens:
+    if not n_tokens or (src.offset, src.capacity) == (dst.offset, dst.capacity):
         return
     if src.offset < dst.end and dst.offset < src.end:
-        if src.offset != dst.offset or dst.capacity < src.capacity:
-            raise BackendError(f"overlapping copy from {src} to {dst} (only growth in place is supported)")
-        if dst.capacity == src.capacity:
-            return
-        old, new = view(src), view(dst)  # one storage, two layouts
-        for layer in reversed(range(old.shape[0])):
-            for kv in (1, 0):
-                new[layer, kv, :n_tokens].copy_(old[layer, kv, :n_tokens].clone())
+        if dst.capacity < src.capacity:
+            raise BackendError(f"overlapping copy from {src} to {dst} into a smaller block")
+        old, new = view(src).flatten(0, 1), view(dst).flatten(0, 1)  # one storage, two layouts: [2·layers, capacity, ...]
+        count = old.shape[0]
+        rows = old[0, :n_tokens]
+        group = max(1, OVERLAP_TEMP_BYTES // (rows.numel() * rows.element_size()))
+        # slice i moves by (dst.offset - src.offset)·count + i·(dst.capacity - src.capacity) rows, rising with i
+        down = sum(1 for i in range(count) if (dst.offset - src.offset) * count + i * (dst.capacity - src.capacity) < 0)
+        for a in range(0, down, group):
+            b = min(down, a + group)
+            new[a:b, :n_tokens].copy_(old[a:b, :n_tokens].clone())
+        for b in range(count, down, -group):
+            a = max(down, b - group)
+            new[a:b, :n_tokens].copy_(old[a:b, :n_tokens].clone())
         return
     view(dst)[:, :, :n_tokens].copy_(view(src)[:, :, :n_tokens])
 

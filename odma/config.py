@@ -121,7 +121,10 @@ class PoolConfig:
     # share held back for uncertain and overflowing requests; 0 by default: it never helped in the replays
     large_share: float = 0.0
     align: int = 16  # block capacities and offsets are multiples of this many tokens
-    growth: str = "next"  # what a request that outgrows its block migrates to: next | large | double
+    # what a request that outgrows its block migrates to: next (bucket) | large | double | step (growth_step tokens
+    # beyond what it needs: what packing uses, docs/results/gpu/replay_policy.md)
+    growth: str = "next"
+    growth_step: int = 64  # output tokens beyond the need that growth "step" reserves
     # reserve for reserve_scale·L̂ and grow by migration: 0.5 won the replays (docs/analyze.md)
     reserve_scale: float = 0.5
     # pred: a request's first growth goes straight to the bucket that holds its L̂ (before reserve_scale) instead of
@@ -132,6 +135,13 @@ class PoolConfig:
     # by relocating the blocks in the emptiest one (copies at the device's copy speed) instead of preempting a
     # request; off by default where copies are slow (a CPU pool), on in odma-bench gpu's engine
     compact_growth: bool = False
+    # with compact_growth, when no range can be cleared that way (the blocks in it have nowhere else to go), blocks
+    # slide over the gaps between them until the growth fits (a partial compaction: odma.kv.reclaim.slide_for_growth;
+    # a move may overlap the block's old place)
+    slide_growth: bool = False
+    # a block that cannot grow in place grows over the free units before it too (gaps too small for anything else):
+    # one overlapping copy instead of a migration elsewhere
+    neighbour_growth: bool = False
     # a request whose prompt exceeds this share of the pool's largest range reserves its worst case up front:
     # growing its block by migration would need a second range at least that large
     worst_case_prompt_share: float = 0.5
@@ -147,9 +157,11 @@ class PoolConfig:
             raise ConfigError(f"reserve_scale must be a positive number, got {self.reserve_scale}")
         if self.growth not in GROWTH_POLICIES:
             raise ConfigError(f"growth must be one of {GROWTH_POLICIES}, got {self.growth!r}")
+        if type(self.growth_step) is not int or self.growth_step < 1:
+            raise ConfigError(f"growth_step must be a whole number of tokens >= 1, got {self.growth_step!r}")
         if self.growth_hint not in GROWTH_HINTS:
             raise ConfigError(f"growth_hint must be one of {GROWTH_HINTS}, got {self.growth_hint!r}")
 
 
-GROWTH_POLICIES = ("next", "large", "double")
+GROWTH_POLICIES = ("next", "large", "double", "step")
 GROWTH_HINTS = ("pred", "none")

@@ -205,4 +205,31 @@ def test_growth_in_place_lays_the_kv_out_again_intact(backend, segmented):
     arena.copy(old, grown, 12)
     assert torch.equal(arena.view(grown)[:, :, :12], values[:, :, :12])
     with pytest.raises(BackendError, match="overlapping"):
-        arena.copy(Block(8, 16, 0), Block(16, 16, 0), 8)  # overlapping, and not growth in place
+        arena.copy(Block(8, 40, 0), Block(16, 16, 0), 8)  # overlapping, into a smaller block
+
+
+@pytest.mark.parametrize("temp_bytes", [1, 1 << 30])  # one slice per temporary, or all of them in one
+@pytest.mark.parametrize("segmented", [False, True])
+@pytest.mark.parametrize("src, dst", [
+    (Block(16, 16, 0), Block(8, 16, 0)),  # slid down over a gap smaller than itself
+    (Block(8, 16, 0), Block(16, 16, 0)),  # slid up
+    (Block(16, 16, 0), Block(4, 40, 1)),  # grown over the gaps before and after it
+    (Block(16, 16, 0), Block(12, 20, 1)),  # grown over a few tokens before it: every slice moves a little
+    (Block(16, 8, 0), Block(0, 48, 1)),  # grown a lot: the later slices move past the block's old end
+])
+def test_overlapping_moves_keep_the_kv_intact(backend, segmented, src, dst, temp_bytes, monkeypatch):
+    """Compaction slides blocks over gaps smaller than themselves and grows them over the gaps beside them: the
+    source and destination of the copy overlap, and every layer's K and V must arrive intact, whatever the groups of
+    slices each temporary holds."""
+    import backends.base
+
+    monkeypatch.setattr(backends.base, "OVERLAP_TEMP_BYTES", temp_bytes)
+    arena = backend.create_arena(64, LAYOUT)
+    if segmented:
+        seg = SegmentedArena(LAYOUT)
+        seg.add(0, arena)
+        arena = seg
+    values = _fill(arena, src, 1.0)
+    n = min(src.capacity, 7)
+    arena.copy(src, dst, n)
+    assert torch.equal(arena.view(dst)[:, :, :n], values[:, :, :n])

@@ -118,3 +118,28 @@ def test_compaction_under_pressure_keeps_every_token(folder):
     assert kv.compactions > 0 and engine.pool.stats().relocated_tokens > 0
     engine.pool.check_invariants()
     assert engine.pool.stats().live_blocks == 0
+
+
+def test_packing_under_pressure_keeps_every_token(folder):
+    """With packing on a pool too small for the batch, blocks slide over the gaps between them (their copies overlap
+    their old places) and grow over the gaps beside them: every request's tokens stay as a roomy static run
+    produces them."""
+    import random
+
+    from odma.config import PoolConfig
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 40))] for _ in range(24)]
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    reference = tiny_engine(folder, policy="static", kv_budget="8MiB").generate(prompts, params)
+    # L̂ = 1 reserves the first bucket (64 tokens) beyond each prompt: every request grows, 4 tokens at a time
+    engine = tiny_engine(folder, policy="odma", predicted=1, kv_budget="384KiB", kv_growth="copy", packing=True,
+                         pool=PoolConfig(align=4, growth_step=4))
+    kv = engine.workers[0].kv
+    assert kv.slide_growth and engine.pool.neighbour_growth
+    for a, b in zip(reference, engine.generate(prompts, params)):
+        assert a.output_ids == b.output_ids
+    stats = engine.pool.stats()
+    assert kv.slides > 0 and stats.grown_into_neighbours > 0 and stats.relocated_tokens > 0
+    engine.pool.check_invariants()
+    assert stats.live_blocks == 0

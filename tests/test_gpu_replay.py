@@ -127,19 +127,44 @@ def test_the_memory_modes_change_what_they_say():
     assert runs["wait"]["swap_outs"] == 0
 
 
-def test_the_bench_default_keeps_headroom_instead_of_preempting():
-    """odma-bench gpu's default memory (the first of ODMA_MEMORY) admits within θ of the pool and lets a block that
-    cannot grow wait: on a small burst it preempts nobody where compaction alone swaps requests out."""
+def test_the_bench_default_packs_and_headroom_waits_instead_of_preempting():
+    """odma-bench gpu's default memory (the first of ODMA_MEMORY) packs odma's blocks, as the engine does on an
+    accelerator; "headroom" admits within θ of the pool and lets a block that cannot grow wait. On a small burst both
+    preempt fewer requests than compaction alone, which swaps them out."""
     from odma.analyze.gpu_burst import HEADROOM_THETA, ODMA_MEMORY
+    from odma.engine.config import PACKED_THETA, EngineConfig
 
-    assert ODMA_MEMORY[0] == "headroom"
-    fields = odma_memory("headroom")
-    assert fields["preempt"] == "wait" and fields["admission_theta"] == HEADROOM_THETA < 1
-    assert fields["pool"].compact_growth
+    assert ODMA_MEMORY[0] == "packed"
+    packed = odma_memory("packed")
+    assert packed["packing"] and packed["admission_theta"] == PACKED_THETA
+    engine = EngineConfig(device="cuda", **packed)
+    assert engine.pool == engine.resolved_pool  # the preset spells out what packing sets: a run's config says it
+    assert EngineConfig(device="cuda", **odma_memory("swap")).resolved_pool == EngineConfig(device="cpu").pool
+    headroom = odma_memory("headroom")
+    assert headroom["preempt"] == "wait" and headroom["admission_theta"] == HEADROOM_THETA < 1
+    assert headroom["pool"].compact_growth and not headroom["packing"]
     _needs_trace()
     prompts = bench_prompts(SMALL)
     old = run_burst(SMALL, "odma", engine_overrides=odma_memory("compact"), prompts=prompts).summary()
-    new = run_burst(SMALL, "odma", engine_overrides=fields, prompts=prompts).summary()
     assert old["preemptions"] > 0
-    assert new["preemptions"] < old["preemptions"] and new["swap_outs"] == 0
-    assert new["output_tokens"] == old["output_tokens"]  # every request still finishes
+    for fields in (packed, headroom):
+        new = run_burst(SMALL, "odma", engine_overrides=fields, prompts=prompts).summary()
+        assert new["preemptions"] < old["preemptions"] / 4
+        assert new["output_tokens"] == old["output_tokens"]  # every request still finishes
+    assert run_burst(SMALL, "odma", engine_overrides=packed, prompts=prompts).summary()["slides"] > 0
+
+
+def test_a_raw_run_is_replayed_with_the_odma_memory_it_ran(tmp_path):
+    """fit-gpu replays each run's odma as the run ran it: the recorded --odma-memory, "swap" for the first runs (no
+    compaction, no waiting), and a clear error where a compacting run does not say which preset it was."""
+    from odma.analyze.gpu_fit import read_raw_run
+
+    assert read_raw_run(RAW / "gpu_rerun_h100.json").odma_memory == "swap"
+    raw = json.loads((RAW / "gpu_rerun_h100.json").read_text())
+    raw["engine"]["policies"]["odma"]["compact_growth"] = True
+    (tmp_path / "unsaid.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="odma-memory"):
+        read_raw_run(tmp_path / "unsaid.json")
+    raw["engine"]["odma_memory"] = "packed"
+    (tmp_path / "packed.json").write_text(json.dumps(raw))
+    assert read_raw_run(tmp_path / "packed.json").odma_memory == "packed"

@@ -55,6 +55,7 @@ FLAGS = {
     "balloon_chunked_prefill": (["--no-balloon-chunked-prefill"], False),
     "clear_window": (["--no-clear-window"], False),
     "prefix_share_min_tokens": (["--prefix-share-min-tokens", "0"], 0),
+    "packing": (["--no-packing"], False),
 }
 POOL_FLAGS = {
     "growth": (["--growth", "double"], "double"),
@@ -63,6 +64,9 @@ POOL_FLAGS = {
     "large_share": (["--large-share", "0.2"], 0.2),
     "worst_case_prompt_share": (["--worst-case-prompt-share", "0.3"], 0.3),
     "compact_growth": (["--compact-growth"], True),
+    "slide_growth": (["--slide-growth"], True),
+    "neighbour_growth": (["--neighbour-growth"], True),
+    "growth_step": (["--growth-step", "32"], 32),
 }
 CONFIG_ONLY = {"pool.align"} | {f"buckets.{f.name}" for f in dataclasses.fields(EngineConfig().buckets)} - {
     "buckets.large_bound"}

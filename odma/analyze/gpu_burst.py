@@ -27,34 +27,40 @@ PAGE_TOKENS = 16  # odma.engine.config.PAGE_TOKENS: the paged baseline's page
 BASE_POLICIES = ("static", "odma", "paged", "oracle")  # oracle: contiguous blocks of exactly the true length
 
 
-# odma's memory under pressure in the bench's engine part (--odma-memory), the first the default: "headroom"
-# (compaction, a block that cannot grow waits instead of swapping a request out, and admission keeps reservations
-# within HEADROOM_THETA of the pool so that the running requests have room to grow into: no preemption on either
-# trace or budget of the fitted replay, 1.04-1.07x paged at 4 GiB and 1.13x at 16 GiB,
-# docs/results/gpu/replay_policy.md); "compact" (a block that cannot grow for fragmentation gets a range by relocating
-# blocks; if that fails too, the newest request is swapped out: 735-811 preemptions at 4 GiB); "swap" is the engine's
-# default, what the first raw runs did; "wait" stalls the request instead of swapping; "compact-wait" both (best on
-# Azure at 4 GiB, worst on ShareGPT there: waiting holds admissions back while the pool stays full)
-ODMA_MEMORY = ("headroom", "compact", "swap", "wait", "compact-wait")
+# odma's memory under pressure in the bench's engine part (--odma-memory), the first the default
+# (docs/results/gpu/replay_policy.md): "packed" (the engine's default on accelerators, EngineConfig.packing: compaction
+# that slides blocks over the gaps when no window can be cleared, growth over the gaps beside a block and by 64 tokens,
+# admission within θ 0.97 of the pool, a swap only when none of it finds room: 1.09-1.10x paged at 4 GiB, 1.13x at
+# 16 GiB, 0-5 preemptions of 400); "headroom" (compaction, a block that cannot grow waits, admission within θ 0.9:
+# no preemption, 1.04-1.07x at 4 GiB); "compact" (compaction, else the newest request is swapped out: 735-811
+# preemptions at 4 GiB); "swap", the engine's CPU default, what the first raw runs did; "wait" stalls the request
+# instead of swapping; "compact-wait" both (waiting holds admissions back while the pool stays full)
+ODMA_MEMORY = ("packed", "headroom", "compact", "swap", "wait", "compact-wait")
 HEADROOM_THETA = 0.9  # reservations at most this share of the pool (eLLM's θ); 0.85-0.93 replayed within 2 %
 
 
 def odma_memory(name: str, align: int = 16) -> dict:
     """EngineConfig fields that `name` (one of ODMA_MEMORY) sets for odma's policy; the bench and this replay both
-    read them here."""
+    read them here. Every preset says whether it packs (the engine packs by default on an accelerator), and
+    "packed" spells out the pool fields and θ that packing sets, so a run's config records them."""
     from odma.config import PoolConfig
+    from odma.engine.config import PACKED_THETA
 
     if name not in ODMA_MEMORY:
         raise ConfigError(f"odma memory must be one of {ODMA_MEMORY}, got {name!r}")
-    out: dict = {}
+    pool = PoolConfig(align=align)
+    out: dict = {"packing": name == "packed"}
+    if name == "packed":
+        out["admission_theta"] = PACKED_THETA
+        pool = replace(pool, compact_growth=True, slide_growth=True, neighbour_growth=True, growth="step")
     if name in ("compact-wait", "wait", "headroom"):
         out["preempt"] = "wait"
     if name == "headroom":
         out["admission_theta"] = HEADROOM_THETA
     if name in ("compact-wait", "compact", "headroom"):
-        out["pool"] = replace(PoolConfig(align=align), compact_growth=True)
-    elif align != PoolConfig().align:
-        out["pool"] = PoolConfig(align=align)
+        pool = replace(pool, compact_growth=True)
+    if pool != PoolConfig():
+        out["pool"] = pool
     return out
 
 
@@ -138,13 +144,20 @@ class ModelledSwap:
         self.controller.discard(seq.request_id)
 
 
-def bench_prompts(config: BurstConfig) -> tuple[list[list[int]], list[int]]:
-    """The bench's prompts (random ids, seeded as `bench_engine` seeds them) and forced output lengths."""
+def bench_records(config: BurstConfig) -> list:
+    """The trace records of the bench's burst (their texts and conversation tags are what a learned length
+    predictor reads; the bench itself sends random ids)."""
     from odma.traces import load_trace
 
     records = load_trace(config.trace, limit=config.requests).records[:config.requests]
     if len(records) < config.requests:
         raise ConfigError(f"trace {config.trace} has {len(records)} requests, fewer than {config.requests}")
+    return records
+
+
+def bench_prompts(config: BurstConfig) -> tuple[list[list[int]], list[int]]:
+    """The bench's prompts (random ids, seeded as `bench_engine` seeds them) and forced output lengths."""
+    records = bench_records(config)
     rng = random.Random(0)
     prompts = [[rng.randrange(config.vocab_size) for _ in range(max(1, min(r.prompt_tokens, config.max_prompt)))]
                for r in records]
@@ -160,7 +173,7 @@ class BurstEngine:
     """The engine's loop around one device's scheduler, without a model: the order of `LLMEngine.step`."""
 
     def __init__(self, config: BurstConfig, policy: str, *, engine_overrides: dict | None = None,
-                 scheduler_options: dict | None = None, oracle: bool = False) -> None:
+                 scheduler_options: dict | None = None, oracle: bool = False, predictor: str | None = None) -> None:
         from odma.engine.config import EngineConfig
         from odma.engine.length_predictor import LoadedPredictor
         from odma.engine.prefill_cost import PrefillCost
@@ -172,8 +185,10 @@ class BurstEngine:
 
         if policy not in BASE_POLICIES:
             raise ConfigError(f"policy must be one of {BASE_POLICIES}, got {policy!r}")
-        # the engine's defaults (pool, buckets, preemption, window clearing, prefixes), with what a study changes
+        # the engine's defaults (pool, buckets, preemption, window clearing, prefixes), with what a study changes; on the
+        # GPU the engine's device is an accelerator, whose default packing the replay (made for a CPU) sets explicitly
         engine = EngineConfig(**(engine_overrides or {}))
+        settings = engine.resolved_pool
         # bucket bounds refresh by completions only: the engine's 30-second timer would make the replay depend on
         # the host's speed (the raw runs' counts agree on the H100 and the H200, so it did not fire differently)
         buckets = replace(engine.buckets, refresh_every_s=float("inf"))
@@ -184,7 +199,7 @@ class BurstEngine:
             self.policy = ExactPolicy(growth="double")
         else:
             self.policy = build_policy("odma" if self.paged else policy, max_tokens=config.max_tokens,
-                                       buckets=buckets, pool=engine.pool)
+                                       buckets=buckets, pool=settings)
         bytes_per_token = config.model.kv_bytes_per_token
         total = config.kv_tokens
         options = dict(scheduler_options or {})
@@ -192,7 +207,8 @@ class BurstEngine:
         common = SchedulerConfig(max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
                                  prefill_cost=PrefillCost.for_model(config.model), order=engine.schedule,
                                  aging_rounds=engine.sjf_aging_rounds, chunk_prefills=engine.chunked_prefill,
-                                 admission_theta=engine.admission_theta, admission_demand=engine.admission_demand)
+                                 admission_theta=engine.resolved_admission_theta,
+                                 admission_demand=engine.admission_demand)
         self.swap = None
         if self.paged:
             pages = total // PAGE_TOKENS
@@ -200,19 +216,27 @@ class BurstEngine:
             preempt = "recompute" if engine.preempt == "swap" else engine.preempt
             self.scheduler = Scheduler(self.kv, replace(common, preempt=options.pop("preempt", preempt), **options))
         else:
-            large_share = 0.0 if policy == "static" else engine.pool.large_share
-            pool = KVPool(total, self.policy, large_share=large_share, align=engine.pool.align,
-                          bytes_per_token=bytes_per_token, worst_case_prompt_share=engine.pool.worst_case_prompt_share)
-            self.kv = ContiguousKV(pool, compact_growth=engine.pool.compact_growth)
+            large_share = 0.0 if policy == "static" else settings.large_share
+            pool = KVPool(total, self.policy, large_share=large_share, align=settings.align,
+                          bytes_per_token=bytes_per_token, worst_case_prompt_share=settings.worst_case_prompt_share,
+                          neighbour_growth=settings.neighbour_growth)
+            self.kv = ContiguousKV(pool, compact_growth=settings.compact_growth,
+                                   slide_growth=settings.compact_growth and settings.slide_growth)
             preempt = options.pop("preempt", engine.preempt)
             if preempt == "swap":
                 self.swap = ModelledSwap(config.swap_space_bytes, bytes_per_token)
             self.scheduler = Scheduler(self.kv, replace(common, preempt=preempt, clear_window=engine.clear_window,
                                                         prefix_min_tokens=engine.prefix_share_min_tokens, **options),
                                        self.swap)
-        # the bench's engine tags with the running median (static too: its L̂ only orders)
-        self.tagger = LengthTagger(LoadedPredictor(RunningMedian(), RunningMedian.name, None), self.policy,
-                                   "paper-7b", _NoMetrics())
+        # the bench's engine tags with the running median (static too: its L̂ only orders); a study may name another
+        loaded = LoadedPredictor(RunningMedian(), RunningMedian.name, None)
+        if predictor is not None:
+            from odma.engine.length_predictor import load_engine_predictor
+
+            loaded = load_engine_predictor(predictor)
+            if loaded.fallback_reason is not None:
+                raise ConfigError(f"length predictor {predictor!r} did not load: {loaded.fallback_reason}")
+        self.tagger = LengthTagger(loaded, self.policy, "paper-7b", _NoMetrics())
         self._ids = 0
         self._inbox: list = []
         self._aborts: list = []
@@ -220,12 +244,18 @@ class BurstEngine:
 
     # -- the engine's surface ---------------------------------------------------------------------
 
-    def add(self, prompt: list[int], max_tokens: int, known_length: int | None = None):
+    def add(self, prompt: list[int], max_tokens: int, known_length: int | None = None, record=None):
+        """A request of `prompt` ids; `record` (a TraceRecord) lends it its text and conversation tags."""
         from odma.engine.sampling import SamplingParams
-        from odma.engine.sequence import Sequence
+        from odma.engine.sequence import RequestTags, Sequence
 
         seq = Sequence(f"req-{self._ids}", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                         ignore_eos=True))
+        if record is not None:
+            seq.prompt_text = record.prompt
+            seq.tags = RequestTags(depth=record.depth, system_prompt_id=record.system_prompt_id,
+                                   prior_output_tokens=record.prior_output_tokens,
+                                   last_output_tokens=record.last_output_tokens)
         self._ids += 1
         if known_length is not None:
             self._known[seq.request_id] = known_length  # the oracle's L̂
@@ -280,20 +310,26 @@ class BurstEngine:
 
     @property
     def copied_tokens(self) -> int:
-        """Tokens growth and relocations copied so far (the paged pool copies none)."""
-        return self.kv.copied_tokens + getattr(self.kv, "relocated_tokens", 0)
+        """Tokens growth and relocations copied so far (the paged pool copies none); a slide or a growth into the
+        gaps beside a block that overlaps its old place passes through a temporary and counts twice."""
+        pool = getattr(self.kv, "pool", None)
+        overlapped = pool.overlapped_tokens if pool is not None else 0
+        return self.kv.copied_tokens + getattr(self.kv, "relocated_tokens", 0) + overlapped
 
 
 def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None = None,
               scheduler_options: dict | None = None, oracle: bool = False,
-              prompts: tuple[list[list[int]], list[int]] | None = None) -> BurstResult:
+              prompts: tuple[list[list[int]], list[int]] | None = None, predictor: str | None = None) -> BurstResult:
     """The bench's warm-up, then the burst through `policy` ("static", "odma", "paged" or "oracle"), every step
     recorded.
     `engine_overrides`: EngineConfig fields that differ from the engine's defaults (a policy study's knobs);
-    `oracle`: every request is tagged with its true length (a contiguous upper bound)."""
+    `oracle`: every request is tagged with its true length (a contiguous upper bound); `predictor`: a length
+    predictor spec ("default": the learned one) that tags the burst's requests from their trace texts and tags
+    instead of the bench's running median."""
     prompts, lengths = prompts or bench_prompts(config)
+    records = bench_records(config) if predictor is not None else [None] * len(prompts)
     engine = BurstEngine(config, policy, engine_overrides=engine_overrides, scheduler_options=scheduler_options,
-                         oracle=oracle)
+                         oracle=oracle, predictor=predictor)
     # the bench's warm-up: short and 512-token prompts of 4 tokens each (they seed the running median and the
     # bucket window, as on the GPU)
     warm = [p[:8] for p in prompts[:4]] + [(p * 64)[:min(config.max_prompt, 512)] for p in prompts[:2]]
@@ -301,7 +337,7 @@ def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None
     while any(not s.finished for s in seqs):
         engine.step()
     before = _counts(engine)
-    seqs = [engine.add(p, config.max_tokens, n) for p, n in zip(prompts, lengths)]
+    seqs = [engine.add(p, config.max_tokens, n, r) for p, n, r in zip(prompts, lengths, records)]
     target = {s.request_id: n for s, n in zip(seqs, lengths)}
     stopped: set[str] = set()
     steps: list[StepRecord] = []
@@ -335,4 +371,5 @@ def _counts(engine: BurstEngine) -> dict:
     stats = engine.kv.stats()
     return {"preemptions": c.preemptions, "swap_outs": c.swap_outs, "migrations": stats.migrations,
             "migrated_tokens": stats.migrated_tokens, "grown_in_place": stats.grown_in_place,
-            "relocated_tokens": stats.relocated_tokens, "compactions": getattr(engine.kv, "compactions", 0)}
+            "relocated_tokens": stats.relocated_tokens, "compactions": getattr(engine.kv, "compactions", 0),
+            "slides": getattr(engine.kv, "slides", 0), "overlapped_tokens": getattr(stats, "overlapped_tokens", 0)}

@@ -28,9 +28,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--kv-budget", default="4GiB", help="KV budget of every policy, comma-separated for several")
     p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--policies", default="static,paged,oracle,odma:swap,odma:compact,odma:headroom",
-                   help="static, paged, oracle (exact lengths, contiguous) and odma:MEMORY (headroom | compact | swap | wait | "
-                        "compact-wait) "
+    p.add_argument("--policies", default="static,paged,oracle,odma:swap,odma:compact,odma:packed",
+                   help="static, paged, oracle (exact lengths, contiguous) and odma:MEMORY (packed | headroom | compact | swap | "
+                        "wait | compact-wait) "
                         "(default: %(default)s)")
     p.add_argument("--json", help="write the rows here")
     p.set_defaults(func=cmd_gpu_burst)

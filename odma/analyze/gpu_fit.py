@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from odma.analyze.gpu_burst import GIB, BurstConfig, BurstResult, bench_prompts, run_burst
+from odma.analyze.gpu_burst import GIB, ODMA_MEMORY, BurstConfig, BurstResult, bench_prompts, odma_memory, run_burst
 from odma.analyze.gpu_profile import GpuProfile
 from odma.engine.prefill_cost import PrefillCost
 from odma.engine.config import parse_bytes
@@ -40,6 +40,7 @@ class RawRun:
     micro_device_ms: float | None  # part step: device ms of a captured batch of 16 at 1K contexts
     micro_context: int  # tokens that batch reads
     copy_ms_per_gib: float | None  # part vmm: one 1 GiB block copied
+    odma_memory: str = "swap"  # the run's --odma-memory (odma.analyze.gpu_burst.ODMA_MEMORY): how its odma is replayed
 
     @property
     def name(self) -> str:
@@ -74,16 +75,36 @@ def read_raw_run(path: str | Path) -> RawRun:
     for row in (data.get("vmm") or {}).get("rows", []):
         if row.get("block_bytes") == GIB and "copy_block_ms" in row.get("result", {}):
             copy = float(row["result"]["copy_block_ms"])
-    return RawRun(str(path), device, config, policies, micro, context, copy)
+    return RawRun(str(path), device, config, policies, micro, context, copy, _odma_memory(path, engine))
+
+
+def _odma_memory(path: Path, engine: dict) -> str:
+    """The run's odma memory preset: recorded (`odma_memory`, in the engine part or odma's policy), or "swap" for a run
+    whose odma neither compacted nor waited (the first runs, before the bench had presets)."""
+    odma = engine["policies"].get("odma", {})
+    memory = engine.get("odma_memory") or odma.get("odma_memory")
+    if memory is None and not odma.get("compact_growth") and odma.get("preempt", "swap") == "swap":
+        memory = "swap"
+    if memory not in ODMA_MEMORY:
+        raise ConfigError(f"{path}: which --odma-memory the run's odma used is not recorded ({memory!r}); its replay "
+                          f"needs it (one of {', '.join(ODMA_MEMORY)})")
+    return memory
 
 
 def replay_runs(runs: list[RawRun], check: bool = True) -> dict[BurstConfig, dict[str, BurstResult]]:
     """Each distinct burst once per policy. `check`: its counts must equal every run's (else ConfigError)."""
     out: dict[BurstConfig, dict[str, BurstResult]] = {}
+    seen: dict[BurstConfig, str] = {}
     for run in runs:
         if run.config not in out:
             prompts = bench_prompts(run.config)
-            out[run.config] = {p: run_burst(run.config, p, prompts=prompts) for p in POLICIES}
+            memory = odma_memory(run.odma_memory)
+            out[run.config] = {p: run_burst(run.config, p, prompts=prompts,
+                                            engine_overrides=memory if p == "odma" else None) for p in POLICIES}
+            seen[run.config] = run.odma_memory
+        elif seen[run.config] != run.odma_memory:
+            raise ConfigError(f"{run.name}: the same burst as another run with odma memory {seen[run.config]!r}, but "
+                              f"{run.odma_memory!r}: fit them apart")
         if check:
             for policy, measured in run.policies.items():
                 replayed = out[run.config][policy].summary()

@@ -1,6 +1,6 @@
 """The serving engine's configuration (frozen). `odma-serve` flags map onto these fields one to one (`--x-y` sets
-`x_y`; `--slo-ttft`/`--slo-tpot` set `slo_*_s`; `--growth`, `--reserve-scale`, `--large-share`,
-`--worst-case-prompt-share` and `--compact-growth` set `pool.*`; `--max-tokens-cap` also sets `buckets.large_bound`). Config-only, on
+`x_y`; `--slo-ttft`/`--slo-tpot` set `slo_*_s`; `--growth`, `--growth-step`, `--reserve-scale`, `--large-share`,
+`--worst-case-prompt-share`, `--compact-growth`, `--slide-growth` and `--neighbour-growth` set `pool.*`; `--max-tokens-cap` also sets `buckets.large_bound`). Config-only, on
 purpose: `pool.align` (the unit every block and bucket bound is a multiple of) and the bucket manager's window,
 refresh and method (`buckets.*`): the replays chose them (docs/analyze.md) and a wrong value silently wastes
 memory, so they are set in code or through `odma-analyze` experiments, not per start."""
@@ -8,7 +8,7 @@ memory, so they are set in code or through `odma-analyze` experiments, not per s
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,11 @@ POLICIES = (*POLICY_KINDS, "paged")
 KV_GROWTH = ("copy", "map", "auto")
 DECODE_GRAPHS = ("auto", "capture", "static", "off")
 PAGE_TOKENS = 16
+
+# packing's admission share (EngineConfig.packing): reservations within 97 % of the pool leave the running requests
+# room to grow into; in the GPU replay 0.99 and 1.0 preempted up to 11 and 22 of 400 requests, relocated 1.6-2.1x as
+# many tokens and lost 0.3-1.3 % (docs/results/gpu/replay_policy.md)
+PACKED_THETA = 0.97
 
 # what the realized-length log keeps of each prompt: the text, its SHA-256, or nothing
 LOG_PROMPT_MODES = ("text", "hash", "none")
@@ -166,6 +171,13 @@ class EngineConfig:
     # a prompt that begins with at least this many tokens a running request has cached copies their K/V instead
     # of computing them (odma.engine.prefix_share; the chat template's system prompt, a conversation's history); 0: off
     prefix_share_min_tokens: int = 16
+    # odma's blocks kept packed under memory pressure (docs/results/gpu/replay_policy.md): growth by compaction that
+    # slides blocks over the gaps between them when no range can be cleared otherwise, growth over the gaps beside a
+    # block, growth by pool.growth_step tokens, admission within PACKED_THETA of the pool; a request is preempted
+    # only when none of it finds room. On, it sets those fields of `pool` and caps admission_theta (resolved_pool,
+    # resolved_admission_theta). None: on where the backend's block copies are cheap against a swap
+    # (accelerators), off where they are the same memcpy (a CPU pool); only the odma policy packs
+    packing: bool | None = None
     pool: PoolConfig = field(default_factory=PoolConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
 
@@ -186,6 +198,25 @@ class EngineConfig:
     def resolved_kv_dtype(self) -> str:
         return self.kv_dtype or self.capabilities.default_kv_dtype or self.dtype
 
+    @property
+    def packing_resolved(self) -> bool:
+        """Whether odma's blocks are kept packed (`packing`, or by default where block copies are cheap)."""
+        if self.policy != "odma":
+            return False
+        return self.packing if self.packing is not None else self.capabilities.cheap_block_copies
+
+    @property
+    def resolved_pool(self) -> PoolConfig:
+        """The pool settings in force: `pool`, with packing's growth when it is on."""
+        if not self.packing_resolved:
+            return self.pool
+        return replace(self.pool, compact_growth=True, slide_growth=True, neighbour_growth=True, growth="step")
+
+    @property
+    def resolved_admission_theta(self) -> float:
+        """θ in force: `admission_theta`, at most PACKED_THETA while packing (room for the running to grow into)."""
+        return min(self.admission_theta, PACKED_THETA) if self.packing_resolved else self.admission_theta
+
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         """The scheduler's policy these settings ask for, for serving `model` (its shape prices a prefill chunk's
         attention). The paged baseline recomputes preempted requests (vLLM's default: its pages are not swapped)
@@ -202,7 +233,7 @@ class EngineConfig:
             chunk_prefills=self.chunked_prefill and (not self.balloon or self.balloon_chunked_prefill),
             clear_window=self.clear_window and not paged,
             prefix_min_tokens=0 if paged else self.prefix_share_min_tokens,
-            admission_theta=self.admission_theta,
+            admission_theta=self.resolved_admission_theta,
             admission_demand=self.admission_demand,
         )
 

@@ -129,7 +129,7 @@ class LLMEngine:
         # (the paged baseline reserves no buckets; its requests are tagged as odma's are, for ordering)
         self.policy = build_policy("odma" if config.policy == "paged" else config.policy,
                                    max_tokens=config.max_tokens_cap, buckets=config.buckets,
-                                   pool=config.pool, s3_buckets=config.s3_buckets, bootstrap=bootstrap)
+                                   pool=config.resolved_pool, s3_buckets=config.s3_buckets, bootstrap=bootstrap)
         kv_dtype = DTYPES[config.resolved_kv_dtype]
         models = {str(model.device): model}  # devices that are the same torch device share the weights
         self.workers: list[DeviceWorker] = []

@@ -63,13 +63,16 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         runner, kv = mapped
     else:
         runner = _runner(config, model, backend, total_tokens, kv_dtype)
+        settings = config.resolved_pool  # packing's growth, when it is on
         # static blocks never grow and never use the large bucket: give it the whole budget as one region
-        large_share = 0.0 if config.policy == "static" else config.pool.large_share
-        pool = KVPool(total_tokens, policy, large_share=large_share, align=config.pool.align,
+        large_share = 0.0 if config.policy == "static" else settings.large_share
+        pool = KVPool(total_tokens, policy, large_share=large_share, align=settings.align,
                       bytes_per_token=bytes_per_token, mover=runner.arena,
-                      worst_case_prompt_share=config.pool.worst_case_prompt_share)
+                      worst_case_prompt_share=settings.worst_case_prompt_share,
+                      neighbour_growth=settings.neighbour_growth)
         kv = ContiguousKV(pool, elastic=_build_elastic(config, backend, runner, pool) if config.balloon else None,
-                          compact_growth=config.pool.compact_growth)
+                          compact_growth=settings.compact_growth,
+                          slide_growth=settings.compact_growth and settings.slide_growth)
     swap = None
     if config.preempt == "swap":
         from odma.engine.swap import HostSwap

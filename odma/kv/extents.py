@@ -129,6 +129,10 @@ class ExtentMap:
         self.free_units -= size
         return True
 
+    def start_of_extent_ending_at(self, end: int) -> int | None:
+        """Start of the free extent that ends at `end` (exclusive), or None (O(1): the free units right before a block)."""
+        return self._by_end.get(end)
+
     def size_at(self, start: int) -> int:
         """Size of the free extent that begins at `start` (0 when none does)."""
         return self._by_start.get(start, 0)

@@ -17,7 +17,7 @@ from odma.kv.elastic import ElasticKV
 from odma.kv.placement import DeviceLoad
 from odma.kv.policy import SizedRequest
 from odma.kv.pool import KVPool, PoolStats
-from odma.kv.reclaim import clear_for_growth, clear_window
+from odma.kv.reclaim import clear_for_growth, clear_window, slide_for_growth
 
 
 class KVManager(ABC):
@@ -96,11 +96,15 @@ class ContiguousKV(KVManager):
     after each release (count-based in the replay, so it is deterministic) and the changes are recorded."""
 
     def __init__(self, pool: KVPool, *, name: str | None = None, elastic: ElasticKV | None = None,
-                 buckets: BucketManager | None = None, compact_growth: bool = False) -> None:
+                 buckets: BucketManager | None = None, compact_growth: bool = False, slide_growth: bool = False) -> None:
         self.pool = pool
         # a block that cannot grow while the pool's free units could hold its growth (fragmentation) gets a range
         # by relocating the blocks in it (odma.kv.reclaim.clear_for_growth): copies instead of a preemption
         self.compact_growth = compact_growth
+        # when no window can be cleared (its blocks have nowhere else to go), blocks slide over the gaps between them
+        # (odma.kv.reclaim.slide_for_growth): room is found whenever the free units hold the growth
+        self.slide_growth = slide_growth
+        self.slides = 0  # growths that found room only after blocks slid for them
         self.compactions = 0  # growths that found room only after blocks were relocated for them
         self.name = name or pool.policy.name
         self.elastic = elastic
@@ -142,6 +146,9 @@ class ContiguousKV(KVManager):
         if new is None and self.compact_growth and clear_for_growth(pool, request_id, new_len)[1]:
             new = pool.extend(request_id, new_len)
             self.compactions += new is not None
+        if new is None and self.slide_growth and slide_for_growth(pool, request_id, new_len)[1]:
+            new = pool.extend(request_id, new_len)
+            self.slides += new is not None
         if new is None:
             return None
         return Growth(new.capacity, 0 if new is old else length, new.offset != old.offset)
@@ -191,6 +198,7 @@ class ContiguousKV(KVManager):
             "migrated_tokens": s.migrated_tokens,
             "relocated_tokens": s.relocated_tokens,
             "compactions": self.compactions,
+            "slides": self.slides,
             "free_list_hits": s.free_list_hits,
             "flushes": s.flushes,
         }

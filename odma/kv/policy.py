@@ -66,7 +66,8 @@ class ReservationPolicy(ABC):
         """A request finished with this many output tokens."""
 
 
-def _grow_by(growth: str, req: SizedRequest, needed: int, current: Reservation, buckets: BucketManager | None):
+def _grow_by(growth: str, req: SizedRequest, needed: int, current: Reservation, buckets: BucketManager | None,
+             step: int = 0):
     cap = req.max_new_tokens
     # a request may say how much output it will need in all (the engine's refined prediction of its remaining
     # length): one growth straight to that, instead of one bucket at a time
@@ -77,6 +78,8 @@ def _grow_by(growth: str, req: SizedRequest, needed: int, current: Reservation, 
         return Reservation(cap, LARGE)
     if growth == "double":
         return Reservation(min(cap, max(needed, 2 * current.output_tokens)), current.bucket)
+    if growth == "step":  # a few tokens beyond the need: little held unused, and a small range to find
+        return Reservation(min(cap, needed + step), current.bucket)
     choice = buckets.next_above(needed)
     return Reservation(min(cap, choice.bound), choice.index)
 
@@ -97,10 +100,13 @@ class BucketPolicy(ReservationPolicy):
     """Predicted length → bucket (dynamic quantile buckets for odma, static equal-width ones for S3)."""
 
     def __init__(
-        self, buckets: BucketManager, growth: str = "next", name: str = "odma", reserve_scale: float = 1.0
+        self, buckets: BucketManager, growth: str = "next", name: str = "odma", reserve_scale: float = 1.0,
+        growth_step: int = PoolConfig().growth_step,
     ) -> None:
         if growth not in GROWTH_POLICIES:
             raise ConfigError(f"growth must be one of {GROWTH_POLICIES}, got {growth!r}")
+        if type(growth_step) is not int or growth_step < 1:
+            raise ConfigError(f"growth_step must be a whole number of tokens >= 1, got {growth_step!r}")
         if not (0 < reserve_scale < math.inf):
             raise ConfigError(f"reserve_scale must be a positive number, got {reserve_scale}")
         self.buckets = buckets
@@ -108,6 +114,7 @@ class BucketPolicy(ReservationPolicy):
         self.name = name
         # < 1: reserve for part of L̂ and grow by migration (cheap contiguous copies) when it is exceeded
         self.reserve_scale = reserve_scale
+        self.growth_step = growth_step  # output tokens beyond the need that growth "step" reserves
         self._reservations: dict[BucketChoice, Reservation] = {}
 
     def initial(self, req: SizedRequest) -> Reservation:
@@ -128,7 +135,7 @@ class BucketPolicy(ReservationPolicy):
         return self.buckets.select(predicted_tokens * self.reserve_scale, uncertainty)
 
     def grow(self, req: SizedRequest, needed_output: int, current: Reservation) -> Reservation:
-        return _grow_by(self.growth, req, needed_output, current, self.buckets)
+        return _grow_by(self.growth, req, needed_output, current, self.buckets, self.growth_step)
 
     @property
     def version(self) -> int:
@@ -171,11 +178,11 @@ def build_policy(kind: str, *, max_tokens: int, buckets: BucketConfig, pool: Poo
         return StaticPolicy()
     if kind == "s3":
         fixed = BucketManager.fixed(equal_width_bounds(max_tokens, s3_buckets), max_tokens)
-        return BucketPolicy(fixed, growth=pool.growth, name="s3")
+        return BucketPolicy(fixed, growth=pool.growth, name="s3", growth_step=pool.growth_step)
     if kind != "odma":
         raise ConfigError(f"policy must be one of {POLICY_KINDS}, got {kind!r}")
     return BucketPolicy(BucketManager(replace(buckets, large_bound=max_tokens), bootstrap=bootstrap or None),
-                        growth=pool.growth, name="odma", reserve_scale=pool.reserve_scale)
+                        growth=pool.growth, name="odma", reserve_scale=pool.reserve_scale, growth_step=pool.growth_step)
 
 
 def _is_count(v, low: int) -> bool:

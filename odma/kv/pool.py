@@ -65,9 +65,13 @@ class PoolCounters:
     migrated_tokens: int = 0
     migration_refusals: int = 0
     grown_in_place: int = 0  # of the migrations: blocks extended over the free units after them
+    grown_into_neighbours: int = 0  # of the migrations: blocks extended over the free units before (and after) them
     releases: int = 0
     relocations: int = 0  # blocks moved elsewhere at the same size (window clearing, compaction, deflation)
     relocated_tokens: int = 0  # live tokens those moves copied
+    # of the tokens moved by slides and growth into neighbours, those whose move overlapped the block's old place: they
+    # pass through a temporary, so they are copied twice (a cost model charges them again)
+    overlapped_tokens: int = 0
     free_list_hits: int = 0
     flushes: int = 0
 
@@ -133,6 +137,7 @@ class KVPool:
         on_release: Callable[[SizedRequest, int, Block], None] | None = None,
         free_list_limit: int = 1024,
         worst_case_prompt_share: float = _DEFAULTS.worst_case_prompt_share,
+        neighbour_growth: bool = _DEFAULTS.neighbour_growth,
     ) -> None:
         if align < 1 or total_tokens < align:
             raise InvalidRequestError(f"pool of {total_tokens} tokens cannot hold one {align}-token unit")
@@ -147,6 +152,8 @@ class KVPool:
         if not 0.0 < worst_case_prompt_share <= 1.0:
             raise InvalidRequestError(f"worst_case_prompt_share must be in (0, 1], got {worst_case_prompt_share}")
         self.worst_case_prompt_share = worst_case_prompt_share
+        # a block that cannot grow in place may grow over the free units before it too (an overlapping copy)
+        self.neighbour_growth = neighbour_growth
         units = total_tokens // align
         self._large_units = int(units * large_share)
         self._main_units = units - self._large_units
@@ -268,26 +275,33 @@ class KVPool:
             if units * self.align < new_len:
                 raise RequestTooLargeError(f"request {r.request_id}: {new_len} tokens exceed the largest block")
             new = self._grow_in_place(old, units, res.bucket)
+            if new is None and self.neighbour_growth:
+                new = self._grow_into_neighbours(old, units, res.bucket)
             if new is None:
                 new = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=True)
-            if new is None:  # the failed carve flushed the free lists: the neighbour may be free now
+            if new is None:  # the failed carve flushed the free lists: the neighbours may be free now
                 new = self._grow_in_place(old, units, res.bucket)
+                if new is None and self.neighbour_growth:
+                    new = self._grow_into_neighbours(old, units, res.bucket)
             if new is None:
                 self._n.migration_refusals += 1
                 return None
             in_place = new.offset == old.offset
+            over_old = new.offset <= old.offset and old.end <= new.end  # the old block lies inside the new one
             if self.mover is not None:
                 try:
                     self.mover.copy(old, new, live.length)
                 except BaseException:
                     # the request keeps its old block (after a failed in-place layout its K/V is not to be
                     # trusted: the error fails it, as a failed step does)
-                    if in_place:
-                        self._regions[old.region].free(old.end // self.align, (new.capacity - old.capacity) // self.align)
+                    if over_old:
+                        self._free_around(old, new)
                     else:
                         self._give_back(new)
                     raise
             self._n.grown_in_place += in_place
+            self._n.grown_into_neighbours += over_old and not in_place
+            self._n.overlapped_tokens += live.length if over_old and not in_place else 0
             # the swap: from here on the request's KV is the new block
             self._move(live, new)
             live.reservation = res
@@ -296,7 +310,7 @@ class KVPool:
             self._n.migrated_tokens += live.length
             self._live_tokens += new_len - live.length
             live.length = new_len
-            if not in_place:
+            if not over_old:
                 self._recycle(old)
             return new
 
@@ -382,6 +396,53 @@ class KVPool:
             self._n.relocations += 1
             self._n.relocated_tokens += live.length
             return new
+
+    def slide(self, req: SizedRequest | str, new_offset: int) -> Block | None:
+        """Move a live block over the free units right before or after it, to `new_offset` (same capacity and
+        region), closing that gap. Its old and new place may overlap (the mover copies such a move in the order
+        that reads every part before overwriting it). None when the units between are not free, or while ranges
+        are fenced or segments lent (their bookkeeping is not slid)."""
+        with self._lock:
+            live = self._lookup(req)
+            old = live.block
+            a = self.align
+            if new_offset % a or new_offset < 0 or new_offset == old.offset:
+                raise InvalidRequestError(f"request {live.request.request_id}: cannot slide {old} to offset {new_offset}")
+            if self._seg.segments or self._seg.fences:
+                return None
+            region = self._regions[old.region]
+            start, end = old.offset // a, old.end // a
+            if new_offset < old.offset:  # down: take the gap before, give back the old tail
+                gap = start - new_offset // a
+                extent = region.start_of_extent_ending_at(start)
+                if extent is None or extent > start - gap:
+                    return None
+                region.carve(extent, start - gap, gap)
+                taken, freed = (start - gap, gap), (end - gap, gap)
+            else:  # up: take the gap after, give back the old head
+                gap = new_offset // a - start
+                if not region.take_front(end, gap):
+                    return None
+                taken, freed = (end, gap), (start, gap)
+            new = Block(new_offset, old.capacity, old.bucket, old.region)
+            if self.mover is not None:
+                try:
+                    self.mover.copy(old, new, live.length)
+                except BaseException:
+                    region.free(*taken)
+                    raise
+            region.free(*freed)
+            self._move(live, new)
+            self._n.relocations += 1
+            self._n.relocated_tokens += live.length
+            self._n.overlapped_tokens += live.length if gap < old.capacity // a else 0
+            return new
+
+    def free_extents(self, region: str) -> list[tuple[int, int]]:
+        """(start unit, units) of `region`'s free extents in address order (cached free-list blocks not among them:
+        `flush_free_lists` first)."""
+        with self._lock:
+            return list(self._regions[region].extents())
 
     # the primitives odma.kv.reclaim builds window clearing from; callers hold `lock` across them
 
@@ -506,6 +567,31 @@ class KVPool:
             return Block(old.offset, units * self.align, bucket, old.region)
         return None
 
+    def _grow_into_neighbours(self, old: Block, units: int, bucket: int) -> Block | None:
+        """The block extended over the free units on both sides of it (after it first), or None: growth that needs
+        no second range, only gaps beside the block that are too small for anything else. The new block begins
+        before the old one, so the copy overlaps it (the mover moves it front first)."""
+        region = self._regions[old.region]
+        start, end = old.offset // self.align, old.end // self.align
+        more = units - (end - start)
+        after = min(region.size_at(end), more)
+        before_start = region.start_of_extent_ending_at(start)
+        before = 0 if before_start is None else start - before_start
+        if before + after < more or before == 0:
+            return None  # no room, or all of it after the block (_grow_in_place's case)
+        if after:
+            region.take_front(end, after)
+        region.carve(before_start, start - (more - after), more - after)
+        return Block((start - (more - after)) * self.align, units * self.align, bucket, old.region)
+
+    def _free_around(self, old: Block, new: Block) -> None:
+        """Give back what `new` took beside `old` (a growth in place or into neighbours that failed)."""
+        region = self._regions[old.region]
+        if new.offset < old.offset:
+            region.free(new.offset // self.align, (old.offset - new.offset) // self.align)
+        if new.end > old.end:
+            region.free(old.end // self.align, (new.end - old.end) // self.align)
+
     def _recycle(self, block: Block) -> None:
         if self._seg.fences and self._seg.withhold_if_fenced(block, self.align):
             return
@@ -550,6 +636,11 @@ class KVPool:
     def relocated_tokens(self) -> int:
         """Σ live tokens copied by relocations (window clearing, compaction, deflation) so far."""
         return self._n.relocated_tokens
+
+    @property
+    def overlapped_tokens(self) -> int:
+        """Σ tokens of moves that overlapped the block's old place (copied through a temporary: twice)."""
+        return self._n.overlapped_tokens
 
     @property
     def live_blocks(self) -> int:

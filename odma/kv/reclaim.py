@@ -2,8 +2,10 @@
 contiguous range gets one without waiting for every block in the pool to end: the range it would need where the
 fewest live tokens sit is fenced and the blocks inside are relocated elsewhere (into lent segments, say), largest
 first. A running request whose block cannot grow for the same reason gets its range the same way (compaction:
-copies instead of a preemption). Built on the pool's primitives (fence a range, relocate a block) under its lock; ballooning's deflation,
-which drains a lent segment the same way, is `odma.kv.balloon`.
+copies instead of a preemption), and when no window's blocks have anywhere else to go, blocks slide over the gaps
+between them until the gaps make one range (sliding: a partial compaction). Built on the pool's primitives (fence a
+range, relocate or slide a block) under its lock; ballooning's deflation, which drains a lent segment the same way,
+is `odma.kv.balloon`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,118 @@ def clear_for_growth(pool: KVPool, request_id: str, new_len: int) -> tuple[int, 
         own = pool.total_tokens + 1  # more live tokens than any range holds: a window over it is the last choice
         spans = [(rid, block, own if rid == request_id else length) for rid, block, length in pool.live_spans()]
         return _clear(pool, units, large, spans, keep=request_id)
+
+
+def slide_for_growth(pool: KVPool, request_id: str, new_len: int) -> tuple[int, bool]:
+    """Make room for the growth of `request_id` to `new_len` tokens by sliding blocks over the gaps between them (a
+    partial compaction), the cheapest way (`cheapest_slides`): a run of neighbouring blocks is packed so that its
+    gaps become one free range, either right after the growing block (it then grows in place, so only its growth
+    must fit) or anywhere (the whole grown block must fit; it migrates there). Unlike `clear_for_growth`, which
+    needs somewhere else for every block of a window, this finds room whenever the pool's free units hold the
+    growth and the block has gaps on either side. Returns (blocks slid, cleared)."""
+    with pool.lock:
+        need = pool.growth_units(request_id, new_len)
+        if need is None:
+            return 0, False
+        units, large = need
+        extra = units - pool.block_of(request_id).capacity // pool.align  # what in-place growth needs after it
+        return _slide(pool, units, large, request_id, extra)
+
+
+def _slide(pool: KVPool, units: int, large: bool, own: str | None, extra: int) -> tuple[int, bool]:
+    if pool.ranges.segments or pool.ranges.fences or pool.free_units < extra:
+        return 0, False
+    pool.flush_free_lists()  # cached blocks rejoin the extents: they are gaps too
+    best = None
+    for lo, size, region in pool.base_ranges(large):
+        blocks = [(block.offset // pool.align, block.capacity // pool.align, rid, length)
+                  for rid, block, length in pool.live_spans() if block.region == region
+                  and lo * pool.align <= block.offset < (lo + size) * pool.align]
+        found = cheapest_slides(blocks, pool.free_extents(region), units, own, extra)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    if best is None:
+        return 0, False
+    moved = 0
+    for rid, offset in best[1]:
+        if pool.slide(rid, offset * pool.align) is None:
+            return moved, False
+        moved += 1
+    return moved, True
+
+
+def cheapest_slides(blocks: Sequence[tuple[int, int, str, int]], gaps: Sequence[tuple[int, int]], units: int,
+                    own: str | None, extra: int) -> tuple[tuple[int, int], list[tuple[str, int]]] | None:
+    """((live tokens, blocks) moved, [(request id, new offset unit)] in the order to move them) of the cheapest way
+    to gather room by sliding blocks of one region (`blocks`: (offset unit, units, request id, live tokens);
+    `gaps`: its free (start unit, units)). Three shapes of run: from a gap to a gap, packed down (to its front) so
+    that its gaps add up to `units` at its end; from a gap to `own`, packed down, so that its gaps and the one right
+    after `own` add up to `extra` right after `own` (which moves too); from right after `own` to a gap, packed up
+    (to its end), so that `extra` lies right after `own` (which stays). None when no run has room enough."""
+    items: list[tuple[int, int, str | None, int]] = sorted([*blocks, *((s, n, None, 0) for s, n in gaps)])
+    gap_at = [i for i, item in enumerate(items) if item[2] is None]
+    best: tuple[tuple[int, int], int, int, str] | None = None  # (cost, first item, last item, packed down or up)
+    for a_pos, a in enumerate(gap_at):  # from gap a to gap b, packed down: room anywhere
+        room, cost, count, prev = 0, 0, 0, a
+        for b in gap_at[a_pos:]:
+            for i in range(prev + 1, b):
+                cost += items[i][3]
+                count += 1
+            room += items[b][1]
+            prev = b
+            if best is not None and (cost, count) >= best[0]:
+                break  # a longer run from a costs more
+            if room >= units:
+                best = ((cost, count), a, b, "down")
+                break
+    k = None if own is None else next((i for i, item in enumerate(items) if item[2] == own), None)
+    if k is not None:
+        after = items[k + 1][1] if k + 1 < len(items) and items[k + 1][2] is None else 0
+        room, cost, count = after, items[k][3], 1
+        for i in range(k - 1, -1, -1):  # from a gap to own, packed down (the gap after own stays where it is)
+            if best is not None and (cost, count) >= best[0]:
+                break
+            if items[i][2] is None:
+                room += items[i][1]
+                if room >= extra:
+                    best = ((cost, count), i, k, "down")
+                    break
+            else:
+                cost += items[i][3]
+                count += 1
+        room, cost, count = 0, 0, 0
+        for b in range(k + 1, len(items)):  # from after own to a gap, packed up (on a tie: own stays put)
+            if items[b][2] is not None:
+                cost += items[b][3]
+                count += 1
+                if best is not None and (cost, count) > best[0]:
+                    break
+                continue
+            room += items[b][1]
+            if room >= extra:
+                best = ((cost, count), k + 1, b, "up")
+                break
+    if best is None:
+        return None
+    cost, a, b, direction = best
+    moves = []
+    if direction == "down":
+        cursor = items[a][0]
+        for offset, size, rid, _ in items[a:b + 1]:
+            if rid is not None:
+                moves.append((rid, cursor))
+                cursor += size
+    else:
+        cursor = items[b][0] + items[b][1]
+        for offset, size, rid, _ in reversed(items[a:b + 1]):
+            if rid is not None:
+                cursor -= size
+                moves.append((rid, cursor))
+    return cost, [(rid, at) for rid, at in moves if at != _offset(items, rid)]
+
+
+def _offset(items, rid) -> int:
+    return next(offset for offset, _, r, _ in items if r == rid)
 
 
 def _clear(pool: KVPool, units: int, large: bool, lives: list[tuple[str, Block, int]],

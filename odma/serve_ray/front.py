@@ -47,7 +47,7 @@ class ClusterView:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.policy = build_policy(config.policy, max_tokens=config.max_tokens_cap, buckets=config.buckets,
-                                   pool=config.pool, s3_buckets=config.s3_buckets)
+                                   pool=config.resolved_pool, s3_buckets=config.s3_buckets)
         self.buckets = getattr(self.policy, "buckets", None) if config.policy == "odma" else None
         if self.buckets is not None:
             self.buckets.follow()

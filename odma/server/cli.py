@@ -11,7 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from odma.config import GROWTH_HINTS, BucketConfig, PoolConfig, default_cache_dir
+from odma.config import GROWTH_HINTS, GROWTH_POLICIES, BucketConfig, PoolConfig, default_cache_dir
 from odma.engine.config import (ATTENTION_KINDS, DECODE_GRAPHS, KV_GROWTH, LOG_PROMPT_MODES, POLICIES, EngineConfig,
                                 device_capabilities)
 from odma.engine.ordering import ORDERS
@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps through the Triton kernels as batches captured once and replayed: auto (CUDA "
                         "graphs on CUDA, off elsewhere), capture, static (the same batches run eagerly), off")
     p.add_argument("--kv-budget", default=d.kv_budget, help="KV pool: bytes (268435456, 256MiB, 2GB) or a share of device memory (0.3, 30%%)")
-    p.add_argument("--growth", default=d.pool.growth, choices=["next", "large", "double"], help="what an outgrown block migrates to")
+    p.add_argument("--growth", default=d.pool.growth, choices=GROWTH_POLICIES,
+                   help="what an outgrown block migrates to: the next bucket, the large one, twice its reservation, "
+                        "or --growth-step tokens beyond its need")
+    p.add_argument("--growth-step", type=int, default=d.pool.growth_step,
+                   help="--growth step: output tokens reserved beyond what the block needs")
     p.add_argument("--kv-growth", default=d.kv_growth, choices=KV_GROWTH,
                    help="copy: an outgrown block migrates (one sequential copy); map: every block is address space for "
                         "its worst case and memory is mapped behind it as it grows (virtual memory: CUDA, Linux hosts); "
@@ -82,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a block that cannot grow although enough KV is free (fragmentation) gets a range by relocating "
                         "the blocks in the emptiest one (copies) instead of a preemption; pays where copies are fast "
                         "(GPUs: docs/results/gpu/replay_fit.md)")
+    p.add_argument("--slide-growth", action=argparse.BooleanOptionalAction, default=d.pool.slide_growth,
+                   help="with --compact-growth: when no range can be cleared, blocks slide over the gaps between them "
+                        "until the growth fits (a partial compaction)")
+    p.add_argument("--neighbour-growth", action=argparse.BooleanOptionalAction, default=d.pool.neighbour_growth,
+                   help="a block that cannot grow in place grows over the free units before it too (one overlapping "
+                        "copy) before it migrates")
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=d.packing,
+                   help="keep odma's blocks packed under pressure: --compact-growth --slide-growth --neighbour-growth "
+                        "--growth step and admission within θ 0.97 (docs/results/gpu/replay_policy.md; default: on "
+                        "where block copies are cheap, accelerators, off on a CPU)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode batch cap")
     p.add_argument("--schedule", default=d.schedule, choices=ORDERS,
                    help="order of service: fcfs, or sjf (shortest predicted remaining output first, with aging)")
@@ -208,7 +222,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefix_share_min_tokens=args.prefix_share_min_tokens,
         pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale,
                      growth_hint=args.growth_hint, worst_case_prompt_share=args.worst_case_prompt_share,
-                     compact_growth=args.compact_growth),
+                     compact_growth=args.compact_growth, slide_growth=args.slide_growth,
+                     neighbour_growth=args.neighbour_growth, growth_step=args.growth_step),
+        packing=args.packing,
         buckets=replace(BucketConfig(), large_bound=args.max_tokens_cap),
     )
 

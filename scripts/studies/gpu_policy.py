@@ -4,7 +4,7 @@ both budgets (docs/results/gpu/replay_policy.md).
 Every variant is the bench's burst (`odma.analyze.gpu_burst.run_burst`) with EngineConfig fields changed; its
 seconds come from the shipped H200 and H100 profiles, and its tok/s is divided by paged's on the same profile.
 
-    .venv/bin/python scripts/studies/gpu_policy.py --variants swap,compact,headroom --json out.json
+    .venv/bin/python scripts/studies/gpu_policy.py --variants swap,compact,packed --json out.json
 """
 
 from __future__ import annotations
@@ -21,33 +21,75 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from odma.analyze.gpu_burst import GIB, BurstConfig, bench_prompts, odma_memory, run_burst  # noqa: E402
 from odma.analyze.gpu_profile import load_gpu_profile  # noqa: E402
 from odma.config import PoolConfig  # noqa: E402
+from odma.engine.config import PACKED_THETA  # noqa: E402
 
 PROFILES = ("h200-7b", "h100-7b")
 
 
-def _compact(**pool) -> PoolConfig:
-    return replace(PoolConfig(), compact_growth=True, **pool)
+def _pool(**fields) -> PoolConfig:
+    return replace(PoolConfig(), **fields)
 
 
-# name -> (base policy, EngineConfig overrides, oracle: every request tagged with its true length)
+PACKED_POOL = dict(compact_growth=True, slide_growth=True, neighbour_growth=True, growth="step")
+
+
+def _packed_without(*names: str, **engine) -> dict:
+    """Packing's fields with `names` of them off (growth back to "next"), and `engine` fields changed."""
+    pool = {k: v for k, v in PACKED_POOL.items() if k not in names}
+    if "compact_growth" in names:
+        pool.pop("slide_growth", None)
+    return {"packing": False, "pool": _pool(**pool), "admission_theta": PACKED_THETA, **engine}
+
+
+# name -> (base policy, EngineConfig overrides, lengths: "median" (the bench's running median), "oracle" (every
+# request tagged with its true length) or "default" (the learned predictor, from the trace's texts: ShareGPT only))
 VARIANTS = {
-    "static": ("static", {}, False),
-    "paged": ("paged", {}, False),
-    "swap": ("odma", {}, False),  # the engine's defaults: what the first GPU runs did
-    "compact": ("odma", odma_memory("compact"), False),
-    "theta0.9": ("odma", {"admission_theta": 0.9}, False),
-    "wait": ("odma", {"preempt": "wait"}, False),
-    "compact+theta0.9": ("odma", {"pool": _compact(), "admission_theta": 0.9}, False),
-    "compact+wait": ("odma", odma_memory("compact-wait"), False),
-    "wait+theta0.9": ("odma", {"preempt": "wait", "admission_theta": 0.9}, False),
-    "headroom": ("odma", odma_memory("headroom"), False),  # compaction + wait + θ 0.9
+    "static": ("static", {}, "median"),
+    "paged": ("paged", {}, "median"),
+    "swap": ("odma", {}, "median"),  # the engine's CPU defaults: what the first GPU runs did
+    # each change alone
+    "compact": ("odma", odma_memory("compact"), "median"),
+    "slide": ("odma", {"pool": _pool(compact_growth=True, slide_growth=True)}, "median"),
+    "neighbours": ("odma", {"pool": _pool(neighbour_growth=True)}, "median"),
+    "step64": ("odma", {"pool": _pool(growth="step")}, "median"),
+    "double": ("odma", {"pool": _pool(growth="double")}, "median"),
+    "theta0.97": ("odma", {"admission_theta": PACKED_THETA}, "median"),
+    "theta0.9": ("odma", {"admission_theta": 0.9}, "median"),
+    "wait": ("odma", {"preempt": "wait"}, "median"),
+    "recompute": ("odma", {"preempt": "recompute"}, "median"),
+    "sjf": ("odma", {"schedule": "sjf"}, "median"),  # also preempts the request with the most predicted work left
+    # together
+    "headroom": ("odma", odma_memory("headroom"), "median"),  # compaction + wait + θ 0.9
+    "packed": ("odma", odma_memory("packed"), "median"),  # compaction + sliding + neighbours + step + θ 0.97
+    "packed-slide": ("odma", _packed_without("slide_growth"), "median"),
+    "packed-neighbours": ("odma", _packed_without("neighbour_growth"), "median"),
+    "packed-step": ("odma", _packed_without("growth"), "median"),
+    "packed-theta": ("odma", _packed_without(admission_theta=1.0), "median"),
+    "packed+theta0.99": ("odma", _packed_without(admission_theta=0.99), "median"),
+    "packed+double": ("odma", {**_packed_without(), "pool": _pool(**{**PACKED_POOL, "growth": "double"})}, "median"),
+    "packed+wait": ("odma", _packed_without(preempt="wait"), "median"),
+    "packed+recompute": ("odma", _packed_without(preempt="recompute"), "median"),
+    "packed+sjf": ("odma", _packed_without(schedule="sjf"), "median"),
+    "packed+demand1.0": ("odma", _packed_without(admission_demand=1.0), "median"),
+    # exact lengths instead of the running median's guess
+    "oracle": ("oracle", {}, "median"),  # contiguous blocks of exactly the true length, never growing
+    "O:packed": ("odma", odma_memory("packed"), "oracle"),
+    "O:packed+demand1.0": ("odma", _packed_without(admission_demand=1.0), "oracle"),
+    "O:packed+sjf": ("odma", _packed_without(schedule="sjf"), "oracle"),
+    "O:packed+scale1": ("odma", {**_packed_without(), "pool": _pool(**PACKED_POOL, reserve_scale=1.0)}, "oracle"),
+    "L:swap": ("odma", {}, "default"),
+    "L:compact": ("odma", odma_memory("compact"), "default"),
+    "L:packed": ("odma", odma_memory("packed"), "default"),
+    "L:packed+demand1.0": ("odma", _packed_without(admission_demand=1.0), "default"),
+    "L:packed+sjf": ("odma", _packed_without(schedule="sjf"), "default"),
 }
 
 
 def run(name: str, trace: str, gib: float, prompts) -> dict:
-    policy, overrides, oracle = VARIANTS[name]
+    policy, overrides, lengths = VARIANTS[name]
     config = BurstConfig(trace=trace, kv_budget_bytes=int(gib * GIB))
-    burst = run_burst(config, policy, engine_overrides=overrides, oracle=oracle, prompts=prompts)
+    burst = run_burst(config, policy, engine_overrides=overrides, oracle=lengths == "oracle", prompts=prompts,
+                      predictor=None if lengths in ("median", "oracle") else lengths)
     row = {"variant": name, "trace": trace, "kv_gib": gib, **burst.summary()}
     for p in PROFILES:
         parts = load_gpu_profile(p).breakdown(burst.steps, burst.paged)
@@ -63,20 +105,25 @@ def table(rows: list[dict], names: list[str]) -> str:
         return r[p]["tokens_per_s"] / base[p]["tokens_per_s"]
 
     out = ["| change | Azure 4 GiB | Azure 16 GiB | ShareGPT 4 GiB | ShareGPT 16 GiB | preemptions (A4/A16/S4/S16) | "
-           "migrations (A4/S4) | migrated tokens (A4/S4) | relocated tokens (A4/S4) | ÷ static (A4, H100) |",
-           "|---|---:|---:|---:|---:|---|---|---|---|---:|"]
+           "steps, running (A4; S4) | migrations (A4/S4) | migrated tokens (A4/S4) | relocated tokens (A4/S4) | "
+           "÷ static (A4, H100) |",
+           "|---|---:|---:|---:|---:|---|---|---|---|---|---:|"]
     for n in names:
-        if not all((n, t, g) in at for t, g in cfgs):
+        if not any((n, t, g) in at for t, g in cfgs):
             continue
         cells = [f"{ratio(at[n, t, g], at['paged', t, g], 'h200-7b'):.3f} / {ratio(at[n, t, g], at['paged', t, g], 'h100-7b'):.3f}"
-                 for t, g in cfgs]
-        pre = "/".join(str(at[n, t, g]["preemptions"]) for t, g in cfgs)
-        a, s = at[n, "azure-conv", 4.0], at[n, "sharegpt-chat", 4.0]
+                 if (n, t, g) in at else "–" for t, g in cfgs]
+        pre = "/".join(str(at[n, t, g]["preemptions"]) if (n, t, g) in at else "–" for t, g in cfgs)
+        a, s = at.get((n, "azure-conv", 4.0)), at.get((n, "sharegpt-chat", 4.0))
+
+        def both(f, a=a, s=s):
+            return "/".join(f(x) if x else "–" for x in (a, s))
+
         static = at.get(("static", "azure-conv", 4.0))
-        vs_static = f"{ratio(a, static, 'h100-7b'):.2f}" if static else ""
-        out.append(f"| {n} | " + " | ".join(cells) + f" | {pre} | {a['migrations']:,}/{s['migrations']:,} | "
-                   f"{a['migrated_tokens']:,}/{s['migrated_tokens']:,} | {a['relocated_tokens']:,}/{s['relocated_tokens']:,} "
-                   f"| {vs_static} |")
+        vs_static = f"{ratio(a, static, 'h100-7b'):.2f}" if static and a else ""
+        running = "; ".join(f"{x['steps']:,}, {x['mean_running']}" if x else "–" for x in (a, s))
+        counts = [both(lambda x, k=k: f"{x[k]:,}") for k in ("migrations", "migrated_tokens", "relocated_tokens")]
+        out.append(f"| {n} | " + " | ".join(cells) + f" | {pre} | {running} | " + " | ".join(counts) + f" | {vs_static} |")
     return "\n".join(out)
 
 
@@ -96,6 +143,8 @@ def main() -> int:
         for gib in (float(g) for g in args.kv_gib.split(",")):
             prompts = bench_prompts(BurstConfig(trace=trace, kv_budget_bytes=int(gib * GIB)))
             for name in dict.fromkeys(["paged", "static", *names]):
+                if VARIANTS[name][2] == "default" and trace == "azure-conv":
+                    continue  # Azure's trace has no texts for the learned predictor
                 t = time.time()
                 rows.append(run(name, trace, gib, prompts))
                 r = rows[-1]
