@@ -118,7 +118,7 @@ def test_the_server_is_stopped_when_the_burst_fails(tmp_path, launched, monkeypa
     assert len(launched) == 1 and _gone(launched[0]) and launched[0].returncode == 0
 
 
-@pytest.mark.parametrize("memory", ["headroom", "compact", "swap", "wait", "compact-wait"])
+@pytest.mark.parametrize("memory", ["packed", "headroom", "compact", "swap", "wait", "compact-wait"])
 def test_the_server_gets_the_engine_parts_odma_memory(tmp_path, memory):
     """The server's flags give it the odma memory the engine part runs (the same EngineConfig fields)."""
     from odma.analyze.gpu_burst import odma_memory
@@ -131,5 +131,6 @@ def test_the_server_gets_the_engine_parts_odma_memory(tmp_path, memory):
     config = cli.config_from_args(parser.parse_args(gpu_http.server_flags(args, work, "cpu", "float32")))
     want = odma_memory(memory)
     assert config.preempt == want.get("preempt", "swap")
-    assert config.pool.compact_growth == ("pool" in want and want["pool"].compact_growth)
-    assert config.admission_theta == want.get("admission_theta", 1.0)
+    assert config.packing_resolved == want["packing"]
+    assert config.resolved_pool.compact_growth == ("pool" in want and want["pool"].compact_growth)
+    assert config.resolved_admission_theta == want.get("admission_theta", 1.0)

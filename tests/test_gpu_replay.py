@@ -168,3 +168,27 @@ def test_a_raw_run_is_replayed_with_the_odma_memory_it_ran(tmp_path):
     raw["engine"]["odma_memory"] = "packed"
     (tmp_path / "packed.json").write_text(json.dumps(raw))
     assert read_raw_run(tmp_path / "packed.json").odma_memory == "packed"
+
+
+def test_a_run_of_several_traces_gives_one_raw_run_each(tmp_path):
+    """The bench's runs keyed by trace (`engine.runs`) read as one RawRun each, equal to the one-run format's;
+    odma under another predictor (the learned one, the oracle) is left out, odma:median is the replay's odma."""
+    from odma.analyze.gpu_fit import read_raw_runs
+
+    old = json.loads((RAW / "gpu_rerun_h100.json").read_text())
+    engine = old["engine"]
+    work = {k: engine[k] for k in ("requests", "max_tokens", "kv_budget")}
+    median = dict(engine["policies"]["odma"], predictor="running-median")
+    runs = {"azure-conv": {"trace": "azure-conv", "work": work, "policies": dict(engine["policies"])},
+            "again": {"trace": "azure-conv", "work": work,
+                      "policies": {"odma:median": median, "odma:default": dict(median, tokens_per_s=1.0),
+                                   "paged": engine["policies"]["paged"]}},
+            "broken": {"trace": "nq", "error": "no data"}}
+    new = dict(old, engine={"model": engine["model"], "runs": runs})
+    (tmp_path / "runs.json").write_text(json.dumps(new))
+    first, second = read_raw_runs(tmp_path / "runs.json")
+    one = read_raw_run(RAW / "gpu_rerun_h100.json")
+    assert read_raw_runs(RAW / "gpu_rerun_h100.json") == [one]
+    assert replace(first, path=one.path) == one
+    assert set(second.policies) == {"odma", "paged"} and second.policies["odma"]["tokens_per_s"] != 1.0
+    assert second.config == first.config

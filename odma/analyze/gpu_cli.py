@@ -37,10 +37,10 @@ def add_parsers(sub) -> None:
 
 
 def cmd_fit_gpu(args: argparse.Namespace) -> int:
-    from odma.analyze.gpu_fit import compare, fit_profile, format_rows, read_raw_run, replay_runs, scale_profile
+    from odma.analyze.gpu_fit import compare, fit_profile, format_rows, read_raw_runs, replay_runs, scale_profile
     from odma.analyze.gpu_profile import save_gpu_profile
 
-    runs = [r for r in (read_raw_run(p) for p in args.runs) if r.policies]
+    runs = [r for p in args.runs for r in read_raw_runs(p) if r.policies]
     fit_runs = [r for r in runs if r.device == args.fit_device]
     others = [r for r in runs if r.device != args.fit_device]
     if not fit_runs:

@@ -47,16 +47,52 @@ class RawRun:
         return Path(self.path).stem
 
 
-def read_raw_run(path: str | Path) -> RawRun:
-    """A raw `odma-bench gpu` JSON with an engine part; policies that failed or were cut are left out."""
-    path = Path(path)
+def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: not a readable JSON file ({exc})") from None
+
+
+# the names a run gives odma's policy under the running median, the predictor this replay runs
+_MEDIAN_ODMA = ("odma", "odma:median", "odma:running-median")
+
+
+def read_raw_runs(path: str | Path) -> list[RawRun]:
+    """Every engine run of a raw `odma-bench gpu` JSON: one per trace where the bench ran several
+    (`engine.runs`, keyed by trace), else the one run (`read_raw_run`). Of a run's policies the replay takes static,
+    paged and odma under the running median; the others (another predictor, the oracle) are left out."""
+    path = Path(path)
+    data = _read_json(path)
+    engine = data.get("engine")
+    if not isinstance(engine, dict) or not isinstance(engine.get("runs"), dict):
+        return [read_raw_run(path)]
+    out = []
+    for run in engine["runs"].values():
+        work = run.get("work")
+        if not isinstance(work, dict):
+            continue  # its work could not be made: nothing ran
+        policies = {("odma" if name in _MEDIAN_ODMA else name): r for name, r in run.get("policies", {}).items()
+                    if name in _MEDIAN_ODMA or ":" not in name}
+        flat = {"model": engine.get("model"), "trace": run["trace"], "requests": work["requests"],
+                "max_tokens": work["max_tokens"], "kv_budget": work["kv_budget"], "policies": policies}
+        out.append(_raw_run(path, data, flat))
+    return out
+
+
+def read_raw_run(path: str | Path) -> RawRun:
+    """A raw `odma-bench gpu` JSON with one engine run (the bench's format before several traces ran in one);
+    policies that failed or were cut are left out."""
+    path = Path(path)
+    data = _read_json(path)
     engine = data.get("engine")
     if not isinstance(engine, dict) or "policies" not in engine:
-        raise ConfigError(f"{path}: no engine part (odma-bench gpu --parts engine)")
+        raise ConfigError(f"{path}: no engine part with one run (odma-bench gpu --parts engine; several runs: "
+                          f"read_raw_runs)")
+    return _raw_run(path, data, engine)
+
+
+def _raw_run(path: Path, data: dict, engine: dict) -> RawRun:
     if engine.get("model") != "paper-7b" or data.get("tiny"):
         raise ConfigError(f"{path}: not a paper-7b run (tiny runs time Triton's interpreter)")
     name = str(data.get("device", ""))

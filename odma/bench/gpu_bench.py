@@ -630,8 +630,12 @@ def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=N
 def _counts(engine) -> dict:
     c = engine.scheduler.counters
     stats = engine.pool.stats()
+    kv = engine.workers[0].kv
     return {"preemptions": c.preemptions, "migrations": stats.migrations, "migrated_tokens": stats.migrated_tokens,
-            "grown_in_place": stats.grown_in_place, "swap_outs": c.swap_outs}
+            "grown_in_place": stats.grown_in_place, "swap_outs": c.swap_outs,
+            # packing's moves: blocks relocated or slid out of a growth's way, and the tokens that moved twice
+            "relocated_tokens": stats.relocated_tokens, "overlapped_tokens": stats.overlapped_tokens,
+            "slides": getattr(kv, "slides", 0)}  # only odma's contiguous KV slides blocks
 
 
 @dataclass(frozen=True)
@@ -811,7 +815,11 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     result["predictor"] = engine.predictor.name
     result["predictor_fallback"] = engine.predictor.fallback_reason
     result["preempt"] = engine.config.preempt
-    result["compact_growth"] = engine.config.pool.compact_growth
+    result["compact_growth"] = engine.config.resolved_pool.compact_growth
+    result["packing"] = engine.config.packing_resolved
+    result["admission_theta"] = engine.config.resolved_admission_theta
+    if policy.policy == "odma":
+        result["odma_memory"] = args.odma_memory  # the preset, which `odma-analyze fit-gpu` replays the run with
     result["growth"] = "map" if type(engine.workers[0].kv).__name__ == "MappedKV" else "copy"
     del engine
     _backend(str(device)).empty_cache()

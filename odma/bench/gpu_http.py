@@ -100,7 +100,8 @@ def server_flags(args, work: BurstWork, device: str, dtype_name: str) -> list[st
             "--generation-config", "vllm",
             "--compact-growth" if pool is not None and pool.compact_growth else "--no-compact-growth",
             *(["--preempt", memory["preempt"]] if "preempt" in memory else []),
-            *(["--admission-theta", str(memory["admission_theta"])] if "admission_theta" in memory else [])]
+            *(["--admission-theta", str(memory["admission_theta"])] if "admission_theta" in memory else []),
+            "--packing" if memory.get("packing") else "--no-packing"]
 
 
 def warm_prompts(work: BurstWork) -> list[list[int]]:
