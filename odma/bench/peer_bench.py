@@ -395,6 +395,7 @@ def _run_system(base, stages, records, memory, per_token, model_dir, peer_python
                     result["stages"][stage][base.label] = _stage(stage, srv, records, model_dir, peer_python, out, args)
                     server[f"memory_after_{stage}"] = group_memory_mb(srv.pid)
                     server["peak_rss_mb"] = round(srv.memory.peak_mb, 1)  # the group's, sampled, since it answered
+                    server["peak_pss_mb"] = round(srv.memory.peak_pss_mb, 1)
                     if plugin_stats is not None:
                         time.sleep(3)  # one more write of the plugin's metrics after the stage's last request
                         result["stages"][stage][base.label]["odma_vllm"] = _read_json(plugin_stats)
@@ -445,6 +446,7 @@ def _stage(stage: str, srv, records, model_dir, peer_python, out, args) -> dict:
             point = guidellm_point(srv.url, srv.spec.label, streams, n, model_dir, peer_python, out, args)
             if srv.memory is not None:  # the server's peak so far: its start, warm-up and this point included
                 point["server_peak_rss_mb"] = round(srv.memory.peak_mb, 1)
+                point["server_peak_pss_mb"] = round(srv.memory.peak_pss_mb, 1)
             points.append(point)
         return {"points": points}
     rate = args.poisson_rate if stage == "poisson" else math.inf

@@ -207,18 +207,20 @@ class MemorySampler:
         import threading
 
         self.pgid, self.every_s = pgid, every_s
-        self.peak_mb = 0.0
+        self.peak_mb = self.peak_pss_mb = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
     def _run(self) -> None:
         while True:
-            self.peak_mb = max(self.peak_mb, group_memory_mb(self.pgid)["rss_mb"])
+            now = group_memory_mb(self.pgid, pss=True)
+            self.peak_mb, self.peak_pss_mb = max(self.peak_mb, now["rss_mb"]), max(self.peak_pss_mb, now["pss_mb"])
             if self._stop.wait(self.every_s):
                 return
 
     def __enter__(self) -> "MemorySampler":
-        self.peak_mb = group_memory_mb(self.pgid)["rss_mb"]
+        now = group_memory_mb(self.pgid, pss=True)
+        self.peak_mb, self.peak_pss_mb = now["rss_mb"], now["pss_mb"]
         self._thread.start()
         return self
 
@@ -227,9 +229,10 @@ class MemorySampler:
         self._thread.join(timeout=5)
 
 
-def group_memory_mb(pgid: int) -> dict:
-    """Resident memory of a server's process group (every process it started): now and at its peak, MB."""
-    rss = hwm = 0
+def group_memory_mb(pgid: int, pss: bool = False) -> dict:
+    """Resident memory of a server's process group (every process it started): now and at its peak, MB; pss: its
+    proportional share too (pages that several of its processes map, a model file or a library, counted once)."""
+    rss = hwm = pss_kb = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -242,7 +245,14 @@ def group_memory_mb(pgid: int) -> dict:
             continue
         rss += int(fields.get("VmRSS", "0 kB").split()[0])
         hwm += int(fields.get("VmHWM", "0 kB").split()[0])
-    return {"rss_mb": round(rss / 1024, 1), "peak_rss_mb": round(hwm / 1024, 1)}
+        if pss:
+            try:
+                with open(f"/proc/{entry}/smaps_rollup") as f:
+                    pss_kb += next((int(line.split()[1]) for line in f if line.startswith("Pss:")), 0)
+            except OSError:
+                pass
+    out = {"rss_mb": round(rss / 1024, 1), "peak_rss_mb": round(hwm / 1024, 1)}
+    return {**out, "pss_mb": round(pss_kb / 1024, 1)} if pss else out
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
