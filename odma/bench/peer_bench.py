@@ -299,7 +299,7 @@ def llamacpp_ceiling(llamacpp: dict, args, out: Path) -> dict:
            "-npp", str(prompt), "-ntg", str(output), "-npl", ",".join(map(str, batches)), "-fa", "on",
            "-ctk", args.llamacpp_kv_type, "-ctv", args.llamacpp_kv_type, "-t", str(args.threads),
            "-tb", str(args.threads)]
-    log = out / "logs" / "llama-batched-bench.log"
+    log = out / "logs" / f"llama-batched-bench-{Path(llamacpp['gguf']).name.removesuffix('.gguf')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     from odma.bench.peer_servers import on_server_cores
 
