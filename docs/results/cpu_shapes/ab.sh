@@ -46,13 +46,34 @@ for step in "${steps[@]}"; do
                 --gguf "$SHAPES/llama-3.2-1b.Q4_K_M.gguf"
         done ;;
     3b)  # one round (the time this session had), the Q4_K_M file
-        peer 3b llama-3.2-3b --systems llamacpp,odma --repeats "${ROUNDS_3B:-1}" --concurrency 1:2,16:16 \
+        peer 3b llama-3.2-3b --systems llamacpp,odma --repeats "${ROUNDS_3B:-1}" --concurrency 1:2,16:16 --ceiling-batches 1 \
             --gguf "$SHAPES/llama-3.2-3b.Q4_K_M.gguf" ;;
     3b-vllm)
         peer 3b-vllm llama-3.2-3b --systems vllm --concurrency "${VLLM_3B_POINTS:-1:2}" ;;
     8b)  # does each system load it, its memory, one short request
         peer 8b llama-3.1-8b --systems odma,llamacpp --concurrency 1:1 --shape 128/32 --ceiling-batches 1 \
             --gguf "$SHAPES/llama-3.1-8b.Q4_K_M.gguf" ;;
+    8b-vllm-load)  # does vLLM load the 8B bf16 folder here: start (--enforce-eager: no compile), its memory, stop
+        mkdir -p "$OUT/8b-vllm-load"
+        timeout 1200 $PY - "$SHAPES/llama-3.1-8b-bf16" "$OUT/8b-vllm-load" "$PEER_VENV/bin/python" <<'PYEOF'
+import json, os, sys, time
+from pathlib import Path
+from odma.bench.peer_servers import ServerSpec, group_memory_mb, serve
+folder, out, python = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+spec = ServerSpec("vllm", "vllm", folder, 1 << 30, 1, python=python, dtype="auto", extra_args=("--enforce-eager",))
+t0, facts = time.time(), {"load_avg_before": os.getloadavg()}
+try:
+    with serve(spec, out / "logs") as srv:
+        facts.update(ready_s=round(srv.started_s, 1), memory_at_ready=group_memory_mb(srv.pid, pss=True),
+                     peak_rss_mb=srv.memory.peak_mb, peak_pss_mb=srv.memory.peak_pss_mb, **srv.log_facts(),
+                     command=" ".join(srv.command))
+except RuntimeError as e:
+    facts["error"] = str(e)
+facts["load_avg_after"] = os.getloadavg()
+(out / "LOAD.json").write_text(json.dumps(facts, indent=2) + "\n")
+print(json.dumps(facts, indent=2))
+PYEOF
+        ;;
     8b-vllm)  # --enforce-eager: its load and memory without the graph compile's minutes
         peer 8b-vllm llama-3.1-8b --systems vllm --concurrency 1:1 --shape 128/32 --vllm-args=--enforce-eager ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
