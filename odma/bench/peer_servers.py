@@ -4,7 +4,8 @@ stopped (process group SIGTERM, then SIGKILL) when its `with` block ends, also o
 All get the same KV memory in bytes and the same number of compute threads:
 - odma-serve: `--kv-budget BYTES --threads T` (HTTP and the predictor on the other core); fp32 weights from the
   converted folder, or `--weights native` on the GGUF file;
-- vLLM-CPU: `--kv-cache-memory-bytes BYTES` (what VLLM_CPU_KVCACHE_SPACE sets, in bytes rather than whole GiB),
+- vLLM-CPU: `--dtype` float32 (the harness's default, beside odma's fp32) or auto (vLLM's own: the model's bf16,
+  which it keeps on an x86 CPU without AVX512_BF16 too), `--kv-cache-memory-bytes BYTES` (what VLLM_CPU_KVCACHE_SPACE sets, in bytes rather than whole GiB),
   its OpenMP threads bound to T cores (`VLLM_CPU_OMP_THREADS_BIND`; on 2 cores its automatic binding is the same,
   1 compute core and 1 reserved for its engine/API processes). Started as `python -m
   vllm.entrypoints.openai.api_server` because its `vllm` command fails on a package-metadata lookup (vllm-cpu);
@@ -61,6 +62,7 @@ class ServerSpec:
     unified: bool = True  # llamacpp: one KV pool for every slot (-kvu), else a static range each (-no-kvu)
     kv_type: str = "f16"  # llamacpp: -ctk / -ctv
     request_extra: dict = field(default_factory=dict)  # fields every replay request to this server adds
+    dtype: str = "float32"  # vllm: --dtype ("auto": the model's own, or what vLLM falls back to on this CPU)
 
 
 @dataclass(slots=True)
@@ -71,6 +73,7 @@ class RunningServer:
     log_path: Path
     started_s: float  # seconds from launch until it answered
     command: list[str] = field(default_factory=list)
+    memory: "MemorySampler | None" = None  # the process group's resident memory, sampled while it runs
 
     def log_facts(self) -> dict:
         return log_facts(self.log_path)
@@ -90,6 +93,9 @@ def log_facts(log_path: Path) -> dict:
     m = re.search(r"reserved_cpus=\[([0-9, ]*)\]", text)
     if m:
         facts["reserved_cores"] = [int(x) for x in m.group(1).split(",") if x.strip()]
+    m = re.search(r"dtype=torch\.(\w+)", text)  # vLLM's engine config line: the dtype it resolved
+    if m:
+        facts["dtype"] = m.group(1)
     m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'", text)  # llama.cpp
     if m:
         slots, per_slot, unified = int(m.group(1)), int(m.group(2)), m.group(3) == "true"
@@ -122,7 +128,7 @@ def command(spec: ServerSpec, port: int) -> tuple[list[str], dict[str, str]]:
                "--length-log", "", "--max-queue", "100000", "--log-level", "warning", *spec.extra_args]
     elif spec.system == "vllm":
         cmd = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-               "--model", str(spec.model_dir), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+               "--model", str(spec.model_dir), "--served-model-name", SERVED_NAME, "--dtype", spec.dtype,
                "--max-model-len", str(spec.max_model_len), "--kv-cache-memory-bytes", str(spec.kv_bytes),
                *spec.extra_args]
         preload = vllm_preload(spec.python)
@@ -186,14 +192,47 @@ def serve(spec: ServerSpec, log_dir: Path) -> Iterator[RunningServer]:
             if time.monotonic() - t0 > spec.ready_timeout_s:
                 raise RuntimeError(f"{spec.label} did not answer within {spec.ready_timeout_s:.0f} s; log: {log_path}")
             time.sleep(1.0)
-        yield RunningServer(spec, url, proc.pid, log_path, time.monotonic() - t0, cmd)
+        with MemorySampler(proc.pid) as memory:
+            yield RunningServer(spec, url, proc.pid, log_path, time.monotonic() - t0, cmd, memory)
     finally:
         stop(proc)
 
 
-def group_memory_mb(pgid: int) -> dict:
-    """Resident memory of a server's process group (every process it started): now and at its peak, MB."""
-    rss = hwm = 0
+class MemorySampler:
+    """The summed resident memory of a process group, sampled every `every_s` by a thread while the `with` block
+    runs: its peak is what the server held at once (the processes' own peaks, VmHWM, summed, overstate it when
+    they peak at different times; vLLM's API server, engine core and workers are several processes)."""
+
+    def __init__(self, pgid: int, every_s: float = 0.5):
+        import threading
+
+        self.pgid, self.every_s = pgid, every_s
+        self.peak_mb = self.peak_pss_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            now = group_memory_mb(self.pgid, pss=True)
+            self.peak_mb, self.peak_pss_mb = max(self.peak_mb, now["rss_mb"]), max(self.peak_pss_mb, now["pss_mb"])
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> "MemorySampler":
+        now = group_memory_mb(self.pgid, pss=True)
+        self.peak_mb, self.peak_pss_mb = now["rss_mb"], now["pss_mb"]
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def group_memory_mb(pgid: int, pss: bool = False) -> dict:
+    """Resident memory of a server's process group (every process it started): now and at its peak, MB; pss: its
+    proportional share too (pages that several of its processes map, a model file or a library, counted once)."""
+    rss = hwm = pss_kb = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -206,7 +245,14 @@ def group_memory_mb(pgid: int) -> dict:
             continue
         rss += int(fields.get("VmRSS", "0 kB").split()[0])
         hwm += int(fields.get("VmHWM", "0 kB").split()[0])
-    return {"rss_mb": round(rss / 1024, 1), "peak_rss_mb": round(hwm / 1024, 1)}
+        if pss:
+            try:
+                with open(f"/proc/{entry}/smaps_rollup") as f:
+                    pss_kb += next((int(line.split()[1]) for line in f if line.startswith("Pss:")), 0)
+            except OSError:
+                pass
+    out = {"rss_mb": round(rss / 1024, 1), "peak_rss_mb": round(hwm / 1024, 1)}
+    return {**out, "pss_mb": round(pss_kb / 1024, 1)} if pss else out
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
