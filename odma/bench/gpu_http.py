@@ -27,7 +27,6 @@ import math
 import os
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -212,18 +211,6 @@ class Server:
     exit_code: int | None = None  # once stopped: 0 after a clean stop, -9 when it had to be killed
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, drawn at random from 20000-40000 (away from the kernel's ephemeral range)."""
-    for port in random.sample(range(20000, 40000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free port on {host} in 20000-40000")
-
-
 def server_command(flags: list[str], port: int) -> list[str]:
     return [sys.executable, "-m", "odma.server.cli", *flags, "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "warning"]
@@ -246,7 +233,9 @@ def running_server(flags: list[str], log_path: Path, ready_timeout_s: float) -> 
     import odma
     from odma.bench.peer_servers import stop
 
-    port = _free_port()
+    from odma.server.threaded import free_port  # imports uvicorn: only where a server runs
+
+    port = free_port(below_ephemeral=True)
     url = f"http://127.0.0.1:{port}"
     # the server imports this odma, wherever the interpreter's own install points
     root = str(Path(odma.__file__).resolve().parent.parent)

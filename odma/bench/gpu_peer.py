@@ -61,19 +61,12 @@ def random_hf_model(shape: dict, dtype, device: str, seed: int = 0):
     import torch
     from transformers import Qwen2ForCausalLM
 
+    from odma.models.tiny import fill_random_
+
     config = hf_config(shape, dtype)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config).to(dtype)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    fill_random_(model, device, seed)  # the recipe odma's random models use
     # the rotary frequencies are a buffer that to_empty left unset: made again (a few floats, on the host) and moved
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(device)
     return model.eval()

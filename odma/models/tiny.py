@@ -39,16 +39,9 @@ TINY_QWEN2 = dict(PAPER_7B, vocab_size=256, hidden_size=64, intermediate_size=12
                   num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
 
 
-def random_model(shape: dict, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0):
-    """Our layers for `shape` (ModelConfig fields) with random weights made on `device` itself (a 7B model on a GPU
-    in seconds, no checkpoint): normal(0, 0.02) matrices, unit norms. For speed and memory measurements with forced
-    lengths (ignore_eos): its tokens mean nothing."""
-    from odma.models.config import ModelConfig
-    from odma.models.llama import CausalLM, Rotary
-
-    config = ModelConfig(**shape)
-    with torch.device("meta"):
-        model = CausalLM(config).to(dtype)  # allocated in `dtype` directly (a 7B model never exists in fp32)
+def fill_random_(model: torch.nn.Module, device: str, seed: int = 0) -> None:
+    """Materialize a meta-device model's parameters on `device`, in place: norms 1, biases 0, every other weight
+    N(0, 0.02) from a generator seeded with `seed` on the device (the weights never exist on the host)."""
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -59,6 +52,19 @@ def random_model(shape: dict, dtype: torch.dtype = torch.bfloat16, device: str =
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+
+
+def random_model(shape: dict, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0):
+    """Our layers for `shape` (ModelConfig fields) with random weights made on `device` itself (a 7B model on a GPU
+    in seconds, no checkpoint): normal(0, 0.02) matrices, unit norms. For speed and memory measurements with forced
+    lengths (ignore_eos): its tokens mean nothing."""
+    from odma.models.config import ModelConfig
+    from odma.models.llama import CausalLM, Rotary
+
+    config = ModelConfig(**shape)
+    with torch.device("meta"):
+        model = CausalLM(config).to(dtype)  # allocated in `dtype` directly (a 7B model never exists in fp32)
+    fill_random_(model, device, seed)
     model.rotary.inv_freq = Rotary(config.head_dim, config.rope_theta).inv_freq.to(device)
     return model.eval()
 
