@@ -25,7 +25,6 @@ import contextlib
 import gc
 import math
 import os
-import random
 import shlex
 import subprocess
 import sys
@@ -61,21 +60,15 @@ def served_model(args) -> str:
 def burst_work(args) -> BurstWork:
     """The burst the part runs, made here alone: the first requests of --trace with their natural lengths (cut to
     max_tokens), prompts of random ids of SmolLM2's vocabulary (which the served random model covers)."""
+    from odma.bench.gpu_work import burst_from_trace
     from odma.models.random_served import RANDOM_TOKENIZER
     from odma.tokenizer import load_tokenizer
-    from odma.traces import load_trace
 
     n = args.http_requests or (6 if args.tiny else 128)
-    max_tokens = min(args.max_tokens, 16) if args.tiny else args.max_tokens
-    max_prompt = min(args.max_prompt, 24) if args.tiny else args.max_prompt
-    vocab = len(load_tokenizer(RANDOM_TOKENIZER).hf)
-    records = load_trace(args.trace, limit=n).records[:n]
-    rng = random.Random(0)
-    prompts = tuple(tuple(rng.randrange(vocab) for _ in range(max(1, min(r.prompt_tokens, max_prompt))))
-                    for r in records)
-    lengths = tuple(max(1, min(r.output_tokens or 1, max_tokens)) for r in records)
-    return BurstWork(name=args.trace, prompts=prompts, texts=(None,) * len(prompts), lengths=lengths,
-                     max_tokens=max_tokens, kv_budget=args.kv_budget or ("48KiB" if args.tiny else "4GiB"))
+    return burst_from_trace(args.trace, n, max_prompt=min(args.max_prompt, 24) if args.tiny else args.max_prompt,
+                            max_tokens=min(args.max_tokens, 16) if args.tiny else args.max_tokens,
+                            kv_budget=args.kv_budget or ("48KiB" if args.tiny else "4GiB"),
+                            vocab_size=len(load_tokenizer(RANDOM_TOKENIZER).hf))
 
 
 def server_flags(args, work: BurstWork, device: str, dtype_name: str) -> list[str]:
