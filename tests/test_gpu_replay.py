@@ -46,17 +46,23 @@ def test_the_fit_recovers_known_parameters():
     _needs_trace()
     truth = GpuProfile(name="truth", device="X", step_ms=5.0, ms_per_1k_context=0.04, paged_read_factor=1.4,
                        ms_per_1k_prefill=20.0, host_ms=1.2, paged_host_ms=2.0, copy_ms_per_gib=1.3, swap_gbps=25.0,
-                       prefill_span=16256.0)
+                       ms_per_slide=2.0, prefill_span=16256.0)
     prompts = bench_prompts(SMALL)
-    bursts = {SMALL: {p: run_burst(SMALL, p, prompts=prompts) for p in ("static", "odma", "paged")}}
-    measured = {}
-    for policy, b in bursts[SMALL].items():
-        seconds = truth.breakdown(b.steps, b.paged)["seconds"]
-        measured[policy] = {"seconds": seconds, "tokens_per_s": b.output_tokens / seconds,
-                            "device_ms_p50": truth.device_p50_ms(b.steps, b.paged),
-                            "host_ms_p50": truth.paged_host_ms if b.paged else truth.host_ms}
-    runs = [RawRun("synthetic.json", "X", SMALL, measured, truth.step_ms + truth.ms_per_1k_context * 16.384, 16384,
-                   truth.copy_ms_per_gib)]
+    # the same burst twice: odma swapping (the first runs) and packing (it slides blocks, whose cost is fitted too)
+    bursts = {(SMALL, memory): {p: run_burst(SMALL, p, prompts=prompts,
+                                             engine_overrides=odma_memory(memory) if p == "odma" else None)
+                                for p in ("static", "odma", "paged")} for memory in ("swap", "packed")}
+    runs = []
+    for (config, memory), replayed in bursts.items():
+        measured = {}
+        for policy, b in replayed.items():
+            seconds = truth.breakdown(b.steps, b.paged)["seconds"]
+            measured[policy] = {"seconds": seconds, "tokens_per_s": b.output_tokens / seconds,
+                                "device_ms_p50": truth.device_p50_ms(b.steps, b.paged),
+                                "host_ms_p50": truth.paged_host_ms if b.paged else truth.host_ms}
+        runs.append(RawRun(f"synthetic-{memory}.json", "X", config, measured,
+                           truth.step_ms + truth.ms_per_1k_context * 16.384, 16384, truth.copy_ms_per_gib, memory))
+    assert sum(s.slides for s in bursts[SMALL, "packed"]["odma"].steps) > 0
     fitted = fit_profile(runs, bursts, "fitted")
     for name in FITTED:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
@@ -189,6 +195,59 @@ def test_a_run_of_several_traces_gives_one_raw_run_each(tmp_path):
     first, second = read_raw_runs(tmp_path / "runs.json")
     one = read_raw_run(RAW / "gpu_rerun_h100.json")
     assert read_raw_runs(RAW / "gpu_rerun_h100.json") == [one]
-    assert replace(first, path=one.path) == one
+    assert replace(first, path=one.path, several=False) == one
+    assert first.name == "runs azure-conv" and one.name == "gpu_rerun_h100"  # a file of several runs names the trace
     assert set(second.policies) == {"odma", "paged"} and second.policies["odma"]["tokens_per_s"] != 1.0
     assert second.config == first.config
+
+
+def test_the_replay_builds_the_bench_prompts():
+    """The replay's prompts are the bench's (`gpu_work.burst_from_records`, a layer above the replay): random ids
+    for a trace without text, the chat-templated, tokenized texts for one with text (its prefix sharing depends on
+    them)."""
+    from odma.analyze.gpu_burst import bench_records
+    from odma.bench.gpu_work import burst_from_records
+
+    _needs_trace()
+    for config in (replace(SMALL, requests=8), replace(SMALL, trace="sharegpt", requests=8)):
+        try:
+            records = bench_records(config)
+            prompts, lengths = bench_prompts(config)
+        except Exception as exc:  # noqa: BLE001 - the shared datasets or the tokenizer are absent here
+            pytest.skip(f"{config.trace} unavailable: {exc}")
+        tokenizer = None
+        if records[0].prompt:
+            from odma.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer("smollm2")
+        work = burst_from_records(config.trace, records, max_prompt=config.max_prompt, max_tokens=config.max_tokens,
+                                  kv_budget="1GiB", vocab_size=config.vocab_size, tokenizer=tokenizer)
+        assert prompts == [list(p) for p in work.prompts] and lengths == list(work.lengths)
+
+
+def test_a_move_over_its_own_place_is_copied_twice():
+    """The replay's mover counts what `copy_kv` copies: a move apart once, a move that overlaps its old place (in
+    place with a new capacity, a slide) twice, through a temporary; a move onto itself nothing."""
+    from odma.analyze.gpu_burst import CopyCounter
+    from odma.kv.blocks import Block
+
+    counter = CopyCounter()
+    counter.copy(Block(0, 64, 0), Block(128, 64, 0), 40)  # apart
+    assert counter.tokens == 40
+    counter.copy(Block(0, 64, 0), Block(0, 128, 0), 40)  # grown in place: its layout changes
+    counter.copy(Block(64, 64, 0), Block(32, 64, 0), 10)  # slid down over a gap of 32
+    assert counter.tokens == 40 + 80 + 20
+    counter.copy(Block(0, 64, 0), Block(0, 64, 0), 40)
+    assert counter.tokens == 140
+
+
+def test_a_slide_costs_its_planning_beside_the_step():
+    from odma.analyze.gpu_burst import StepRecord
+
+    profile = load_gpu_profile("h200-7b")
+    assert profile.ms_per_slide > 0  # fitted on the packing runs
+    plain = StepRecord(decodes=4, context=4000, prefill=(), copied_tokens=0, swap_tokens=0, swaps=0, running=4)
+    slid = replace(plain, slides=3)
+    extra = profile.breakdown([slid], False)["host_s"] - profile.breakdown([plain], False)["host_s"]
+    assert extra == pytest.approx(3 * profile.ms_per_slide / 1e3)
+    assert profile.device_ms(slid, False) == profile.device_ms(plain, False)

@@ -95,10 +95,11 @@ class StepRecord:
     decodes: int  # requests that fed one token
     context: int  # Σ tokens those requests attend over (their cached tokens)
     prefill: tuple[tuple[int, int], ...]  # (cached before, fed) of each prefill or recompute chunk
-    copied_tokens: int  # tokens growth (and relocation) copied while the step was planned
+    copied_tokens: int  # tokens growth (and relocation) copied while the step was planned (through a temporary: twice)
     swap_tokens: int  # tokens swapped out or in while the step was planned
     swaps: int  # swap copies (each one a synchronised transfer)
     running: int  # requests running after the step (what the bench averages)
+    slides: int = 0  # growths that found room only by sliding blocks over the gaps (`ContiguousKV.slides`)
 
 
 @dataclass(slots=True)
@@ -114,6 +115,22 @@ class BurstResult:
         return {"policy": self.policy, "steps": len(self.steps), "output_tokens": self.output_tokens,
                 "mean_running": round(statistics.mean(running), 1) if running else 0.0,
                 "peak_running": max(running, default=0), **self.counts}
+
+
+class CopyCounter:
+    """The pool's mover in the replay: the tokens `backends.base.copy_kv` would copy for each move, without the
+    bytes. A move to a range apart from the old one copies once; a move that overlaps its old place (growth in place,
+    whose layout changes with the capacity; growth over the gaps beside a block; a slide) goes through temporaries
+    (a clone, then the copy): its tokens cross memory twice."""
+
+    def __init__(self) -> None:
+        self.tokens = 0  # tokens read and written, a temporary's twice
+
+    def copy(self, src, dst, n_tokens: int) -> None:
+        if not n_tokens or (src.offset, src.capacity) == (dst.offset, dst.capacity):
+            return
+        overlaps = src.offset < dst.end and dst.offset < src.end
+        self.tokens += 2 * n_tokens if overlaps else n_tokens
 
 
 class ModelledSwap:
@@ -156,11 +173,26 @@ def bench_records(config: BurstConfig) -> list:
 
 
 def bench_prompts(config: BurstConfig) -> tuple[list[list[int]], list[int]]:
-    """The bench's prompts (random ids, seeded as `bench_engine` seeds them) and forced output lengths."""
+    """The bench's prompts and forced output lengths, as its builder (`odma.bench.gpu_work.burst_from_records`, a
+    layer above this one; tests/test_gpu_replay.py holds the two equal) makes them: a trace without text gets
+    random ids of its recorded prompt lengths (seeded as the bench seeds them), a trace with text its prompts in
+    SmolLM2's chat template, tokenized (so prefix sharing finds what it found on the GPU); ids folded into the
+    vocabulary, prompts cut to max_prompt."""
     records = bench_records(config)
     rng = random.Random(0)
-    prompts = [[rng.randrange(config.vocab_size) for _ in range(max(1, min(r.prompt_tokens, config.max_prompt)))]
-               for r in records]
+    tokenizer = None
+    if any(r.prompt for r in records):
+        from odma.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer("smollm2")
+    prompts = []
+    for r in records:
+        if r.prompt:
+            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt))[:config.max_prompt]
+            prompts.append([i % config.vocab_size for i in ids])
+        else:
+            prompts.append([rng.randrange(config.vocab_size)
+                            for _ in range(max(1, min(r.prompt_tokens, config.max_prompt)))])
     lengths = [max(1, min(r.output_tokens or 1, config.max_tokens)) for r in records]
     return prompts, lengths
 
@@ -210,6 +242,7 @@ class BurstEngine:
                                  admission_theta=engine.resolved_admission_theta,
                                  admission_demand=engine.admission_demand)
         self.swap = None
+        self.copies: CopyCounter | None = None  # the paged pool copies nothing
         if self.paged:
             pages = total // PAGE_TOKENS
             self.kv = PagedKV(pages * PAGE_TOKENS, page_tokens=PAGE_TOKENS, bytes_per_token=bytes_per_token)
@@ -220,6 +253,7 @@ class BurstEngine:
             pool = KVPool(total, self.policy, large_share=large_share, align=settings.align,
                           bytes_per_token=bytes_per_token, worst_case_prompt_share=settings.worst_case_prompt_share,
                           neighbour_growth=settings.neighbour_growth)
+            self.copies = pool.mover = CopyCounter()
             self.kv = ContiguousKV(pool, compact_growth=settings.compact_growth,
                                    slide_growth=settings.compact_growth and settings.slide_growth)
             preempt = options.pop("preempt", engine.preempt)
@@ -310,11 +344,10 @@ class BurstEngine:
 
     @property
     def copied_tokens(self) -> int:
-        """Tokens growth and relocations copied so far (the paged pool copies none); a slide or a growth into the
-        gaps beside a block that overlaps its old place passes through a temporary and counts twice."""
-        pool = getattr(self.kv, "pool", None)
-        overlapped = pool.overlapped_tokens if pool is not None else 0
-        return self.kv.copied_tokens + getattr(self.kv, "relocated_tokens", 0) + overlapped
+        """Tokens growth and relocations copied so far (the paged pool copies none); a move that overlaps its old
+        place (a slide, a growth in place or into the gaps beside a block) passes through a temporary and counts
+        twice."""
+        return self.copies.tokens if self.copies is not None else 0
 
 
 def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None = None,
@@ -341,7 +374,7 @@ def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None
     target = {s.request_id: n for s, n in zip(seqs, lengths)}
     stopped: set[str] = set()
     steps: list[StepRecord] = []
-    copied, swapped, swaps = engine.copied_tokens, _swap(engine)[0], _swap(engine)[1]
+    copied, slides, swapped, swaps = engine.copied_tokens, _slides(engine), *_swap(engine)
     limit = 50 * sum(lengths) + 10_000
     while engine.has_work():
         work = engine.step()
@@ -350,8 +383,8 @@ def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None
         steps.append(StepRecord(len(decode), sum(w.start for w in decode),
                                 tuple((w.start, w.q_len) for w in work if w.q_len > 1),
                                 engine.copied_tokens - copied, moved - swapped, copies - swaps,
-                                len(engine.scheduler.running)))
-        copied, swapped, swaps = engine.copied_tokens, moved, copies
+                                len(engine.scheduler.running), _slides(engine) - slides))
+        copied, slides, swapped, swaps = engine.copied_tokens, _slides(engine), moved, copies
         for s in seqs:
             if s.request_id not in stopped and not s.finished and s.num_generated >= target[s.request_id]:
                 engine.abort(s)
@@ -360,6 +393,10 @@ def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None
             raise RuntimeError(f"{policy}: the burst did not end within {limit} steps")
     after = _counts(engine)
     return BurstResult(policy, engine.paged, steps, sum(lengths), {k: after[k] - before[k] for k in after})
+
+
+def _slides(engine: BurstEngine) -> int:
+    return getattr(engine.kv, "slides", 0)
 
 
 def _swap(engine: BurstEngine) -> tuple[int, int]:

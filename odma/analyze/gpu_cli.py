@@ -56,7 +56,7 @@ def cmd_fit_gpu(args: argparse.Namespace) -> int:
         rows += compare(prof, [r for r in runs if r.device == prof.device], bursts)
         print(f"{prof.name}: " + ", ".join(f"{k} {getattr(prof, k):.4g}" for k in (
             "step_ms", "ms_per_1k_context", "paged_read_factor", "ms_per_1k_prefill", "host_ms", "paged_host_ms",
-            "copy_ms_per_gib", "swap_gbps")))
+            "copy_ms_per_gib", "swap_gbps", "ms_per_slide")))
         if args.out_dir:
             save_gpu_profile(prof, Path(args.out_dir) / f"{prof.name}.json")
     print(format_rows(rows))

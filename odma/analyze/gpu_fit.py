@@ -3,8 +3,8 @@
 Each raw run's engine part is replayed (`odma.analyze.gpu_burst`, the same burst: its counts must equal the
 run's, or the fit stops) and the profile's parameters are chosen so that the replayed steps cost what the run
 measured: each policy's seconds and device p50, and the step part's device time (batch 16 at 1K contexts), in
-relative (log) error. Six parameters are fitted (step_ms, ms_per_1k_context, paged_read_factor,
-ms_per_1k_prefill, host_ms, swap_gbps); two are read, not fitted: the copy speed (part vmm: one 1 GiB block
+relative (log) error. Seven parameters are fitted (step_ms, ms_per_1k_context, paged_read_factor,
+ms_per_1k_prefill, host_ms, swap_gbps, ms_per_slide); two are read, not fitted: the copy speed (part vmm: one 1 GiB block
 copied) and paged's extra host time (the runner's host p50, paged minus contiguous). Another device's profile
 is the fitted one with its device terms scaled by the ratio of the two devices' step parts (and its own copy
 speed): no engine run of that device is used, so its runs check the profile.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from odma.analyze.gpu_burst import GIB, ODMA_MEMORY, BurstConfig, BurstResult, bench_prompts, odma_memory, run_burst
@@ -25,8 +25,10 @@ from odma.engine.config import parse_bytes
 from odma.errors import ConfigError
 
 POLICIES = ("static", "odma", "paged")
-FITTED = ("step_ms", "ms_per_1k_context", "paged_read_factor", "ms_per_1k_prefill", "host_ms", "swap_gbps")
-CHECKED_COUNTS = ("steps", "preemptions", "swap_outs", "migrations", "migrated_tokens", "mean_running")
+FITTED = ("step_ms", "ms_per_1k_context", "paged_read_factor", "ms_per_1k_prefill", "host_ms", "swap_gbps",
+          "ms_per_slide")
+CHECKED_COUNTS = ("steps", "preemptions", "swap_outs", "migrations", "migrated_tokens", "mean_running",
+                  "grown_in_place", "relocated_tokens", "overlapped_tokens", "slides")
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,16 @@ class RawRun:
     micro_context: int  # tokens that batch reads
     copy_ms_per_gib: float | None  # part vmm: one 1 GiB block copied
     odma_memory: str = "swap"  # the run's --odma-memory (odma.analyze.gpu_burst.ODMA_MEMORY): how its odma is replayed
+    several: bool = False  # its file holds several engine runs (one per trace): its name says which
 
     @property
     def name(self) -> str:
-        return Path(self.path).stem
+        return f"{Path(self.path).stem} {self.config.trace}" if self.several else Path(self.path).stem
+
+    @property
+    def burst_key(self) -> tuple[BurstConfig, str]:
+        """What its replay depends on: the burst and how its odma meets pressure."""
+        return self.config, self.odma_memory
 
 
 def _read_json(path: Path) -> dict:
@@ -74,10 +82,20 @@ def read_raw_runs(path: str | Path) -> list[RawRun]:
             continue  # its work could not be made: nothing ran
         policies = {("odma" if name in _MEDIAN_ODMA else name): r for name, r in run.get("policies", {}).items()
                     if name in _MEDIAN_ODMA or ":" not in name}
-        flat = {"model": engine.get("model"), "trace": run["trace"], "requests": work["requests"],
+        flat = {"model": engine.get("model"), "trace": _local_trace(run["trace"]), "requests": work["requests"],
                 "max_tokens": work["max_tokens"], "kv_budget": work["kv_budget"], "policies": policies}
-        out.append(_raw_run(path, data, flat))
+        out.append(replace(_raw_run(path, data, flat), several=True))
     return out
+
+
+def _local_trace(spec: str) -> str:
+    """The trace a run names, as this machine finds it: a text trace staged for the GPU machine
+    (`odma.bench.gpu_stage`: .gpu/traces/NAME.jsonl, the first records of the named trace NAME) is the named trace
+    where the staged file is not here."""
+    path = Path(spec)
+    if path.suffix == ".jsonl" and path.parent.name == "traces" and not path.is_file():
+        return path.stem
+    return spec
 
 
 def read_raw_run(path: str | Path) -> RawRun:
@@ -127,23 +145,24 @@ def _odma_memory(path: Path, engine: dict) -> str:
     return memory
 
 
-def replay_runs(runs: list[RawRun], check: bool = True) -> dict[BurstConfig, dict[str, BurstResult]]:
-    """Each distinct burst once per policy. `check`: its counts must equal every run's (else ConfigError)."""
-    out: dict[BurstConfig, dict[str, BurstResult]] = {}
-    seen: dict[BurstConfig, str] = {}
+Bursts = dict[tuple[BurstConfig, str], dict[str, BurstResult]]  # RawRun.burst_key → policy → its replay
+
+
+def replay_runs(runs: list[RawRun], check: bool = True) -> Bursts:
+    """Each distinct burst (and odma memory) once per policy. `check`: its counts must equal every run's (else
+    ConfigError)."""
+    out: Bursts = {}
+    prompts: dict[BurstConfig, tuple] = {}
     for run in runs:
-        if run.config not in out:
-            prompts = bench_prompts(run.config)
+        if run.burst_key not in out:
+            if run.config not in prompts:
+                prompts[run.config] = bench_prompts(run.config)
             memory = odma_memory(run.odma_memory)
-            out[run.config] = {p: run_burst(run.config, p, prompts=prompts,
-                                            engine_overrides=memory if p == "odma" else None) for p in POLICIES}
-            seen[run.config] = run.odma_memory
-        elif seen[run.config] != run.odma_memory:
-            raise ConfigError(f"{run.name}: the same burst as another run with odma memory {seen[run.config]!r}, but "
-                              f"{run.odma_memory!r}: fit them apart")
+            out[run.burst_key] = {p: run_burst(run.config, p, prompts=prompts[run.config],
+                                               engine_overrides=memory if p == "odma" else None) for p in POLICIES}
         if check:
             for policy, measured in run.policies.items():
-                replayed = out[run.config][policy].summary()
+                replayed = out[run.burst_key][policy].summary()
                 wrong = {k: (measured.get(k), replayed[k]) for k in CHECKED_COUNTS
                          if k in measured and measured[k] != replayed[k]}
                 if wrong:
@@ -157,11 +176,12 @@ def _profile_from(x: dict, name: str, device: str, copy: float, paged_extra: flo
     return GpuProfile(name=name, device=device, step_ms=x["step_ms"], ms_per_1k_context=x["ms_per_1k_context"],
                       paged_read_factor=x["paged_read_factor"], ms_per_1k_prefill=x["ms_per_1k_prefill"],
                       host_ms=x["host_ms"], paged_host_ms=x["host_ms"] + paged_extra, copy_ms_per_gib=copy,
-                      swap_gbps=x["swap_gbps"], bytes_per_token=bytes_per_token, prefill_span=span,
+                      swap_gbps=x["swap_gbps"], ms_per_slide=x["ms_per_slide"],
+                      bytes_per_token=bytes_per_token, prefill_span=span,
                       fitted_on=tuple(fitted_on))
 
 
-def fit_profile(runs: list[RawRun], bursts: dict[BurstConfig, dict[str, BurstResult]], name: str,
+def fit_profile(runs: list[RawRun], bursts: Bursts, name: str,
                 copy_ms_per_gib: float | None = None) -> GpuProfile:
     """The profile whose replayed seconds and device p50s are closest (least squares of log ratios) to the runs'."""
     from scipy.optimize import least_squares
@@ -184,16 +204,20 @@ def fit_profile(runs: list[RawRun], bursts: dict[BurstConfig, dict[str, BurstRes
     span = PrefillCost.for_model(model).span
     bpt = model.kv_bytes_per_token
 
+    # a slide's cost is fitted where the replayed bursts slid (a packing pool's runs), else it stays 0
+    slid = any(s.slides for r in runs for p in r.policies for s in bursts[r.burst_key][p].steps)
+    names = [n for n in FITTED if slid or n != "ms_per_slide"]
+
     def profile(v) -> GpuProfile:
-        return _profile_from(dict(zip(FITTED, map(math.exp, v))), name, runs[0].device, copy, max(paged_extra, 1e-6),
-                             [r.name for r in runs], span, bpt)
+        x = {"ms_per_slide": 0.0, **dict(zip(names, map(math.exp, v)))}
+        return _profile_from(x, name, runs[0].device, copy, max(paged_extra, 1e-6), [r.name for r in runs], span, bpt)
 
     def residuals(v) -> list[float]:
         prof = profile(v)
         out = []
         for run in runs:
             for policy, measured in run.policies.items():
-                burst = bursts[run.config][policy]
+                burst = bursts[run.burst_key][policy]
                 out.append(math.log(prof.breakdown(burst.steps, burst.paged)["seconds"] / measured["seconds"]))
                 if measured.get("device_ms_p50"):
                     out.append(math.log(prof.device_p50_ms(burst.steps, burst.paged) / measured["device_ms_p50"]))
@@ -202,7 +226,7 @@ def fit_profile(runs: list[RawRun], bursts: dict[BurstConfig, dict[str, BurstRes
                                     / run.micro_device_ms))
         return out
 
-    start = [math.log(v) for v in (6.0, 0.03, 1.5, 0.05, 2.0, 20.0)]
+    start = [math.log(v) for v in (6.0, 0.03, 1.5, 0.05, 2.0, 20.0, 1.0)[:len(names)]]
     fit = least_squares(residuals, start, method="trf", x_scale=1.0)
     return profile(fit.x)
 
@@ -218,17 +242,17 @@ def scale_profile(profile: GpuProfile, fit_runs: list[RawRun], other: list[RawRu
     factor = statistics.mean(theirs) / statistics.mean(mine)
     device = other[0].device
     note = (f"{profile.name} with its device terms x {factor:.3f} (the step parts' device times, {device} / "
-            f"{profile.device}) and {device}'s copy speed; host and swap as fitted; no {device} engine run used")
+            f"{profile.device}) and {device}'s copy speed; host, slides and swap as fitted; no {device} engine run used")
     return profile.scaled(name, device, factor, statistics.mean(copies), note)
 
 
-def compare(profile: GpuProfile, runs: list[RawRun], bursts: dict[BurstConfig, dict[str, BurstResult]]) -> list[dict]:
+def compare(profile: GpuProfile, runs: list[RawRun], bursts: Bursts) -> list[dict]:
     """Per run and policy: measured and replayed tok/s (and odma ÷ paged where both ran)."""
     rows = []
     for run in runs:
         replayed = {}
         for policy, measured in run.policies.items():
-            burst = bursts[run.config][policy]
+            burst = bursts[run.burst_key][policy]
             parts = profile.breakdown(burst.steps, burst.paged)
             tps = burst.output_tokens / parts["seconds"]
             replayed[policy] = tps

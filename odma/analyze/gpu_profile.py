@@ -5,7 +5,9 @@ A step's device time is a fixed part (weights, launches) plus its decode attenti
 tokens; the paged pool reads through page tables at `paged_read_factor` times that) plus its prefill chunks
 (per 1K tokens of `PrefillCost`, the scheduler's own measure: tokens plus their attention over the context
 before them). Beside the device: the host's part of a step (scheduling, launches, the sync), more for pages
-(the page tables); migrations copy at the device's measured copy speed; swaps cross PCIe at `swap_gbps`.
+(the page tables), and for each growth that slides blocks over the gaps (a packed pool's) the scheduling thread's
+search for the slides and its dispatch of their copies (`ms_per_slide`); migrations copy at the device's measured
+copy speed (a move over its own old place twice: through a temporary); swaps cross PCIe at `swap_gbps`.
 No torch. Profiles are JSON files (odma/analyze/gpu_profiles/NAME.json, or any path).
 """
 
@@ -34,6 +36,9 @@ class GpuProfile:
     paged_host_ms: float  # the same for the paged pool (its page tables are built on the host)
     copy_ms_per_gib: float  # a migration's copy (read + write), measured (odma-bench gpu, part vmm)
     swap_gbps: float  # swap-out / swap-in payload over the host link
+    # a growth that slides blocks over the gaps: the scheduling thread's search for the cheapest run of blocks to
+    # slide (after window clearing found none) while the device waits, beside its copies (fitted; 0: not modelled)
+    ms_per_slide: float = 0.0
     bytes_per_token: int = 57344  # KV bytes per token of the 7B shape in bf16
     prefill_span: float = 8064.0  # PrefillCost.span of the 7B shape (attention cost relative to the linears)
     fitted_on: tuple[str, ...] = ()  # the raw runs the parameters came from
@@ -42,8 +47,12 @@ class GpuProfile:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name not in ("name", "device", "fitted_on", "notes") and not (isinstance(v, (int, float)) and v > 0):
-                raise ConfigError(f"GPU profile {self.name!r}: {f.name} must be a positive number, got {v!r}")
+            if f.name in ("name", "device", "fitted_on", "notes"):
+                continue
+            least = 0 if f.name == "ms_per_slide" else None
+            if not (isinstance(v, (int, float)) and (v >= least if least is not None else v > 0)):
+                raise ConfigError(f"GPU profile {self.name!r}: {f.name} must be a "
+                                  f"{'non-negative' if least is not None else 'positive'} number, got {v!r}")
 
     def device_ms(self, step, paged: bool) -> float:
         """Device milliseconds of one step (0 for a step without work)."""
@@ -54,9 +63,10 @@ class GpuProfile:
         return self.step_ms + read + self.ms_per_1k_prefill * cost / 1e3
 
     def breakdown(self, steps, paged: bool) -> dict:
-        """Seconds of a burst by part: device, host, copies, swaps (and their sum)."""
+        """Seconds of a burst by part: device, host (slides' planning with it), copies, swaps (and their sum)."""
         device = sum(self.device_ms(s, paged) for s in steps) / 1e3
-        host = len(steps) * (self.paged_host_ms if paged else self.host_ms) / 1e3
+        host = (len(steps) * (self.paged_host_ms if paged else self.host_ms)
+                + sum(s.slides for s in steps) * self.ms_per_slide) / 1e3
         copy = sum(s.copied_tokens for s in steps) * self.bytes_per_token / GIB * self.copy_ms_per_gib / 1e3
         swap = sum(s.swap_tokens for s in steps) * self.bytes_per_token / (self.swap_gbps * 1e9)
         return {"seconds": device + host + copy + swap, "device_s": device, "host_s": host, "copy_s": copy,
