@@ -134,3 +134,13 @@ def test_the_server_gets_the_engine_parts_odma_memory(tmp_path, memory):
     assert config.packing_resolved == want["packing"]
     assert config.resolved_pool.compact_growth == ("pool" in want and want["pool"].compact_growth)
     assert config.resolved_admission_theta == want.get("admission_theta", 1.0)
+
+
+def test_a_memory_the_server_cannot_spell_is_refused(tmp_path):
+    """"packed-swap" packs without `packing` (which would wait instead of swapping): the server has no flags for it."""
+    from odma.bench import gpu_http
+    from odma.errors import ConfigError
+
+    args = _args(tmp_path, "--http-requests", "2", "--odma-memory", "packed-swap")
+    with pytest.raises(ConfigError, match="packed-swap"):
+        gpu_http.server_flags(args, gpu_http.burst_work(args), "cpu", "float32")

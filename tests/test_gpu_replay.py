@@ -142,9 +142,15 @@ def test_the_bench_default_packs_and_headroom_waits_instead_of_preempting():
 
     assert ODMA_MEMORY[0] == "packed"
     packed = odma_memory("packed")
-    assert packed["packing"] and packed["admission_theta"] == PACKED_THETA
+    assert packed["packing"] and packed["admission_theta"] == PACKED_THETA and packed["preempt"] == "wait"
     engine = EngineConfig(device="cuda", **packed)
     assert engine.pool == engine.resolved_pool  # the preset spells out what packing sets: a run's config says it
+    assert engine.resolved_preempt == "wait" == EngineConfig(device="cuda").resolved_preempt
+    assert EngineConfig(device="cpu").resolved_preempt == "swap"  # a CPU pool does not pack: it swaps as before
+    assert EngineConfig(device="cuda", policy="static").resolved_preempt == "swap"
+    first = odma_memory("packed-swap")  # the first packed runs: the same pool and θ, swapping
+    assert not first["packing"] and first["pool"] == packed["pool"] and "preempt" not in first
+    assert EngineConfig(device="cuda", **first).resolved_preempt == "swap"
     assert EngineConfig(device="cuda", **odma_memory("swap")).resolved_pool == EngineConfig(device="cpu").pool
     headroom = odma_memory("headroom")
     assert headroom["preempt"] == "wait" and headroom["admission_theta"] == HEADROOM_THETA < 1
@@ -153,10 +159,12 @@ def test_the_bench_default_packs_and_headroom_waits_instead_of_preempting():
     prompts = bench_prompts(SMALL)
     old = run_burst(SMALL, "odma", engine_overrides=odma_memory("compact"), prompts=prompts).summary()
     assert old["preemptions"] > 0
-    for fields in (packed, headroom):
+    for fields in (packed, headroom, first):
         new = run_burst(SMALL, "odma", engine_overrides=fields, prompts=prompts).summary()
         assert new["preemptions"] < old["preemptions"] / 4
         assert new["output_tokens"] == old["output_tokens"]  # every request still finishes
+        if fields is packed:
+            assert new["preemptions"] == 0  # a block that finds no room waits
     assert run_burst(SMALL, "odma", engine_overrides=packed, prompts=prompts).summary()["slides"] > 0
 
 

@@ -30,19 +30,21 @@ BASE_POLICIES = ("static", "odma", "paged", "oracle")  # oracle: contiguous bloc
 # odma's memory under pressure in the bench's engine part (--odma-memory), the first the default
 # (docs/results/gpu/replay_policy.md): "packed" (the engine's default on accelerators, EngineConfig.packing: compaction
 # that slides blocks over the gaps when no window can be cleared, growth over the gaps beside a block and by 64 tokens,
-# admission within θ 0.97 of the pool, a swap only when none of it finds room: 1.09-1.10x paged at 4 GiB, 1.13x at
-# 16 GiB, 0-5 preemptions of 400); "headroom" (compaction, a block that cannot grow waits, admission within θ 0.9:
+# admission within θ 0.97 of the pool, and a block that finds no room waits: no preemption in the replays);
+# "packed-swap" (the same, but swapping the newest request out where a block finds no room: the first packed GPU
+# runs, 0 of 400 Azure and 12 of 200 ShareGPT requests preempted); "headroom" (compaction, a block that cannot grow waits, admission within θ 0.9:
 # no preemption, 1.04-1.07x at 4 GiB); "compact" (compaction, else the newest request is swapped out: 735-811
 # preemptions at 4 GiB); "swap", the engine's CPU default, what the first raw runs did; "wait" stalls the request
 # instead of swapping; "compact-wait" both (waiting holds admissions back while the pool stays full)
-ODMA_MEMORY = ("packed", "headroom", "compact", "swap", "wait", "compact-wait")
+ODMA_MEMORY = ("packed", "packed-swap", "headroom", "compact", "swap", "wait", "compact-wait")
 HEADROOM_THETA = 0.9  # reservations at most this share of the pool (eLLM's θ); 0.85-0.93 replayed within 2 %
 
 
 def odma_memory(name: str, align: int = 16) -> dict:
     """EngineConfig fields that `name` (one of ODMA_MEMORY) sets for odma's policy; the bench and this replay both
     read them here. Every preset says whether it packs (the engine packs by default on an accelerator), and
-    "packed" spells out the pool fields and θ that packing sets, so a run's config records them."""
+    "packed" spells out the pool fields, θ and the waiting that packing sets, so a run's config records them;
+    "packed-swap" sets the same fields without `packing` (which would turn its swap into a wait)."""
     from odma.config import PoolConfig
     from odma.engine.config import PACKED_THETA
 
@@ -50,10 +52,10 @@ def odma_memory(name: str, align: int = 16) -> dict:
         raise ConfigError(f"odma memory must be one of {ODMA_MEMORY}, got {name!r}")
     pool = PoolConfig(align=align)
     out: dict = {"packing": name == "packed"}
-    if name == "packed":
+    if name in ("packed", "packed-swap"):
         out["admission_theta"] = PACKED_THETA
         pool = replace(pool, compact_growth=True, slide_growth=True, neighbour_growth=True, growth="step")
-    if name in ("compact-wait", "wait", "headroom"):
+    if name in ("packed", "compact-wait", "wait", "headroom"):
         out["preempt"] = "wait"
     if name == "headroom":
         out["admission_theta"] = HEADROOM_THETA
@@ -77,6 +79,9 @@ class BurstConfig:
     max_num_seqs: int = 256
     swap_space_bytes: int = 1 * GIB
     vocab_size: int = 152064  # the paper model's (its prompts are random ids below it)
+    # prompts of each record's recorded prompt length (random ids) even where the trace has text: what a conversation
+    # with its history costs (sharegpt-chat's text is its last message; the bench sends only that)
+    recorded_lengths: bool = False
     model: ModelShape = field(default_factory=lambda: ModelShape.from_hf_config(QWEN7B_CONFIG, "paper-7b"))
 
     @property
@@ -177,17 +182,18 @@ def bench_prompts(config: BurstConfig) -> tuple[list[list[int]], list[int]]:
     layer above this one; tests/test_gpu_replay.py holds the two equal) makes them: a trace without text gets
     random ids of its recorded prompt lengths (seeded as the bench seeds them), a trace with text its prompts in
     SmolLM2's chat template, tokenized (so prefix sharing finds what it found on the GPU); ids folded into the
-    vocabulary, prompts cut to max_prompt."""
+    vocabulary, prompts cut to max_prompt. With `recorded_lengths`, every trace gets random ids of its recorded
+    prompt lengths (a conversation's history included)."""
     records = bench_records(config)
     rng = random.Random(0)
     tokenizer = None
-    if any(r.prompt for r in records):
+    if any(r.prompt for r in records) and not config.recorded_lengths:
         from odma.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer("smollm2")
     prompts = []
     for r in records:
-        if r.prompt:
+        if tokenizer is not None:
             ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt))[:config.max_prompt]
             prompts.append([i % config.vocab_size for i in ids])
         else:
@@ -256,7 +262,7 @@ class BurstEngine:
             self.copies = pool.mover = CopyCounter()
             self.kv = ContiguousKV(pool, compact_growth=settings.compact_growth,
                                    slide_growth=settings.compact_growth and settings.slide_growth)
-            preempt = options.pop("preempt", engine.preempt)
+            preempt = options.pop("preempt", engine.resolved_preempt)
             if preempt == "swap":
                 self.swap = ModelledSwap(config.swap_space_bytes, bytes_per_token)
             self.scheduler = Scheduler(self.kv, replace(common, preempt=preempt, clear_window=engine.clear_window,

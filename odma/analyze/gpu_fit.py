@@ -139,6 +139,8 @@ def _odma_memory(path: Path, engine: dict) -> str:
     memory = engine.get("odma_memory") or odma.get("odma_memory")
     if memory is None and not odma.get("compact_growth") and odma.get("preempt", "swap") == "swap":
         memory = "swap"
+    if memory == "packed" and odma.get("preempt") == "swap":
+        memory = "packed-swap"  # the first packed runs, before packing waited instead of swapping
     if memory not in ODMA_MEMORY:
         raise ConfigError(f"{path}: which --odma-memory the run's odma used is not recorded ({memory!r}); its replay "
                           f"needs it (one of {', '.join(ODMA_MEMORY)})")

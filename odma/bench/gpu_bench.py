@@ -814,7 +814,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     result["worst_case_fit"] = result["kv_tokens"] // (min(map(len, prompts)) + work.max_tokens)
     result["predictor"] = engine.predictor.name
     result["predictor_fallback"] = engine.predictor.fallback_reason
-    result["preempt"] = engine.config.preempt
+    result["preempt"] = engine.config.resolved_preempt
     result["compact_growth"] = engine.config.resolved_pool.compact_growth
     result["packing"] = engine.config.packing_resolved
     result["admission_theta"] = engine.config.resolved_admission_theta

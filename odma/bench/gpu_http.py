@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from odma.bench.gpu_work import BurstWork
+from odma.errors import ConfigError
 
 CONCURRENCY = 64  # requests running at once: the engine's max_num_seqs and the HTTP clients
 SERVER_SET_ASIDE_S = 30.0  # of the cap: the server's start (imports, the model made, graphs captured) and stop
@@ -80,8 +81,13 @@ def server_flags(args, work: BurstWork, device: str, dtype_name: str) -> list[st
     attention = "triton" if device_capabilities(device).attention == "triton" else "auto"
     from odma.analyze.gpu_burst import odma_memory
 
-    memory = odma_memory(getattr(args, "odma_memory", "swap"))  # the engine part's odma memory, as flags
+    name = getattr(args, "odma_memory", "swap")
+    memory = odma_memory(name)  # the engine part's odma memory, as flags
     pool = memory.get("pool")
+    if pool is not None and not memory.get("packing") and (pool.slide_growth or pool.neighbour_growth
+                                                            or pool.growth != "next"):
+        # the server's flags give packing's pool fields only through --packing, which waits instead of swapping
+        raise ConfigError(f"odma memory {name!r} has no odma-serve flags (its pool packs without --packing)")
     longest = max(map(len, work.prompts))
     return ["--model", served_model(args), "--device", device, "--dtype", dtype_name, "--policy", "odma",
             "--kv-budget", work.kv_budget, "--kv-growth", "copy", "--max-num-seqs", str(CONCURRENCY),

@@ -173,10 +173,11 @@ class EngineConfig:
     prefix_share_min_tokens: int = 16
     # odma's blocks kept packed under memory pressure (docs/results/gpu/replay_policy.md): growth by compaction that
     # slides blocks over the gaps between them when no range can be cleared otherwise, growth over the gaps beside a
-    # block, growth by pool.growth_step tokens, admission within PACKED_THETA of the pool; a request is preempted
-    # only when none of it finds room. On, it sets those fields of `pool` and caps admission_theta (resolved_pool,
-    # resolved_admission_theta). None: on where the backend's block copies are cheap against a swap
-    # (accelerators), off where they are the same memcpy (a CPU pool); only the odma policy packs
+    # block, growth by pool.growth_step tokens, admission within PACKED_THETA of the pool; a block that still finds
+    # no room waits for one (a packed pool is full then: a finishing request frees it) instead of swapping a
+    # request out. On, it sets those fields of `pool`, caps admission_theta and turns preempt "swap" into "wait"
+    # (resolved_pool, resolved_admission_theta, resolved_preempt). None: on where the backend's block copies are
+    # cheap against a swap (accelerators), off where they are the same memcpy (a CPU pool); only odma packs
     packing: bool | None = None
     pool: PoolConfig = field(default_factory=PoolConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
@@ -217,6 +218,13 @@ class EngineConfig:
         """θ in force: `admission_theta`, at most PACKED_THETA while packing (room for the running to grow into)."""
         return min(self.admission_theta, PACKED_THETA) if self.packing_resolved else self.admission_theta
 
+    @property
+    def resolved_preempt(self) -> str:
+        """Preemption in force: `preempt`, but "wait" for "swap" while packing (a growth fails there only when the
+        pool is full, and a swap-out then only makes room for admissions that fill it again: the GPU replay
+        preempted 12 of 200 ShareGPT requests swapping, none waiting, at equal or better throughput)."""
+        return "wait" if self.packing_resolved and self.preempt == "swap" else self.preempt
+
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         """The scheduler's policy these settings ask for, for serving `model` (its shape prices a prefill chunk's
         attention). The paged baseline recomputes preempted requests (vLLM's default: its pages are not swapped)
@@ -226,7 +234,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_prefill_tokens=self.max_prefill_tokens,
             prefill_cost=PrefillCost.for_model(model),
-            preempt="recompute" if paged and self.preempt == "swap" else self.preempt,
+            preempt="recompute" if paged and self.preempt == "swap" else self.resolved_preempt,
             order=self.schedule,
             aging_rounds=self.sjf_aging_rounds,
             # ballooning without balloon_chunked_prefill feeds prompts whole (they wait for their lent room back)

@@ -74,7 +74,7 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
                           compact_growth=settings.compact_growth,
                           slide_growth=settings.compact_growth and settings.slide_growth)
     swap = None
-    if config.preempt == "swap":
+    if config.resolved_preempt == "swap":
         from odma.engine.swap import HostSwap
         from odma.kv import OffloadConfig, OffloadController
 

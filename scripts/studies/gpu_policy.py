@@ -34,11 +34,12 @@ PACKED_POOL = dict(compact_growth=True, slide_growth=True, neighbour_growth=True
 
 
 def _packed_without(*names: str, **engine) -> dict:
-    """Packing's fields with `names` of them off (growth back to "next"), and `engine` fields changed."""
+    """Packing's fields (its pool, θ, waiting) with `names` of them off (growth back to "next"), and `engine` fields
+    changed."""
     pool = {k: v for k, v in PACKED_POOL.items() if k not in names}
     if "compact_growth" in names:
         pool.pop("slide_growth", None)
-    return {"packing": False, "pool": _pool(**pool), "admission_theta": PACKED_THETA, **engine}
+    return {"packing": False, "pool": _pool(**pool), "admission_theta": PACKED_THETA, "preempt": "wait", **engine}
 
 
 # name -> (base policy, EngineConfig overrides, lengths: "median" (the bench's running median), "oracle" (every
@@ -60,15 +61,19 @@ VARIANTS = {
     "sjf": ("odma", {"schedule": "sjf"}, "median"),  # also preempts the request with the most predicted work left
     # together
     "headroom": ("odma", odma_memory("headroom"), "median"),  # compaction + wait + θ 0.9
-    "packed": ("odma", odma_memory("packed"), "median"),  # compaction + sliding + neighbours + step + θ 0.97
+    "packed": ("odma", odma_memory("packed"), "median"),  # compaction + sliding + neighbours + step + θ 0.97 + wait
+    "packed-swap": ("odma", odma_memory("packed-swap"), "median"),  # the first packed GPU runs: a swap, not a wait
+    # each change alone on the first packed runs' policy (what preempted 12 of 200 ShareGPT first turns)
+    "packed-swap+theta0.95": ("odma", _packed_without(preempt="swap", admission_theta=0.95), "median"),
+    "packed-swap+demand0.9": ("odma", _packed_without(preempt="swap", admission_demand=0.9), "median"),
+    "packed-swap+sjf": ("odma", _packed_without(preempt="swap", schedule="sjf"), "median"),
+    "packed-swap+recompute": ("odma", _packed_without(preempt="recompute"), "median"),
     "packed-slide": ("odma", _packed_without("slide_growth"), "median"),
     "packed-neighbours": ("odma", _packed_without("neighbour_growth"), "median"),
     "packed-step": ("odma", _packed_without("growth"), "median"),
     "packed-theta": ("odma", _packed_without(admission_theta=1.0), "median"),
     "packed+theta0.99": ("odma", _packed_without(admission_theta=0.99), "median"),
     "packed+double": ("odma", {**_packed_without(), "pool": _pool(**{**PACKED_POOL, "growth": "double"})}, "median"),
-    "packed+wait": ("odma", _packed_without(preempt="wait"), "median"),
-    "packed+recompute": ("odma", _packed_without(preempt="recompute"), "median"),
     "packed+sjf": ("odma", _packed_without(schedule="sjf"), "median"),
     "packed+demand1.0": ("odma", _packed_without(admission_demand=1.0), "median"),
     # exact lengths instead of the running median's guess
@@ -85,9 +90,23 @@ VARIANTS = {
 }
 
 
+def parse_trace(spec: str) -> tuple[str, int, bool]:
+    """NAME[:REQUESTS][:bench] → (trace, requests, recorded lengths). By default prompts have each record's recorded
+    length (random ids: a conversation's history counted, as the earlier tables); `bench`: the prompts odma-bench gpu
+    sends (a text trace's texts, tokenized: ShareGPT first turns as the GPU runs had them)."""
+    name, *rest = spec.split(":")
+    requests = int(rest[0]) if rest and rest[0] else 400
+    return name, requests, not (len(rest) > 1 and rest[1] == "bench")
+
+
+def burst_config(trace: str, gib: float) -> BurstConfig:
+    name, requests, recorded = parse_trace(trace)
+    return BurstConfig(trace=name, requests=requests, kv_budget_bytes=int(gib * GIB), recorded_lengths=recorded)
+
+
 def run(name: str, trace: str, gib: float, prompts) -> dict:
     policy, overrides, lengths = VARIANTS[name]
-    config = BurstConfig(trace=trace, kv_budget_bytes=int(gib * GIB))
+    config = burst_config(trace, gib)
     burst = run_burst(config, policy, engine_overrides=overrides, oracle=lengths == "oracle", prompts=prompts,
                       predictor=None if lengths in ("median", "oracle") else lengths)
     row = {"variant": name, "trace": trace, "kv_gib": gib, **burst.summary()}
@@ -97,40 +116,46 @@ def run(name: str, trace: str, gib: float, prompts) -> dict:
     return row
 
 
+def _ratio(r: dict, base: dict, profile: str) -> float:
+    return r[profile]["tokens_per_s"] / base[profile]["tokens_per_s"]
+
+
 def table(rows: list[dict], names: list[str]) -> str:
-    cfgs = [("azure-conv", 4.0), ("azure-conv", 16.0), ("sharegpt-chat", 4.0), ("sharegpt-chat", 16.0)]
+    """One row per variant: ÷ paged (H200 / H100) on every trace and budget, and its counts at the smallest budget
+    (one value per trace, `;` between them)."""
+    cfgs = list(dict.fromkeys((r["trace"], r["kv_gib"]) for r in rows))
+    small = [c for c in cfgs if c[1] == min(g for _, g in cfgs)]
     at = {(r["variant"], r["trace"], r["kv_gib"]): r for r in rows}
-
-    def ratio(r, base, p):
-        return r[p]["tokens_per_s"] / base[p]["tokens_per_s"]
-
-    out = ["| change | Azure 4 GiB | Azure 16 GiB | ShareGPT 4 GiB | ShareGPT 16 GiB | preemptions (A4/A16/S4/S16) | "
-           "steps, running (A4; S4) | migrations (A4/S4) | migrated tokens (A4/S4) | relocated tokens (A4/S4) | "
-           "÷ static (A4, H100) |",
-           "|---|---:|---:|---:|---:|---|---|---|---|---|---:|"]
+    labels = [f"{t.split(':')[0]} {g:g} GiB" for t, g in cfgs]
+    out = ["| change | " + " | ".join(labels) + f" | preemptions ({', '.join(labels)}) | steps, running | migrations | "
+           "relocated tokens | ÷ static (H200) |",
+           "|---|" + "---:|" * len(cfgs) + "---|---|---|---|---|"]
     for n in names:
         if not any((n, t, g) in at for t, g in cfgs):
             continue
-        cells = [f"{ratio(at[n, t, g], at['paged', t, g], 'h200-7b'):.3f} / {ratio(at[n, t, g], at['paged', t, g], 'h100-7b'):.3f}"
-                 if (n, t, g) in at else "–" for t, g in cfgs]
+        cells = [f"{_ratio(at[n, t, g], at['paged', t, g], 'h200-7b'):.3f} / "
+                 f"{_ratio(at[n, t, g], at['paged', t, g], 'h100-7b'):.3f}"
+                 if (n, t, g) in at and ("paged", t, g) in at else "–" for t, g in cfgs]
         pre = "/".join(str(at[n, t, g]["preemptions"]) if (n, t, g) in at else "–" for t, g in cfgs)
-        a, s = at.get((n, "azure-conv", 4.0)), at.get((n, "sharegpt-chat", 4.0))
+        xs = [at.get((n, t, g)) for t, g in small]
+        statics = [at.get(("static", t, g)) for t, g in small]
 
-        def both(f, a=a, s=s):
-            return "/".join(f(x) if x else "–" for x in (a, s))
+        def each(fmt, xs=xs) -> str:
+            return "; ".join(fmt(x) if x else "–" for x in xs)
 
-        static = at.get(("static", "azure-conv", 4.0))
-        vs_static = f"{ratio(a, static, 'h100-7b'):.2f}" if static and a else ""
-        running = "; ".join(f"{x['steps']:,}, {x['mean_running']}" if x else "–" for x in (a, s))
-        counts = [both(lambda x, k=k: f"{x[k]:,}") for k in ("migrations", "migrated_tokens", "relocated_tokens")]
-        out.append(f"| {n} | " + " | ".join(cells) + f" | {pre} | {running} | " + " | ".join(counts) + f" | {vs_static} |")
+        running = each(lambda x: f"{x['steps']:,}, {x['mean_running']}")
+        migrations = each(lambda x: f"{x['migrations']:,}")
+        relocated = each(lambda x: f"{x['relocated_tokens']:,}")
+        vs_static = "; ".join(f"{_ratio(x, s, 'h200-7b'):.2f}" if x and s else "–" for x, s in zip(xs, statics))
+        out.append(f"| {n} | " + " | ".join(cells) + f" | {pre} | {running} | {migrations} | {relocated} | {vs_static} |")
     return "\n".join(out)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
-    p.add_argument("--traces", default="azure-conv,sharegpt-chat")
+    p.add_argument("--traces", default="azure-conv,sharegpt-chat,sharegpt:200:bench",
+                   help="NAME[:REQUESTS][:bench] each (parse_trace; default: %(default)s)")
     p.add_argument("--kv-gib", default="4,16")
     p.add_argument("--json", help="write every row here")
     args = p.parse_args()
@@ -141,9 +166,9 @@ def main() -> int:
     rows = []
     for trace in args.traces.split(","):
         for gib in (float(g) for g in args.kv_gib.split(",")):
-            prompts = bench_prompts(BurstConfig(trace=trace, kv_budget_bytes=int(gib * GIB)))
+            prompts = bench_prompts(burst_config(trace, gib))
             for name in dict.fromkeys(["paged", "static", *names]):
-                if VARIANTS[name][2] == "default" and trace == "azure-conv":
+                if VARIANTS[name][2] == "default" and trace.startswith("azure"):
                     continue  # Azure's trace has no texts for the learned predictor
                 t = time.time()
                 rows.append(run(name, trace, gib, prompts))
