@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "copy) before it migrates")
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=d.packing,
                    help="keep odma's blocks packed under pressure: --compact-growth --slide-growth --neighbour-growth "
-                        "--growth step and admission within θ 0.97 (docs/results/gpu/replay_policy.md; default: on "
+                        "--growth step, admission within θ 0.97, and a block that finds no room waits (--preempt swap "
+                        "becomes wait) (docs/results/gpu/replay_policy.md; default: on "
                         "where block copies are cheap, accelerators, off on a CPU)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode batch cap")
     p.add_argument("--schedule", default=d.schedule, choices=ORDERS,
