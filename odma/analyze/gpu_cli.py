@@ -29,7 +29,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--kv-budget", default="4GiB", help="KV budget of every policy, comma-separated for several")
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--policies", default="static,paged,oracle,odma:swap,odma:compact,odma:packed",
-                   help="static, paged, oracle (exact lengths, contiguous) and odma:MEMORY (packed | headroom | compact | swap | "
+                   help="static, paged, oracle (exact lengths, contiguous) and odma:MEMORY (packed | packed-swap | headroom | compact | swap | "
                         "wait | compact-wait) "
                         "(default: %(default)s)")
     p.add_argument("--json", help="write the rows here")
