@@ -78,6 +78,8 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_queue: int = 256) -> None:
         self.engine = engine
+        if engine.config.tagging == "auto":  # a server overlaps the length predictor with the model's steps
+            engine.tag_requests_ahead()
         self.door = Door(max_queue)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # samples holding a place at the door, until they run or end (guarded by _lock, like _queues)
