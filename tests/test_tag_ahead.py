@@ -233,6 +233,7 @@ def test_a_request_cancelled_while_it_waits_for_its_tag_ends_at_once_and_frees_i
     try:
         seq = engine.add_samples([5, 6, 7], PARAMS, 2, request_id="c")
         assert predictor.entered.wait(10)
+        assert engine.num_waiting == 2  # both samples wait for the first's tag
         engine.abort("c")
         engine.abort("c.1")
         outputs = engine.step()

@@ -516,8 +516,8 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         queued = sum(len(w.scheduler.waiting) for w in self.workers) + self.forks.pending
-        if self.tagger.ahead is not None:
-            queued += self.tagger.ahead.waiting
+        if self.tagger.ahead is not None:  # samples whose group waits for its tag
+            queued += sum(len(group) for group in self.tagger.ahead.waiters())
         return queued + sum(len(seqs) for k, seqs in list(self._inbox) if k == "add")
 
     @property

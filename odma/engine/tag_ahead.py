@@ -55,6 +55,11 @@ class TagAhead(Generic[G]):
         with self._lock:
             return len(self._waiting)
 
+    def waiters(self) -> list[G]:
+        """What waits for its tag now, in arrival order."""
+        with self._lock:
+            return [waiter for waiter, _ in self._waiting.values()]
+
     def ask(self, key: str, request: Any, waiter: G) -> None:
         """Predict `request` (the predictor's request type) for `waiter`, which `ready()` hands back with the tag.
         `key` must be unique among those waiting."""
