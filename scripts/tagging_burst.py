@@ -20,6 +20,9 @@ def main() -> None:
     p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
                    help="tiny: TINY_QWEN2's random layers with SmolLM2's vocabulary (steps of about a millisecond)")
     p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--step-sleep-ms", type=float, default=0.0,
+                   help="each model step also sleeps this long: a stand-in for a GPU's device time, which the host "
+                        "waits out without a core or the interpreter lock (0: the CPU's own steps only)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per mode, alternated (loop, ahead, loop, ...)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-prompt", type=int, default=256)
@@ -58,6 +61,8 @@ def main() -> None:
                               pool=PoolConfig(align=16))
         engine = LLMEngine(config, model=model, tokenizer=tokenizer, predictor=load_engine_predictor(args.predictor))
         engine.generate([list(work.prompts[0][:8])], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        if args.step_sleep_ms > 0:
+            _sleep_in_steps(engine.workers[0].runner, args.step_sleep_ms / 1000)
         r = _burst(engine, [list(q) for q in work.prompts], work.lengths, params, float("inf"), texts=work.texts)
         row = {"mode": mode, "predictor": engine.predictor.name, **{k: r[k] for k in (
             "steps", "seconds", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tagging_s", "tag_timeouts",
@@ -67,7 +72,21 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     medians = {mode: {k: statistics.median(row[k] for row in rows) for k in (
         "steps", "seconds", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tagging_s")} for mode, rows in rounds.items()}
-    print(json.dumps({"medians": medians, "model": args.model, "requests": args.requests, "output_tokens": sum(work.lengths)}, indent=1))
+    print(json.dumps({"medians": medians, "model": args.model, "step_sleep_ms": args.step_sleep_ms,
+                      "requests": args.requests, "output_tokens": sum(work.lengths)}, indent=1))
+
+
+def _sleep_in_steps(runner, seconds: float) -> None:
+    import time
+
+    run = runner.run
+
+    def run_then_wait(work):
+        out = run(work)
+        time.sleep(seconds)
+        return out
+
+    runner.run = run_then_wait
 
 
 if __name__ == "__main__":
