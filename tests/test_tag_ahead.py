@@ -148,6 +148,24 @@ def test_lessons_are_learned_on_the_worker_before_the_next_prediction():
     assert predictor.told == [11] and predictor.threads == {WORKER}
 
 
+def test_a_lesson_for_a_replaced_predictor_does_not_reach_its_successor():
+    old, new = Gated(), Gated()
+    old.gate.clear()  # the worker is busy predicting when the lesson and the swap come
+    served = ServedPredictor(old)
+    ahead = TagAhead(served)
+    try:
+        ahead.ask("busy", "q", "busy")
+        assert old.entered.wait(10)
+        ahead.learn("warm-up", 4)
+        served.predictor = new
+        old.gate.set()
+        ahead.ask("next", "q", "next")
+        _collect(ahead, 2)
+    finally:
+        ahead.close()
+    assert new.told == [] and old.told == []
+
+
 def test_after_close_a_request_goes_on_untagged_at_once():
     ahead = TagAhead(ServedPredictor(Gated()))
     ahead.close()

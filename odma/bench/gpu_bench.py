@@ -610,7 +610,9 @@ def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=N
                 if not s.finished:
                     engine.abort(s.request_id, "abort")
             break
-        engine.step()
+        stepped = engine.steps
+        if not engine.step() and engine.steps == stepped:
+            continue  # nothing ran nor ended: the engine only waited for the tagging worker
         running.append(engine.num_running)
         if runner.last_step is not None:
             times.append(runner.last_step)

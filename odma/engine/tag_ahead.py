@@ -39,7 +39,8 @@ class TagAhead(Generic[G]):
         self.served, self.max_batch, self.timeout_s = served, max_batch, timeout_s
         self._lock = threading.Condition()
         self._asked: deque[tuple[str, Any]] = deque()  # (key, predictor request) not predicted yet, in arrival order
-        self._lessons: deque[tuple[Any, int]] = deque()  # (predictor request, realized length) to observe
+        # (the predictor it was meant for, its request, the realized length) to observe
+        self._lessons: deque[tuple[Any, Any, int]] = deque()
         self._waiting: dict[str, tuple[G, float]] = {}  # key → (what waits, deadline), in arrival order
         self._answers: dict[str, Prediction | None] = {}  # key → its tag, for keys still waiting
         self._answered = threading.Event()  # an answer came back (or the caller was poked): wake a waiting loop
@@ -83,13 +84,14 @@ class TagAhead(Generic[G]):
         return entry[0] if entry is not None else None
 
     def learn(self, request: Any, realized_length: int) -> None:
-        """A request finished: the predictor observes it on the worker thread, before it predicts the next batch."""
+        """A request finished: the predictor observes it on the worker thread, before it predicts the next batch.
+        A lesson for a predictor replaced meanwhile (`served.predictor` set) is dropped: it was that one's."""
         if not self.served.learns:
             return
         with self._lock:
             if self._closed:
                 return
-            self._lessons.append((request, realized_length))
+            self._lessons.append((self.served.predictor, request, realized_length))
             self._start()
             self._lock.notify()
 
@@ -157,8 +159,9 @@ class TagAhead(Generic[G]):
                     key, request = self._asked.popleft()
                     if key in self._waiting:  # not cancelled nor handed over untagged meanwhile
                         batch.append((key, request))
-            for request, realized in lessons:
-                self.served.observe(request, realized)  # never raises: a refused lesson is logged and counted
+            for predictor, request, realized in lessons:
+                if predictor is self.served.predictor:
+                    self.served.observe(request, realized)  # never raises: a refused lesson is logged and counted
             if batch:
                 self._predict(batch)
 

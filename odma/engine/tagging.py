@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class TagAheadConfig:
-    max_batch: int = 32  # requests one predictor call tags at most (the first of a burst start sooner)
-    timeout_s: float = 5.0  # a tag later than this after the request arrived is dropped: it goes on untagged
+    """Tagging ahead's settings (EngineConfig.tag_batch, tag_timeout_s)."""
+
+    max_batch: int  # requests one predictor call tags at most (the first of a burst start sooner)
+    timeout_s: float  # a tag later than this after the request arrived is dropped: it goes on untagged
 
 
 class LengthTagger:
