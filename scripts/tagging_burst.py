@@ -2,7 +2,7 @@
 steps are short beside the predictor's, as a GPU's are; the learned length predictor),
 its requests tagged inside the engine step (loop) or by the tagging worker as they arrive (ahead), the modes
 alternated round by round on one loaded model; prints each round's steps, tok/s, TTFT and host seconds spent
-predicting, then the medians per mode. The GPU bench's engine part measures the same burst (`gpu_bench._burst`)
+predicting, then the medians per mode. The GPU bench's engine part measures the same burst (`gpu_bench.engine_burst`)
 on the paper model's shape; this is its CPU counterpart.
 
     PYTHONPATH=. nice -n 19 .venv/bin/python scripts/tagging_burst.py --requests 48 --rounds 3 [--model tiny]
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--kv-budget", default="24MiB")
     args = p.parse_args()
 
-    from odma.bench.gpu_bench import _burst
+    from odma.bench.gpu_bench import engine_burst
     from odma.bench.gpu_work import burst_from_trace
     from odma.config import PoolConfig
     from odma.engine import EngineConfig, LLMEngine, SamplingParams
@@ -54,7 +54,8 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {"loop": [], "ahead": []}
     for i in range(args.rounds * 2):
         mode = ("loop", "ahead")[i % 2]
-        config = EngineConfig(model="smollm2" if args.model == "smollm2" else "tiny-qwen2", device="cpu", weights=weights, dtype="float32", policy="odma",
+        config = EngineConfig(model="smollm2" if args.model == "smollm2" else "tiny-qwen2", device="cpu",
+                              weights=weights, dtype="float32", policy="odma",
                               kv_budget=args.kv_budget, length_log=None, predictor=args.predictor, tagging=mode,
                               max_tokens_cap=work.max_tokens, default_max_tokens=work.max_tokens,
                               max_model_len=args.max_prompt + work.max_tokens, threads=args.threads,
@@ -63,7 +64,7 @@ def main() -> None:
         engine.generate([list(work.prompts[0][:8])], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         if args.step_sleep_ms > 0:
             _sleep_in_steps(engine.workers[0].runner, args.step_sleep_ms / 1000)
-        r = _burst(engine, [list(q) for q in work.prompts], work.lengths, params, float("inf"), texts=work.texts)
+        r = engine_burst(engine, [list(q) for q in work.prompts], work.lengths, params, float("inf"), texts=work.texts)
         row = {"mode": mode, "predictor": engine.predictor.name, **{k: r[k] for k in (
             "steps", "seconds", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tagging_s", "tag_timeouts",
             "completed", "requests")}, "tagged": r["prediction"]["tagged"]}

@@ -584,7 +584,7 @@ def bench_step(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
     return out
 
 
-def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=None) -> dict:
+def engine_burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=None) -> dict:
     """All requests at once (each with its prompt's text for the length predictor, and its tags, where given); each
     is ended at its trace length; past `deadline` (perf_counter) the rest are aborted and the burst is reported as
     cut. The clock starts as the requests arrive, so it holds their length predictions: made inside the steps
@@ -639,7 +639,8 @@ def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=N
         "tagging": "ahead" if ahead is not None else "loop",
         "tagging_s": round(engine.tagger.predict_seconds - predicting, 6),
         "tag_timeouts": ahead.timeouts if ahead is not None else 0,
-        "ttft_p50_s": _seconds(gpu_http.percentile(ttfts, 0.5)), "ttft_p99_s": _seconds(gpu_http.percentile(ttfts, 0.99)),
+        "ttft_p50_s": _seconds(gpu_http.percentile(ttfts, 0.5)),
+        "ttft_p99_s": _seconds(gpu_http.percentile(ttfts, 0.99)),
     }
 
 
@@ -828,7 +829,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     engine.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.predictor, tags = _predictions(policy.predictor, work)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0, ignore_eos=True)
-    result = _burst(engine, prompts, work.lengths, params, deadline, texts=work.texts, tags=tags)
+    result = engine_burst(engine, prompts, work.lengths, params, deadline, texts=work.texts, tags=tags)
     result["kv_tokens"] = engine.pool.stats().total_tokens
     # how many requests of the burst fit at once if each held its worst case (what static reserves)
     result["worst_case_fit"] = result["kv_tokens"] // (min(map(len, prompts)) + work.max_tokens)
