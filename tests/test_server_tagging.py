@@ -60,9 +60,9 @@ def _wait_for(cond, seconds: float = 20.0) -> None:
 
 def test_served_requests_enter_the_engine_with_predictions_made_upstream(folder):
     predictor = Recording()
-    with tiny_server(folder, predictor=predictor) as srv:
+    with tiny_server(folder, predictor=predictor, tagging="ahead") as srv:
         engine = srv.runtime.engine
-        assert engine.tagger.ahead is not None  # tagging="auto" behind a server
+        assert engine.tagger.ahead is not None
         seen: list[tuple[str, tuple | None, bool, str]] = []
         tag = engine.tagger.tag
 
@@ -90,7 +90,7 @@ def test_served_requests_enter_the_engine_with_predictions_made_upstream(folder)
 def test_a_hung_predictor_delays_a_request_by_the_tag_timeout_at_most(folder):
     predictor = Recording()
     predictor.gate.clear()
-    with tiny_server(folder, predictor=predictor, tag_timeout_s=0.3) as srv:
+    with tiny_server(folder, predictor=predictor, tagging="ahead", tag_timeout_s=0.3) as srv:
         try:
             started = time.monotonic()
             r = httpx.post(srv.url + "/v1/completions", timeout=30,
@@ -104,7 +104,7 @@ def test_a_hung_predictor_delays_a_request_by_the_tag_timeout_at_most(folder):
 def test_a_client_that_leaves_while_its_request_waits_for_its_tag_cancels_it(folder):
     predictor = Recording()
     predictor.gate.clear()
-    with tiny_server(folder, predictor=predictor, tag_timeout_s=60) as srv:
+    with tiny_server(folder, predictor=predictor, tagging="ahead", tag_timeout_s=60) as srv:
         engine, runtime = srv.runtime.engine, srv.runtime
         try:
             body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}
@@ -120,3 +120,17 @@ def test_a_client_that_leaves_while_its_request_waits_for_its_tag_cancels_it(fol
         r = httpx.post(srv.url + "/v1/completions", timeout=30,
                        json={"model": MODEL, "prompt": "again", "max_tokens": 2, "ignore_eos": True})
         assert r.status_code == 200  # the server goes on
+
+
+
+def test_auto_tags_in_the_loop_on_a_cpu_and_ahead_on_an_accelerator(folder):
+    """`tagging="auto"`: a CPU server keeps the predictor in the engine step (its steps run on the cores the predictor
+    would take); a backend whose steps run off the host (CUDA, MLU) tags ahead; asked for, either holds anywhere."""
+    from odma.engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu").served_tagging == "loop"
+    assert EngineConfig(device="cuda").served_tagging == "ahead" == EngineConfig(device="mlu").served_tagging
+    assert EngineConfig(device="cuda", tagging="loop").served_tagging == "loop"
+    assert EngineConfig(device="cpu", tagging="ahead").served_tagging == "ahead"
+    with tiny_server(folder, predictor=Recording()) as srv:
+        assert srv.runtime.engine.tagger.ahead is None

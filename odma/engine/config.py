@@ -147,7 +147,8 @@ class EngineConfig:
     predictor: str | None = "default"  # predictor spec; falls back to a running median if it cannot load
     # where requests are tagged with their predicted length: "loop" (inside the engine step that admits them),
     # "ahead" (on a worker thread from the moment they arrive, overlapping the model's steps), or "auto": ahead
-    # behind a server (odma-serve, a Ray replica), in the loop for the offline engine API (deterministic steps)
+    # behind a server (odma-serve, a Ray replica) on a backend whose steps run off the host (an accelerator), in the
+    # loop on a CPU (the predictor would take the steps' cores) and for the offline engine API (deterministic steps)
     tagging: str = "auto"
     tag_batch: int = 32  # tagging ahead: requests one predictor call tags at most
     tag_timeout_s: float = 5.0  # tagging ahead: a request whose tag is this late goes on untagged
@@ -218,6 +219,14 @@ class EngineConfig:
         if not self.packing_resolved:
             return self.pool
         return replace(self.pool, compact_growth=True, slide_growth=True, neighbour_growth=True, growth="step")
+
+    @property
+    def served_tagging(self) -> str:
+        """Where a server tags requests: `tagging`, "auto" resolved to "ahead" on a backend whose steps run off the
+        host (Capabilities.steps_off_host) and to "loop" on one whose steps take the host's cores."""
+        if self.tagging != "auto":
+            return self.tagging
+        return "ahead" if self.capabilities.steps_off_host else "loop"
 
     @property
     def resolved_admission_theta(self) -> float:
