@@ -101,6 +101,10 @@ class Capabilities:
     # host link): odma packs its blocks (compaction, sliding) rather than swap a request out. False where both are
     # the same memcpy (a CPU pool)
     cheap_block_copies: bool = False
+    # the model's step runs on the device while the host's cores wait for it: host work such as the length
+    # predictor overlaps the steps there (a server tags requests ahead of its loop). False where the step runs on
+    # the host's own cores (a CPU), which the predictor would take from it
+    steps_off_host: bool = False
     torch_extension: str | None = None  # the module that registers the device with torch (imported when opened)
 
     def __post_init__(self) -> None:

@@ -17,7 +17,8 @@ from backends.errors import BackendError
 
 class TorchDeviceBackend(Backend):
     # what holds before a device is opened; opening probes virtual memory and pinning
-    capabilities = Capabilities(supports_streams=True, returns_memory_to_driver=True, cheap_block_copies=True)
+    capabilities = Capabilities(supports_streams=True, returns_memory_to_driver=True, cheap_block_copies=True,
+                                steps_off_host=True)
 
     def __init__(self, kind: str, module: ModuleType, index: int = 0) -> None:
         if not module.is_available():

@@ -73,8 +73,12 @@ def test_the_dry_run_covers_every_part(dry_run):
             assert r["prediction"]["tagged"] == work["requests"] and r["predictor_fallback"] is None, policy
             for key in ("preemptions", "migrations", "migrated_tokens", "swap_outs", "mean_running", "peak_running"):
                 assert key in r, (policy, key)
+            # every request tagged by the worker, inside the burst's clock, before its first token
+            assert r["tagging"] == "ahead" and r["tag_timeouts"] == 0 and r["tagging_s"] >= 0, policy
+            assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"], policy
     text = runs[sharegpt]["policies"]
     assert text[learned]["predictor"] == "encoder:default"  # the learned one loaded, not its fallback
+    assert text[learned]["tagging_s"] > 0  # the encoder's host time, measured
     assert text["odma:median"]["predictor"] == "running-median"
     assert text["odma:oracle"]["prediction"]["median_abs_error"] == 0  # exact lengths, handed over upstream
     assert text["odma:oracle"]["prediction"]["under_share"] == 0
@@ -105,6 +109,20 @@ def test_map_growth_runs_in_the_engine_part(tmp_path):
     result = gpu_bench.run(_args(tmp_path, parts="engine", policies="odma,odma-map"))
     policies = result["engine"]["runs"]["azure-conv"]["policies"]
     assert policies["odma-map"]["growth"] == "map" and policies["odma"]["growth"] == "copy"  # host VM on CPU
+
+
+@pytest.mark.parametrize("tagging, policies", [("ahead", "odma,paged,static"), ("loop", "odma")])
+def test_every_policy_reports_its_tagging_time_and_first_token_times(tmp_path, tagging, policies):
+    from odma.bench import gpu_bench
+
+    result = gpu_bench.run(_args(tmp_path, parts="engine", policies=policies, tagging=tagging))
+    run = result["engine"]["runs"]["azure-conv"]
+    assert list(run["policies"]) == policies.split(",")
+    for policy, r in run["policies"].items():
+        assert r["tagging"] == tagging and r["tag_timeouts"] == 0, policy
+        assert r["prediction"]["tagged"] == r["requests"] == r["completed"], policy  # tagged, none lost
+        assert r["tagging_s"] > 0 and r["tagging_s"] < r["seconds"], policy  # the running median's calls
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"], policy
 
 
 def _args(tmp_path, **overrides):

@@ -90,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "odma:FOLDER); repeat it to run several traces on one model (results keyed by trace). "
                         "Without it: --trace under --policies")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tagging", default="ahead", choices=["ahead", "loop"],
+                   help="engine part: where requests get their predicted length: ahead (the tagging worker, in "
+                        "batches, while the engine steps the requests already tagged, as odma-serve does) or loop "
+                        "(inside the engine step) (default: %(default)s)")
     p.add_argument("--odma-memory", default=ODMA_MEMORY[0], choices=ODMA_MEMORY,
                    help="how odma's contiguous blocks meet a full pool: compact (a block that cannot grow for "
                         "fragmentation gets a range by relocating blocks, else the newest request is swapped out), "
@@ -580,21 +584,25 @@ def bench_step(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
     return out
 
 
-def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=None) -> dict:
+def engine_burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=None) -> dict:
     """All requests at once (each with its prompt's text for the length predictor, and its tags, where given); each
     is ended at its trace length; past `deadline` (perf_counter) the rest are aborted and the burst is reported as
-    cut. Returns what the burst did, with the accuracy of the lengths the engine predicted."""
+    cut. The clock starts as the requests arrive, so it holds their length predictions: made inside the steps
+    (tagging "loop") or by the tagging worker while the engine steps those already tagged ("ahead"). Returns what
+    the burst did, with the accuracy of the lengths the engine predicted, the host seconds spent predicting
+    (`tagging_s`) and the time from the burst's start to each request's first token (TTFT)."""
     before = _counts(engine)
+    predicting = engine.tagger.predict_seconds
     runner = engine.workers[0].runner
     runner.time_steps = True
     texts = texts or [None] * len(prompts)
     tags = tags or [None] * len(prompts)
+    t0, arrived = time.perf_counter(), time.monotonic()  # Sequence stamps its first token on the monotonic clock
     seqs = [engine.add_request(p, params, prompt_text=t, tags=g) for p, t, g in zip(prompts, texts, tags)]
     target = {s.request_id: n for s, n in zip(seqs, lengths)}
     stopped: set[str] = set()
     running, times = [], []
     cut = False
-    t0 = time.perf_counter()
     while engine.has_work():
         if time.perf_counter() > deadline:
             cut = True
@@ -602,7 +610,9 @@ def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=N
                 if not s.finished:
                     engine.abort(s.request_id, "abort")
             break
-        engine.step()
+        stepped = engine.steps
+        if not engine.step() and engine.steps == stepped:
+            continue  # nothing ran nor ended: the engine only waited for the tagging worker
         running.append(engine.num_running)
         if runner.last_step is not None:
             times.append(runner.last_step)
@@ -615,6 +625,8 @@ def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=N
     runner.time_steps = False
     after = _counts(engine)
     generated = sum(min(s.num_generated, target[s.request_id]) for s in seqs)
+    ttfts = [s.first_token_at - arrived for s in seqs if s.first_token_at is not None]
+    ahead = engine.tagger.ahead
     return {
         "seconds": round(seconds, 2), "output_tokens": generated, "tokens_per_s": round(generated / seconds, 1),
         "requests": len(seqs), "completed": sum(1 for s in seqs if s.num_generated >= target[s.request_id]),
@@ -624,7 +636,16 @@ def _burst(engine, prompts, lengths, params, deadline: float, texts=None, tags=N
         "peak_running": max(running, default=0), "mean_running": round(statistics.mean(running), 1) if running else 0,
         "steps": len(running), **_step_times(times), **{k: after[k] - before[k] for k in after},
         "prediction": _accuracy(seqs, lengths, params.max_tokens),
+        "tagging": "ahead" if ahead is not None else "loop",
+        "tagging_s": round(engine.tagger.predict_seconds - predicting, 6),
+        "tag_timeouts": ahead.timeouts if ahead is not None else 0,
+        "ttft_p50_s": _seconds(gpu_http.percentile(ttfts, 0.5)),
+        "ttft_p99_s": _seconds(gpu_http.percentile(ttfts, 0.99)),
     }
+
+
+def _seconds(x: float | None) -> float | None:
+    return round(x, 4) if x is not None else None
 
 
 def _counts(engine) -> dict:
@@ -799,7 +820,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     memory = _odma_memory(args) if policy.policy == "odma" else {}
     # warm-ups run under a throwaway median: the measured predictor (a running median learns) sees only the burst
     engine = _engine(args, device, dtype_name, model, policy=policy.policy,
-                     kv_growth="map" if policy.mapped else "copy",
+                     kv_growth="map" if policy.mapped else "copy", tagging=args.tagging,
                      loaded=LoadedPredictor(RunningMedian(), RunningMedian.name, None), **memory)
     prompts = [list(p) for p in work.prompts]
     max_prompt = min(args.max_prompt, 24) if args.tiny else args.max_prompt
@@ -808,7 +829,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     engine.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.predictor, tags = _predictions(policy.predictor, work)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0, ignore_eos=True)
-    result = _burst(engine, prompts, work.lengths, params, deadline, texts=work.texts, tags=tags)
+    result = engine_burst(engine, prompts, work.lengths, params, deadline, texts=work.texts, tags=tags)
     result["kv_tokens"] = engine.pool.stats().total_tokens
     # how many requests of the burst fit at once if each held its worst case (what static reserves)
     result["worst_case_fit"] = result["kv_tokens"] // (min(map(len, prompts)) + work.max_tokens)

@@ -113,7 +113,7 @@ def warm_prompts(work: BurstWork) -> list[list[int]]:
 # -- figures ----------------------------------------------------------------------------------------------------
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
     """Nearest-rank percentile, None for no values."""
     if not xs:
         return None
@@ -124,7 +124,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 def _figures(seconds: float, tokens: int, ttfts: list[float], ok: int, failed: int, cut: bool) -> dict:
     return {"seconds": round(seconds, 4), "output_tokens": tokens,  # rounded as TTFT is: a TTFT never exceeds it
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
-            "ttft_p50_s": _round(_pct(ttfts, 0.5)), "ttft_p99_s": _round(_pct(ttfts, 0.99)),
+            "ttft_p50_s": _round(percentile(ttfts, 0.5)), "ttft_p99_s": _round(percentile(ttfts, 0.99)),
             "requests_ok": ok, "requests_failed": failed, "cut_at_cap": cut}
 
 

@@ -40,6 +40,7 @@ PACKED_THETA = 0.97
 
 # what the realized-length log keeps of each prompt: the text, its SHA-256, or nothing
 LOG_PROMPT_MODES = ("text", "hash", "none")
+TAGGING = ("auto", "loop", "ahead")  # where a request is tagged with its predicted length (EngineConfig.tagging)
 
 
 def device_kind(device: str) -> str:
@@ -144,6 +145,13 @@ class EngineConfig:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     predictor: str | None = "default"  # predictor spec; falls back to a running median if it cannot load
+    # where requests are tagged with their predicted length: "loop" (inside the engine step that admits them),
+    # "ahead" (on a worker thread from the moment they arrive, overlapping the model's steps), or "auto": ahead
+    # behind a server (odma-serve, a Ray replica) on a backend whose steps run off the host (an accelerator), in the
+    # loop on a CPU (the predictor would take the steps' cores) and for the offline engine API (deterministic steps)
+    tagging: str = "auto"
+    tag_batch: int = 32  # tagging ahead: requests one predictor call tags at most
+    tag_timeout_s: float = 5.0  # tagging ahead: a request whose tag is this late goes on untagged
     # the served model's own length probe (predictor/probe): "probe" (the shipped one for SmolLM2), a probe
     # folder, or None. It reads the hidden states the engine computes, after each prefill and every few decode
     # steps; the `predictor` above still tags requests on arrival (their block is reserved before the prefill)
@@ -214,6 +222,14 @@ class EngineConfig:
         return replace(self.pool, compact_growth=True, slide_growth=True, neighbour_growth=True, growth="step")
 
     @property
+    def served_tagging(self) -> str:
+        """Where a server tags requests: `tagging`, "auto" resolved to "ahead" on a backend whose steps run off the
+        host (Capabilities.steps_off_host) and to "loop" on one whose steps take the host's cores."""
+        if self.tagging != "auto":
+            return self.tagging
+        return "ahead" if self.capabilities.steps_off_host else "loop"
+
+    @property
     def resolved_admission_theta(self) -> float:
         """θ in force: `admission_theta`, at most PACKED_THETA while packing (room for the running to grow into)."""
         return min(self.admission_theta, PACKED_THETA) if self.packing_resolved else self.admission_theta
@@ -279,6 +295,12 @@ class EngineConfig:
                      "balloon_segment_tokens", "balloon_keep_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tagging not in TAGGING:
+            raise ConfigError(f"tagging must be one of {TAGGING}, got {self.tagging!r}")
+        if self.tag_batch < 1:
+            raise ConfigError(f"tag_batch must be >= 1, got {self.tag_batch}")
+        if not self.tag_timeout_s > 0:
+            raise ConfigError(f"tag_timeout_s must be a positive number of seconds, got {self.tag_timeout_s!r}")
         if self.prefix_share_min_tokens < 0:
             raise ConfigError(f"prefix_share_min_tokens must be >= 0 (0: off), got {self.prefix_share_min_tokens}")
         if self.default_max_tokens > self.max_tokens_cap:

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from odma.engine.scheduler import Scheduler
 from odma.engine.stats import BucketStats, EngineStats, PredictorStats, ProbeStats, device_stats
 from odma.engine.sequence import RequestTags, Sequence, Status
 from odma.engine.stopping import stop_reason
-from odma.engine.tagging import LengthTagger
+from odma.engine.tagging import LengthTagger, TagAheadConfig
 from odma.engine.worker import DeviceWorker, build_worker
 from odma.errors import ConfigError, InvalidRequestError, RequestTooLargeError
 from odma.kv import KVPool, build_policy, rank_devices
@@ -33,6 +33,7 @@ from odma.models.llama import CausalLM
 from odma.models.random_served import is_random_model, make_random_served_model
 
 log = logging.getLogger(__name__)
+TAG_WAIT_S = 0.05  # tagging ahead: how long an idle step waits for a tag before it returns (the caller's loop goes on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +154,9 @@ class LLMEngine:
         self.generator = model_name(config.model)  # the predictor's `generator` field: whose lengths these are
         loaded = predictor or load_engine_predictor(config.predictor if config.policy != "static" else "median")
         self.tagger = LengthTagger(loaded, self.policy, self.generator, self.metrics,
-                                   growth_hint=config.pool.growth_hint == "pred")
+                                   growth_hint=config.pool.growth_hint == "pred",
+                                   ahead=(TagAheadConfig(config.tag_batch, config.tag_timeout_s)
+                                          if config.tagging == "ahead" else None))
         self.probe, self.probe_fallback = load_length_probe(config, model, self.generator)
         if self.probe is not None:
             for w in self.workers:
@@ -182,6 +185,11 @@ class LLMEngine:
 
         log.info("engine: weights %s (%.1f MB as stored); linear layers: %s", self.weights, weight_bytes(model) / 1e6,
                  linear_summary(model))
+
+    def tag_requests_ahead(self) -> None:
+        """Tag requests with their predicted length on a worker thread as they arrive, overlapping the model's steps
+        (what a server wants; `tagging="auto"` asks it of the server's runtime). Call it before adding requests."""
+        self.tagger.tag_ahead(TagAheadConfig(self.config.tag_batch, self.config.tag_timeout_s))
 
     @property
     def predictor(self) -> LoadedPredictor:
@@ -271,7 +279,12 @@ class LLMEngine:
                 raise InvalidRequestError(f"request id {taken[0]!r} is already in flight")
             for seq in seqs:
                 self._live[seq.request_id] = seq
-            self._inbox.append(("add", seqs))
+            # tagging ahead: the group waits for its first sample's tag off the loop (one made upstream needs none)
+            ahead = self.tagger.ahead is not None and (tags is None or tags.prediction is None)
+            if ahead:
+                self.tagger.ask_ahead(seqs[0], seqs)
+            else:
+                self._inbox.append(("add", seqs))
         return seqs
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -292,6 +305,8 @@ class LLMEngine:
         normal completion (a stop string matched), so its length is logged as realized."""
         with self._inbox_lock:
             self._inbox.append(("abort", (request_id, reason)))
+        if self.tagger.ahead is not None:
+            self.tagger.ahead.poke()  # a loop waiting for tags ends the request now
 
     def fail_all(self, message: str) -> list[StepOutput]:
         """Finish every live request with an error (the loop's last resort); frees all their blocks."""
@@ -313,12 +328,19 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
+        """Requests queued, running, or (tagging ahead) waiting for their tag."""
+        return self._steppable() or (self.tagger.ahead is not None and self.tagger.ahead.waiting > 0)
+
+    def _steppable(self) -> bool:
         return bool(self._inbox) or any(w.scheduler.has_work() for w in self.workers) or self.forks.pending > 0
 
     def step(self) -> list[StepOutput]:
         """One model step on every device that has work. Scheduling and bookkeeping are serial; the model
         steps of several devices run concurrently when `parallel_devices` is on (threads: torch releases the
-        interpreter lock inside its kernels), else one after another."""
+        interpreter lock inside its kernels), else one after another. Tagging ahead, a step with nothing else
+        to do waits (briefly) for the next tag rather than spin."""
+        if self.tagger.ahead is not None and not self._steppable():
+            self.tagger.ahead.wait(TAG_WAIT_S)
         outputs = self._drain_inbox()
         self._queue_forks()
         # samples of n > 1 requests admitted this step copy the prompt's K/V instead of computing it
@@ -410,6 +432,10 @@ class LLMEngine:
         self.forks.drop(seq)
         seq.finished_at = time.monotonic()
         self._live.pop(seq.request_id, None)
+        if self.tagger.ahead is not None and seq.index == 0:
+            waiting = self.tagger.ahead.drop(seq.request_id)  # cancelled while its tag was made: the tag is dropped
+            if waiting is not None and any(not f.finished for f in waiting[1:]):
+                self.forks.hold(seq, waiting[1:])  # its other samples still run: they prefill the prompt themselves
         if realized:
             self.tagger.learn(seq)
             if self.probe is not None:
@@ -423,10 +449,17 @@ class LLMEngine:
         with self._inbox_lock:
             items = list(self._inbox)
             self._inbox.clear()
-        groups = [seqs for kind, seqs in items if kind == "add"]
+        groups = [(seqs, False) for kind, seqs in items if kind == "add"]
+        if self.tagger.ahead is not None:
+            for seqs, prediction in self.tagger.ahead.ready():
+                if prediction is not None:  # it enters as a prediction made upstream
+                    seqs[0].tags = replace(seqs[0].tags or RequestTags(), prediction=tuple(prediction))
+                groups.append((seqs, True))
+            groups.sort(key=lambda group: group[0][0].arrival)  # stable: in the order the requests arrived
         if groups:
-            self.tagger.tag([seqs[0] for seqs in groups])  # the other samples of a group get the first's tag
-            for first, *forks in groups:
+            # the other samples of a group get the first's tag
+            self.tagger.tag([seqs[0] for seqs, _ in groups], [asked for _, asked in groups])
+            for first, *forks in (seqs for seqs, _ in groups):
                 worker = self._place(first)
                 self._worker_of[first.request_id] = worker
                 first.device = worker.device
@@ -483,6 +516,8 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         queued = sum(len(w.scheduler.waiting) for w in self.workers) + self.forks.pending
+        if self.tagger.ahead is not None:  # samples whose group waits for its tag
+            queued += sum(len(group) for group in self.tagger.ahead.waiters())
         return queued + sum(len(seqs) for k, seqs in list(self._inbox) if k == "add")
 
     @property
@@ -505,6 +540,7 @@ class LLMEngine:
             probe_fallback=self.probe_fallback or None)
 
     def close(self) -> None:
+        self.tagger.close()
         if self._device_threads is not None:
             self._device_threads.shutdown(wait=True)
         if self.length_log is not None:

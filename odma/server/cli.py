@@ -13,7 +13,7 @@ from pathlib import Path
 
 from odma.config import GROWTH_HINTS, GROWTH_POLICIES, BucketConfig, PoolConfig, default_cache_dir
 from odma.engine.config import (ATTENTION_KINDS, DECODE_GRAPHS, KV_GROWTH, LOG_PROMPT_MODES, POLICIES, EngineConfig,
-                                device_capabilities)
+                                TAGGING, device_capabilities)
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
 from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worst-case-prompt-share", type=float, default=d.pool.worst_case_prompt_share,
                    help="a request whose prompt exceeds this share of the pool reserves prompt + max_tokens up front")
     p.add_argument("--predictor", default=d.predictor, help="length predictor: the trained text encoder (default), sklearn, oracle, a folder, or median")
+    p.add_argument("--tagging", default=d.tagging, choices=TAGGING,
+                   help="where requests get their predicted length: ahead (a worker thread from arrival, overlapping "
+                        "the model's steps), loop (inside the engine step), auto (ahead when served)")
+    p.add_argument("--tag-batch", type=int, default=d.tag_batch,
+                   help="tagging ahead: requests one predictor call tags at most")
+    p.add_argument("--tag-timeout", type=float, default=d.tag_timeout_s,
+                   help="tagging ahead: seconds a request waits for its tag before it goes on untagged")
     p.add_argument("--probe", default=d.probe,
                    help="the served model's own length probe: probe (the shipped SmolLM2 one), a probe folder, or none "
                         "(default: none)")
@@ -213,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         balloon_keep_tokens=args.balloon_keep_tokens, bootstrap_from_log=args.bootstrap_from_log,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap), preempt=args.preempt, admission_theta=args.admission_theta,
         admission_demand=args.admission_demand, swap_space=args.swap_space, predictor=args.predictor,
+        tagging=args.tagging, tag_batch=args.tag_batch, tag_timeout_s=args.tag_timeout,
         probe=None if args.probe in (None, "", "none") else args.probe, probe_online=args.probe_online,
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         length_log=Path(args.length_log).expanduser() if args.length_log else None, threads=args.threads,

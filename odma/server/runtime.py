@@ -78,6 +78,10 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_queue: int = 256) -> None:
         self.engine = engine
+        # a server on an accelerator overlaps the length predictor with the device's steps; on a CPU the
+        # predictor would take the cores the steps run on, so it stays in the loop there unless asked
+        if engine.config.tagging == "auto" and engine.config.served_tagging == "ahead":
+            engine.tag_requests_ahead()
         self.door = Door(max_queue)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # samples holding a place at the door, until they run or end (guarded by _lock, like _queues)
