@@ -70,10 +70,11 @@ def _slide(pool: KVPool, units: int, large: bool, own: str | None, extra: int) -
         return 0, False
     pool.flush_free_lists()  # cached blocks rejoin the extents: they are gaps too
     best = None
+    align, spans = pool.align, pool.live_spans()  # read once, not once a region and a block
     for lo, size, region in pool.base_ranges(large):
-        blocks = [(block.offset // pool.align, block.capacity // pool.align, rid, length)
-                  for rid, block, length in pool.live_spans() if block.region == region
-                  and lo * pool.align <= block.offset < (lo + size) * pool.align]
+        first, end = lo * align, (lo + size) * align
+        blocks = [(block.offset // align, block.capacity // align, rid, length) for rid, block, length in spans
+                  if block.region == region and first <= block.offset < end]
         found = cheapest_slides(blocks, pool.free_extents(region), units, own, extra)
         if found is not None and (best is None or found[0] < best[0]):
             best = found
