@@ -70,10 +70,11 @@ def _slide(pool: KVPool, units: int, large: bool, own: str | None, extra: int) -
         return 0, False
     pool.flush_free_lists()  # cached blocks rejoin the extents: they are gaps too
     best = None
+    align, spans = pool.align, pool.live_spans()  # read once, not once a region and a block
     for lo, size, region in pool.base_ranges(large):
-        blocks = [(block.offset // pool.align, block.capacity // pool.align, rid, length)
-                  for rid, block, length in pool.live_spans() if block.region == region
-                  and lo * pool.align <= block.offset < (lo + size) * pool.align]
+        first, end = lo * align, (lo + size) * align
+        blocks = [(block.offset // align, block.capacity // align, rid, length) for rid, block, length in spans
+                  if block.region == region and first <= block.offset < end]
         found = cheapest_slides(blocks, pool.free_extents(region), units, own, extra)
         if found is not None and (best is None or found[0] < best[0]):
             best = found
@@ -94,71 +95,67 @@ def cheapest_slides(blocks: Sequence[tuple[int, int, str, int]], gaps: Sequence[
     `gaps`: its free (start unit, units)). Three shapes of run: from a gap to a gap, packed down (to its front) so
     that its gaps add up to `units` at its end; from a gap to `own`, packed down, so that its gaps and the one right
     after `own` add up to `extra` right after `own` (which moves too); from right after `own` to a gap, packed up
-    (to its end), so that `extra` lies right after `own` (which stays). None when no run has room enough."""
+    (to its end), so that `extra` lies right after `own` (which stays). None when no run has room enough. Of runs
+    that cost the same, the first found wins: the gap-to-gap run starting lowest, then a run down to `own`, then
+    one up from it (which moves `own` least: on a tie with the runs before, it wins).
+
+    O(n log n) in the region's blocks and gaps (the sort; the rest is linear with bisections): a run's cost and
+    room are differences of prefix sums, and the runs worth trying are the shortest with room enough from each
+    gap, whose far end only moves forward as the near one does."""
     items: list[tuple[int, int, str | None, int]] = sorted([*blocks, *((s, n, None, 0) for s, n in gaps)])
     gap_at = [i for i, item in enumerate(items) if item[2] is None]
+    # tokens[i], count[i]: live tokens and blocks among items[:i]; room[p]: units of the gaps before gap p
+    tokens = list(accumulate((item[3] for item in items), initial=0))
+    count = list(accumulate((item[2] is not None for item in items), initial=0))
+    room = list(accumulate((items[i][1] for i in gap_at), initial=0))
+
+    def cost(a: int, b: int) -> tuple[int, int]:  # of the blocks among items[a:b]
+        return tokens[b] - tokens[a], count[b] - count[a]
+
     best: tuple[tuple[int, int], int, int, str] | None = None  # (cost, first item, last item, packed down or up)
-    for a_pos, a in enumerate(gap_at):  # from gap a to gap b, packed down: room anywhere
-        room, cost, count, prev = 0, 0, 0, a
-        for b in gap_at[a_pos:]:
-            for i in range(prev + 1, b):
-                cost += items[i][3]
-                count += 1
-            room += items[b][1]
-            prev = b
-            if best is not None and (cost, count) >= best[0]:
-                break  # a longer run from a costs more
-            if room >= units:
-                best = ((cost, count), a, b, "down")
-                break
+    for p, a in enumerate(gap_at):  # from gap a to the first gap b after which the run holds `units`: room anywhere
+        q = bisect.bisect_left(room, room[p] + units, lo=p + 1) - 1
+        if q == len(gap_at):
+            break  # nor from any later gap: the gaps from there on hold less
+        b = gap_at[q]
+        if best is None or cost(a, b) < best[0]:
+            best = (cost(a, b), a, b, "down")
     k = None if own is None else next((i for i, item in enumerate(items) if item[2] == own), None)
     if k is not None:
         after = items[k + 1][1] if k + 1 < len(items) and items[k + 1][2] is None else 0
-        room, cost, count = after, items[k][3], 1
-        for i in range(k - 1, -1, -1):  # from a gap to own, packed down (the gap after own stays where it is)
-            if best is not None and (cost, count) >= best[0]:
-                break
-            if items[i][2] is None:
-                room += items[i][1]
-                if room >= extra:
-                    best = ((cost, count), i, k, "down")
-                    break
-            else:
-                cost += items[i][3]
-                count += 1
-        room, cost, count = 0, 0, 0
-        for b in range(k + 1, len(items)):  # from after own to a gap, packed up (on a tie: own stays put)
-            if items[b][2] is not None:
-                cost += items[b][3]
-                count += 1
-                if best is not None and (cost, count) > best[0]:
-                    break
-                continue
-            room += items[b][1]
-            if room >= extra:
-                best = ((cost, count), k + 1, b, "up")
-                break
+        before = bisect.bisect_left(gap_at, k)  # gaps before own: gap_at[:before]
+        # from the nearest gap below own whose run holds `extra` with the gap after own, packed down
+        p = bisect.bisect_right(room, room[before] + after - extra, 0, before) - 1
+        if p >= 0:
+            a = gap_at[p]
+            run = (items[k][3] + cost(a, k)[0], 1 + cost(a, k)[1])
+            if best is None or run < best[0]:
+                best = (run, a, k, "down")
+        # from right after own to the first gap above it whose run holds `extra`, packed up (on a tie: own stays)
+        q = bisect.bisect_left(room, room[before] + extra, lo=before + 1) - 1
+        if q < len(gap_at):
+            b = gap_at[q]
+            if best is None or cost(k + 1, b) <= best[0]:
+                best = (cost(k + 1, b), k + 1, b, "up")
     if best is None:
         return None
-    cost, a, b, direction = best
+    run, a, b, direction = best
     moves = []
     if direction == "down":
         cursor = items[a][0]
         for offset, size, rid, _ in items[a:b + 1]:
             if rid is not None:
-                moves.append((rid, cursor))
+                if cursor != offset:
+                    moves.append((rid, cursor))
                 cursor += size
     else:
         cursor = items[b][0] + items[b][1]
         for offset, size, rid, _ in reversed(items[a:b + 1]):
             if rid is not None:
                 cursor -= size
-                moves.append((rid, cursor))
-    return cost, [(rid, at) for rid, at in moves if at != _offset(items, rid)]
-
-
-def _offset(items, rid) -> int:
-    return next(offset for offset, _, r, _ in items if r == rid)
+                if cursor != offset:
+                    moves.append((rid, cursor))
+    return run, moves
 
 
 def _clear(pool: KVPool, units: int, large: bool, lives: list[tuple[str, Block, int]],
