@@ -5,7 +5,7 @@ alternated round by round on one loaded model; prints each round's steps, tok/s,
 predicting, then the medians per mode. The GPU bench's engine part measures the same burst (`gpu_bench.engine_burst`)
 on the paper model's shape; this is its CPU counterpart.
 
-    PYTHONPATH=. nice -n 19 .venv/bin/python scripts/tagging_burst.py --requests 48 --rounds 3 [--model tiny]
+    .venv/bin/python scripts/studies/tagging_burst.py --requests 48 --rounds 3 [--model tiny]
 """
 
 from __future__ import annotations
