@@ -477,7 +477,8 @@ class LLMEngine:
         return self.runner.eos_ids
 
     def decode(self, ids: list[int]) -> str:
-        ids = [t for t in ids if t not in self.eos_ids]
+        eos = self.eos_ids  # once: the property is a lookup chain, read per id it cost more than the decode
+        ids = [t for t in ids if t not in eos]
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     @property
