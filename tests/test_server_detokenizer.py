@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from odma.server import detokenizer
 from odma.server.detokenizer import IncrementalText, rewrites_text
 from odma.server.streams import TextStream
 
@@ -94,7 +95,9 @@ def _outputs(tok, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def test_the_incremental_text_equals_the_whole_decode_at_every_token(tok):
+@pytest.mark.parametrize("stride", [1, 3, detokenizer.STRIDE])
+def test_the_incremental_text_equals_the_whole_decode_at_every_token(tok, stride, monkeypatch):
+    monkeypatch.setattr(detokenizer, "STRIDE", stride)
     engine = _engine(tok)
     windowed = 0
     for ids in _outputs(tok):
@@ -177,7 +180,28 @@ def test_a_decoder_whose_window_disagrees_falls_back_to_the_whole_decode():
         return "".join(f"{t}{'.' * (len(ids) % 2)}," for t in ids)
 
     text = IncrementalText(decode)
-    ids = [5, 7, 9, 11, 13]
+    ids = list(range(5, 5 + 3 * detokenizer.STRIDE))
     for k, t in enumerate(ids, 1):
         assert text.push(t) == decode(ids[:k])
     assert text.full_decode
+
+
+@pytest.mark.parametrize("name", ["smollm2", "sentencepiece", "wordpiece", "wordpiece-clean-up", "smollm2-flagged"])
+def test_the_output_decoder_decodes_as_the_tokenizer_does(name):
+    """OutputDecoder (the engines' decode) calls the Rust tokenizer directly only where transformers' decode is
+    exactly that; a clean-up of spaces keeps transformers' decode. Its text is the tokenizer's either way."""
+    from odma.engine.output_text import OutputDecoder
+
+    tok = {"smollm2": _smollm2, "sentencepiece": _sentencepiece_like, "wordpiece": _wordpiece,
+           "wordpiece-clean-up": lambda: _wordpiece(clean_up=True), "smollm2-flagged": _smollm2}[name]()
+    if name == "smollm2-flagged":
+        tok.clean_up_tokenization_spaces = True  # transformers 5 ignores it for BPE: the direct path stays
+    try:
+        eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+        decoder = OutputDecoder(tok, eos)
+        assert (decoder._decode.__qualname__.startswith("_direct_decode")) == (name != "wordpiece-clean-up")
+        for ids in _outputs(tok, seed=3) + [[*tok.encode("a ' b , c .", add_special_tokens=False), *eos, 1, 2]]:
+            assert decoder(ids) == tok.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+    finally:
+        tok.clean_up_tokenization_spaces = False
+    assert OutputDecoder(None, (0,))([1, 2]) == ""

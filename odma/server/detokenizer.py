@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character not complete yet
+STRIDE = 16  # ids decoded past the settled point before it moves: one decode per token, a second per STRIDE
 
 
 _PROBE = "a ' b , c . d ' e ! is n't f ' s"  # text a clean-up of spaces rewrites as more of it comes
@@ -38,7 +39,8 @@ class IncrementalText:
     `decode` writes it), decoding only the ids since the last settled point and the few before it.
 
     The text of ids[:read] is settled: it ended on a whole character, and no later id changes it (a decoder that
-    maps ids to bytes or pieces and joins them). The window ids[prefix:] is decoded with ids[prefix:read] in front,
+    maps ids to bytes or pieces and joins them). The window ids[prefix:] is decoded with ids[prefix:read] in front
+    (the read point moves once the window passes STRIDE ids past it and ends on a whole character),
     so that a piece's leading space (SentencePiece drops it at the start of a decode) and a WordPiece joint come
     out as in the whole decode; the text past that context is new. Where the window's decode does not begin with
     its context's (a decoder whose output depends on more than the window), this stream decodes in full from then
@@ -67,8 +69,8 @@ class IncrementalText:
             return self.text
         new = window[len(self._context):]
         self.text = self._settled + new
-        if new and not new.endswith(REPLACEMENT):  # a whole character at the end: settle it
-            self._settled = self.text
+        if len(self.ids) - self._read >= STRIDE and new and not new.endswith(REPLACEMENT):
+            self._settled = self.text  # a whole character at the end: settle it
             self._prefix, self._read = self._read, len(self.ids)
             self._context = self.decode(self.ids[self._prefix:self._read])  # not `new`: alone, it may decode apart
         return self.text
