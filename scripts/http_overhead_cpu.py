@@ -32,7 +32,12 @@ def main() -> None:
     p.add_argument("--max-prompt", type=int, default=64)
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode-only", action="store_true",
+                   help="only the streams' detokenisation: µs per token of a TextStream over SmolLM2's tokenizer at "
+                        "256 and 1,024 tokens, windowed and decoding the whole output each time (as before)")
     args = p.parse_args()
+    if args.decode_only:
+        return decode_cost()
 
     from odma.bench import gpu_http
     from odma.bench.gpu_work import burst_from_trace
@@ -56,6 +61,32 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     keys = ("engine_tok_s", "http_tok_s", "ratio", "engine_cpu_us_per_token", "server_cpu_us_per_token")
     print(json.dumps({"median": {k: statistics.median(r[k] for r in rounds) for k in keys}}))
+
+
+def decode_cost() -> None:
+    from types import SimpleNamespace
+
+    from odma.engine.output_text import OutputDecoder
+    from odma.server.streams import TextStream
+    from odma.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2").hf
+    engine = SimpleNamespace(tokenizer=tok, decode=OutputDecoder(tok, (tok.eos_token_id,)))
+    text = (Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURE.md").read_text()
+    ids = tok.encode(text, add_special_tokens=False)
+    for n in (256, 1024):
+        for whole in (True, False):
+            best = float("inf")
+            for _ in range(3):
+                stream = TextStream(engine, stops=("</s>",))
+                stream._text.full_decode = whole
+                t0 = time.perf_counter()
+                for t in ids[:n]:
+                    stream.push(t)
+                stream.flush()
+                best = min(best, time.perf_counter() - t0)
+            print(json.dumps({"tokens": n, "decode": "whole" if whole else "window",
+                              "us_per_token": round(best / n * 1e6, 1)}))
 
 
 def engine_burst(flags: list[str], work) -> tuple[dict, float]:
