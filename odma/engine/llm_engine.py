@@ -18,6 +18,7 @@ from odma.engine.fork import Forks
 from odma.engine.length_log import LengthLog, read_realized_lengths
 from odma.engine.length_predictor import LoadedPredictor, load_engine_predictor, load_length_probe
 from odma.engine.model_runner import ModelRunner
+from odma.engine.output_text import OutputDecoder
 from odma.engine.prefix_share import copy_prefixes
 from odma.engine.sampling import SamplingParams
 from odma.engine.scheduler import Scheduler
@@ -121,6 +122,7 @@ class LLMEngine:
                 tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.model = model
         self.tokenizer = tokenizer
+        self._output_decoder: OutputDecoder | None = None  # made on the first decode (the EOS ids known by then)
         self.model_folder = folder  # None when the model object was handed in (its generation_config is unknown)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         bootstrap = []
@@ -510,8 +512,9 @@ class LLMEngine:
         return self.runner.eos_ids
 
     def decode(self, ids: list[int]) -> str:
-        ids = [t for t in ids if t not in self.eos_ids]
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if self._output_decoder is None or self._output_decoder.tokenizer is not self.tokenizer:
+            self._output_decoder = OutputDecoder(self.tokenizer, self.eos_ids)
+        return self._output_decoder(ids)
 
     @property
     def num_waiting(self) -> int:

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from odma.engine import EngineConfig, SamplingParams
 from odma.engine.length_predictor import LoadedPredictor
 from odma.engine.llm_engine import check_request
+from odma.engine.output_text import OutputDecoder
 from odma.engine.sequence import RequestTags, Sequence
 from odma.engine.stats import EngineStats
 from odma.kv import KVRequest, build_policy
@@ -98,6 +99,7 @@ class FrontEngine:
         self.config, self.tokenizer, self.view, self.model_folder = config, tokenizer, view, model_folder
         self.vocab_size = model_config.vocab_size
         self.eos_ids = tuple(model_config.eos_token_ids)
+        self._output_decoder = OutputDecoder(tokenizer, self.eos_ids)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.outstanding = 0  # samples submitted here and not finished yet
 
@@ -111,8 +113,7 @@ class FrontEngine:
                       align=self.config.pool.align)
 
     def decode(self, ids: list[int]) -> str:
-        ids = [t for t in ids if t not in self.eos_ids]
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return self._output_decoder(ids)
 
     @property
     def num_running(self) -> int:

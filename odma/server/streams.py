@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import Response
 
 from odma.server import render
+from odma.server.detokenizer import IncrementalText, rewrites_text
 from odma.server.errors import HTTPError, error_body
 from odma.server.jobs import Job
 from odma.server.runtime import SHUTTING_DOWN
@@ -24,15 +25,17 @@ class TextStream:
 
     def __init__(self, engine: ServedEngine, stops: tuple[str, ...], min_tokens: int = 0) -> None:
         self.engine, self.stops, self.min_tokens = engine, stops, min_tokens
-        self.ids: list[int] = []
+        whole = rewrites_text(getattr(engine, "tokenizer", None), engine.decode)
+        self._text = IncrementalText(engine.decode, full_decode=whole)
+        self.ids: list[int] = self._text.ids
         self.sent = ""
         self.stopped = False
         self._counted_from = 0  # stop strings ending before min_tokens were reached do not count (as in vLLM)
 
     def push(self, token: int | None) -> str:
         if token is not None and not self.stopped:
-            self.ids.append(token)
-        text = self.engine.decode(self.ids)
+            self._text.push(token)
+        text = self._text.text
         if self.stops and len(self.ids) < self.min_tokens:
             self._counted_from = len(text)
         elif self.stops:
@@ -53,7 +56,7 @@ class TextStream:
         bytes are held back, as vLLM's detokenizer does, rather than sent as U+FFFD."""
         if self.stopped:
             return ""
-        text = self.engine.decode(self.ids).removesuffix("\ufffd")
+        text = self._text.text.removesuffix("\ufffd")
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += delta
         return delta
