@@ -2,7 +2,7 @@
 own work shows (as a fast GPU step lets it show): the http part of `odma-bench gpu` (odma.bench.gpu_http) on
 random:tiny-qwen2 with longer outputs than its dry run (6 requests of 16 tokens is too little work to measure).
 
-    nice -n 19 .venv/bin/python scripts/http_overhead_cpu.py --requests 128 --max-tokens 256 --rounds 3
+    nice -n 19 .venv/bin/python scripts/studies/http_overhead_cpu.py --requests 128 --max-tokens 256 --rounds 3
 
 Each round runs the same burst through the engine in process, then through odma-serve over HTTP (64 streaming
 clients); prints one JSON line per round and one with the medians: tokens/s of each, http ÷ engine, and CPU time
