@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's odma, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's odma, not an installed one
 
 
 def main() -> None:
@@ -72,7 +72,7 @@ def decode_cost() -> None:
 
     tok = load_tokenizer("smollm2").hf
     engine = SimpleNamespace(tokenizer=tok, decode=OutputDecoder(tok, (tok.eos_token_id,)))
-    text = (Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURE.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md").read_text()
     ids = tok.encode(text, add_special_tokens=False)
     for n in (256, 1024):
         for whole in (True, False):
