@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from typing import Any, Collection, Iterable
 
@@ -92,3 +93,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def envelope(rid: str, chat: bool, created: int, model: str, choices: list, *, chunk: bool = False) -> dict[str, Any]:
     obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+class TextChunk:
+    """The stream's commonest event, a choice's text alone (no logprobs, no finish reason), rendered from the
+    chunk's constant parts (id, object, created, model; a null usage when the stream reports usage at its end)
+    encoded once: byte for byte the `json.dumps` of the whole chunk, without building and encoding it per token."""
+
+    def __init__(self, rid: str, chat: bool, created: int, model: str, *, null_usage: bool = False) -> None:
+        head = json.dumps(envelope(rid, chat, created, model, [], chunk=True))  # ends with "choices": []}
+        self._head = "data: " + head[: -len("[]}")] + '[{"index": '
+        self._text = ', "delta": {"content": ' if chat else ', "text": '
+        close = "}" if chat else ""
+        self._tail = close + ', "finish_reason": null, "logprobs": null}]' + (', "usage": null' if null_usage else "")
+        self._tail += "}\n\n"
+
+    def __call__(self, index: int, text: str) -> str:
+        return f"{self._head}{index}{self._text}{json.dumps(text)}{self._tail}"

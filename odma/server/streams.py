@@ -224,7 +224,12 @@ async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model:
         body.update(extra)
         return f"data: {json.dumps(body)}\n\n"
 
+    text_chunk = None if job.include_usage and job.usage_every_chunk else \
+        render.TextChunk(rid, job.chat, created, model, null_usage=job.include_usage)
+
     def chunk(sample: Sample, text: str | None, reason: str | None, logprobs: Any = None, role: bool = False) -> str:
+        if text and reason is None and logprobs is None and not role and text_chunk is not None:
+            return text_chunk(sample.index, text)
         if job.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
