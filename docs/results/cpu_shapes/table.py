@@ -1,6 +1,8 @@
 """The results table of `odma-bench peer` runs at real model shapes: per system and concurrency, the median over
 rounds of guidellm's output tok/s and TTFT p50, the server's sampled peak RSS and PSS (its process group, the highest over rounds), and the 1-minute load
-average before each round's point. Reads every PEER.json under the folders given (a --repeats run's round-N/).
+average before each round's point. Reads every PEER.json under the folders given (a --repeats run's round-N/), and
+the guidellm reports beside it that it does not hold yet (a round cut short by its timeout writes its PEER.json
+after each system: those points come without memory or load).
 
     .venv/bin/python docs/results/cpu_shapes/table.py RUN_DIR [RUN_DIR ...]
 """
@@ -12,6 +14,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from odma.bench.peer_bench import guidellm_metrics
+
 
 def rows(folders: list[Path]) -> dict[tuple[str, int], list[dict]]:
     """(system label, concurrency) → one guidellm point per round (failed points kept, with their error)."""
@@ -19,10 +23,17 @@ def rows(folders: list[Path]) -> dict[tuple[str, int], list[dict]]:
     for folder in folders:
         for path in sorted(folder.rglob("PEER.json")):
             result = json.loads(path.read_text())
+            held = set()
             for label, run in result.get("stages", {}).get("guidellm", {}).items():
                 for p in run.get("points", [run]):
+                    held.add((label, p.get("streams", 0)))
                     out.setdefault((label, p.get("streams", 0)), []).append(
                         {**p, "_server": result.get("servers", {}).get(label, {})})
+            for report in sorted((path.parent / "guidellm").glob("*-c*.json")):  # LABEL-cSTREAMS.json
+                label, _, streams = report.stem.rpartition("-c")
+                if (label, int(streams)) not in held:
+                    out.setdefault((label, int(streams)), []).append(
+                        {**guidellm_metrics(json.loads(report.read_text())), "_server": {}})
     return out
 
 
@@ -38,7 +49,7 @@ def table(folders: list[Path]) -> str:
         ttft = statistics.median(p["ttft_p50_s"] for p in ok)
         rss = max(p.get("server_peak_rss_mb") or p["_server"].get("peak_rss_mb") or 0 for p in ok)
         pss = max(p.get("server_peak_pss_mb") or p["_server"].get("peak_pss_mb") or 0 for p in ok)
-        load = ", ".join(f"{p.get('load_avg_1m_before', 0):.1f}" for p in ok)
+        load = ", ".join(f"{p['load_avg_1m_before']:.1f}" if "load_avg_1m_before" in p else "?" for p in ok)
         lines.append(f"| {label} | {streams} | {statistics.median(tps):.1f} | "
                      f"{', '.join(f'{t:.1f}' for t in tps)} | {ttft:.2f} | {rss:.0f} | {pss:.0f} | {load} |")
     return "\n".join(lines) + "\n"
