@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -228,9 +229,20 @@ def test_a_request_whose_tag_times_out_runs_untagged(folder):
             engine.step()
         assert time.monotonic() - started >= 0.2
         assert seq.predicted_length is None and seq.num_generated == 4 and engine.tagger.ahead.timeouts == 1
+        scraped = _scrape(engine)  # what /metrics shows of it
+        assert scraped["odma_tag_timeouts_total"] == 1 and scraped["odma_tags_waiting"] == 0
+        assert scraped["odma_tag_batches_total"] == engine.tagger.ahead.batches
     finally:
         predictor.gate.set()
         engine.close()
+
+
+def _scrape(engine) -> dict[str, float]:
+    from odma.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.attach(SimpleNamespace(stats=engine.stats, waiting=0))
+    return {s.name: s.value for family in metrics.registry.collect() for s in family.samples if not s.labels}
 
 
 def test_a_failing_predictor_lets_requests_run_untagged_without_asking_again_in_the_loop(folder):

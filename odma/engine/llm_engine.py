@@ -531,6 +531,7 @@ class LLMEngine:
         """A snapshot of the pools, queues, buckets and counters, safe to take from any thread (the pools' stats
         are thread-safe; queues and counters are copied)."""
         buckets = getattr(self.policy, "buckets", None)
+        ahead = self.tagger.ahead
         return EngineStats(
             policy=self.config.policy, predictor=PredictorStats(self.predictor.name, self.predictor.fallback_reason),
             devices=tuple(device_stats(w.device, w.pool.stats(), w.scheduler, w.swap, w.elastic) for w in self.workers),
@@ -540,7 +541,10 @@ class LLMEngine:
             decode_tokens=self.decode_tokens, prefill_tokens=self.prefill_tokens, prompt_copies=self.forks.copied,
             prompt_recomputes=self.forks.recomputed, rejected_predictions=self.rejected_predictions,
             probe=ProbeStats.of(self.probe.stats()) if self.probe is not None else None,
-            probe_fallback=self.probe_fallback or None)
+            probe_fallback=self.probe_fallback or None,
+            tag_batches=ahead.batches if ahead is not None else 0,
+            tag_timeouts=ahead.timeouts if ahead is not None else 0,
+            tags_waiting=ahead.waiting if ahead is not None else 0)
 
     def close(self) -> None:
         self.tagger.close()

@@ -100,6 +100,9 @@ class EngineStats:
     prompt_copies: int = 0  # samples of n > 1 requests that copied the prompt's K/V
     prompt_recomputes: int = 0  # ... that prefilled the prompt themselves
     rejected_predictions: int = 0  # predictions not finite or out of range (reserved the worst case)
+    tag_batches: int = 0  # tagging ahead: predictor calls made off the loop (0 when tagging in the loop)
+    tag_timeouts: int = 0  # tagging ahead: requests handed to the engine untagged, their tag too late
+    tags_waiting: int = 0  # tagging ahead: requests whose tag has not come back yet
     probe: ProbeStats | None = None
     probe_fallback: str | None = None  # a probe asked for and refused: why
 

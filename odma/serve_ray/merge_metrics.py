@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from odma.engine.stats import EngineStats, ProbeStats
 
 SUMMED = ("waiting", "steps", "busy_seconds", "decode_tokens", "prefill_tokens", "prompt_copies", "prompt_recomputes",
-          "rejected_predictions")
+          "rejected_predictions", "tag_batches", "tag_timeouts", "tags_waiting")
 
 MAXIMUM = {"odma_kv_external_fragmentation", "odma_bucket_bound_tokens", "odma_bucket_bounds_version",
            "odma_predictor_info", "odma_policy_info", "odma_probe_info"}

