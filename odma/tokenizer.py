@@ -57,13 +57,16 @@ class Tokenizer:
         encoded = self.hf(texts, add_special_tokens=False)["input_ids"]
         return [len(ids) for ids in encoded]
 
-    def chat_prompt(self, prompt: str) -> str:
-        """The prompt as the served model sees it: a user turn plus the generation prompt."""
+    def chat_prompt(self, prompt: str, history: tuple[tuple[str, str], ...] = ()) -> str:
+        """The prompt as the served model sees it: the conversation's earlier (user, assistant) turns, the user's
+        turn, and the generation prompt (without a chat template: the turns' texts joined by blank lines)."""
         if getattr(self.hf, "chat_template", None):
+            messages = [{"role": role, "content": text} for turn in history
+                        for role, text in zip(("user", "assistant"), turn)]
             return self.hf.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+                [*messages, {"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
             )
-        return prompt
+        return "\n\n".join([*(text for turn in history for text in turn), prompt])
 
     def count_chat(self, prompt: str) -> int:
         return self.count(self.chat_prompt(prompt))

@@ -75,6 +75,26 @@ class Splits(NamedTuple):
     test: Trace
 
 
+def chat_histories(records) -> list[tuple[tuple[str, str], ...]]:
+    """Each record's earlier turns in its conversation as a chat client sends them: (user message, reply) pairs
+    of the records before it that share its `conversation_id`, since the latest turn of depth 0 (where a stored
+    part, and the trace's history count, starts again). A first turn, a record of no conversation or one without
+    text: none."""
+    turns: dict[str, list[tuple[str, str]]] = {}
+    out: list[tuple[tuple[str, str], ...]] = []
+    for r in records:
+        if r.conversation_id is None or not r.prompt:
+            out.append(())
+            continue
+        if not r.depth:
+            turns[r.conversation_id] = []
+        earlier = turns.setdefault(r.conversation_id, [])
+        out.append(tuple(earlier))
+        if r.output is not None:
+            earlier.append((r.prompt, r.output))
+    return out
+
+
 def normalized_prompt(text: str) -> str:
     """Whitespace- and case-insensitive form of a prompt: what counts as 'the same prompt'."""
     return " ".join(text.split()).lower()

@@ -217,7 +217,8 @@ def test_the_replay_builds_the_bench_prompts():
     from odma.bench.gpu_work import burst_from_records
 
     _needs_trace()
-    for config in (replace(SMALL, requests=8), replace(SMALL, trace="sharegpt", requests=8)):
+    for config in (replace(SMALL, requests=8), replace(SMALL, trace="sharegpt", requests=8),
+                   replace(SMALL, trace="sharegpt-chat", requests=24, max_prompt=1 << 20)):
         try:
             records = bench_records(config)
             prompts, lengths = bench_prompts(config)
@@ -231,6 +232,10 @@ def test_the_replay_builds_the_bench_prompts():
         work = burst_from_records(config.trace, records, max_prompt=config.max_prompt, max_tokens=config.max_tokens,
                                   kv_budget="1GiB", vocab_size=config.vocab_size, tokenizer=tokenizer)
         assert prompts == [list(p) for p in work.prompts] and lengths == list(work.lengths)
+        if config.trace == "sharegpt-chat":  # turns sent with their history: the lengths the trace counted for it
+            assert any(r.depth for r in records)
+            for p, r in zip(prompts, records):
+                assert abs(len(p) - r.prompt_tokens) <= 0.02 * r.prompt_tokens + 2, (r.request_id, len(p))
 
 
 def test_a_move_over_its_own_place_is_copied_twice():

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 class CharTokenizer:
     """One id per character, behind a visible chat template: enough to see what the builder sends."""
 
-    def chat_prompt(self, prompt: str) -> str:
-        return f"<u>{prompt}</u>"
+    def chat_prompt(self, prompt: str, history: tuple[tuple[str, str], ...] = ()) -> str:
+        return "".join(f"<u>{u}</u><a>{a}</a>" for u, a in history) + f"<u>{prompt}</u>"
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -40,6 +40,23 @@ def test_a_text_trace_sends_templated_prompts_cut_and_keeps_the_texts():
     assert work.texts == ("hi", "a much longer question", "x")  # the user's text, what the predictor reads
     assert work.lengths == (5, 1024, 1)  # recorded, cut to max_tokens, at least one token
     assert work.max_tokens == 1024 and work.kv_budget == "4GiB" and work.name == "t"
+
+
+def test_a_chat_turn_is_sent_with_its_conversation_so_far():
+    """ShareGPT chat turns: a turn of depth d carries the d earlier (question, reply) pairs of its conversation, as
+    a chat client sends them; a new part (depth 0 again) and another conversation start afresh."""
+    def turn(i, conv, depth, prompt, output):
+        return TraceRecord(request_id=f"r{i}", prompt=prompt, prompt_tokens=1, output_tokens=2, output=output,
+                           depth=depth, conversation_id=conv)
+
+    records = [turn(0, "c1", 0, "q1", "a1"), turn(1, "c2", 0, "x", "y"), turn(2, "c1", 1, "q2", "a2"),
+               turn(3, "c1", 2, "q3", "a3"), turn(4, "c1", 0, "p1", "b1"), turn(5, "c1", 1, "p2", "b2")]
+    work = burst_from_records("chat", records, max_prompt=200, max_tokens=8, kv_budget="1MiB", vocab_size=1000,
+                              tokenizer=CharTokenizer())
+    sent = ["".join(map(chr, p)) for p in work.prompts]
+    assert sent == ["<u>q1</u>", "<u>x</u>", "<u>q1</u><a>a1</a><u>q2</u>",
+                    "<u>q1</u><a>a1</a><u>q2</u><a>a2</a><u>q3</u>", "<u>p1</u>", "<u>p1</u><a>b1</a><u>p2</u>"]
+    assert work.texts == ("q1", "x", "q2", "q3", "p1", "p2")  # the predictor still reads the turn's own message
 
 
 def test_ids_past_a_tiny_vocabulary_are_folded_into_it():

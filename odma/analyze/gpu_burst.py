@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from odma.analyze.profiles import QWEN7B_CONFIG, ModelShape
 from odma.errors import ConfigError
 from odma.kv import OffloadConfig, OffloadController
+from odma.trace_records import chat_histories
 
 GIB = 1 << 30
 PAGE_TOKENS = 16  # odma.engine.config.PAGE_TOKENS: the paged baseline's page
@@ -79,8 +80,8 @@ class BurstConfig:
     max_num_seqs: int = 256
     swap_space_bytes: int = 1 * GIB
     vocab_size: int = 152064  # the paper model's (its prompts are random ids below it)
-    # prompts of each record's recorded prompt length (random ids) even where the trace has text: what a conversation
-    # with its history costs (sharegpt-chat's text is its last message; the bench sends only that)
+    # prompts of each record's recorded prompt length (random ids) even where the trace has text: the cost of the
+    # prompts without their contents (no shared prefixes between a conversation's turns; the bench sends the texts)
     recorded_lengths: bool = False
     model: ModelShape = field(default_factory=lambda: ModelShape.from_hf_config(QWEN7B_CONFIG, "paper-7b"))
 
@@ -181,7 +182,7 @@ def bench_prompts(config: BurstConfig) -> tuple[list[list[int]], list[int]]:
     """The bench's prompts and forced output lengths, as its builder (`odma.bench.gpu_work.burst_from_records`, a
     layer above this one; tests/test_gpu_replay.py holds the two equal) makes them: a trace without text gets
     random ids of its recorded prompt lengths (seeded as the bench seeds them), a trace with text its prompts in
-    SmolLM2's chat template, tokenized (so prefix sharing finds what it found on the GPU); ids folded into the
+    SmolLM2's chat template after their conversations' earlier turns, tokenized (so prefix sharing finds what it found on the GPU); ids folded into the
     vocabulary, prompts cut to max_prompt. With `recorded_lengths`, every trace gets random ids of its recorded
     prompt lengths (a conversation's history included)."""
     records = bench_records(config)
@@ -192,9 +193,9 @@ def bench_prompts(config: BurstConfig) -> tuple[list[list[int]], list[int]]:
 
         tokenizer = load_tokenizer("smollm2")
     prompts = []
-    for r in records:
+    for r, history in zip(records, chat_histories(records)):
         if tokenizer is not None:
-            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt))[:config.max_prompt]
+            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt, history))[:config.max_prompt]
             prompts.append([i % config.vocab_size for i in ids])
         else:
             prompts.append([rng.randrange(config.vocab_size)

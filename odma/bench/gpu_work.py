@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from odma.trace_records import chat_histories
+
 
 @dataclass(frozen=True)
 class BurstWork:
@@ -41,7 +43,8 @@ class BurstWork:
 def burst_from_records(name: str, records, *, max_prompt: int, max_tokens: int, kv_budget: str, vocab_size: int,
                        tokenizer=None, seed: int = 0) -> BurstWork:
     """The burst of a trace's records, in their order. A record with a prompt becomes that prompt as the served
-    model sees it (`tokenizer.chat_prompt`, SmolLM2's chat template), tokenized and cut to `max_prompt` tokens;
+    model sees it (`tokenizer.chat_prompt`, SmolLM2's chat template), after its conversation's earlier turns in the
+    burst (`chat_histories`: a ShareGPT chat turn is sent with its history), tokenized and cut to `max_prompt` tokens;
     its text (the user's message, what a length predictor is trained on) is kept. A trace without text (Azure's
     lengths only) gets random ids of its recorded prompt length, cut likewise (texts None). Every request is
     forced to its recorded output length cut to `max_tokens` (at least 1). Ids at or past `vocab_size` (a tiny
@@ -55,11 +58,11 @@ def burst_from_records(name: str, records, *, max_prompt: int, max_tokens: int, 
     rng = random.Random(seed)
     prompts: list[tuple[int, ...]] = []
     texts: list[str | None] = []
-    for r in records:
+    for r, history in zip(records, chat_histories(records)):
         if r.prompt:
             if tokenizer is None:
                 raise ValueError(f"trace {name!r} has text: its prompts need a tokenizer")
-            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt))[:max_prompt]
+            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt, history))[:max_prompt]
             prompts.append(tuple(i % vocab_size for i in ids))
             texts.append(r.prompt)
         else:
