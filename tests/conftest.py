@@ -1,6 +1,7 @@
 """Fixtures shared by the probe tests (a tiny served model with SmolLM2's tokenizer, and answers for it) and the
-server tests (the tiny model folder they serve). Also: without a CUDA device, Triton's kernels run in its
-interpreter on CPU tensors (set before anything imports triton)."""
+server tests (the tiny model folder they serve), and the slow subprocess checks started as the session starts
+(`early_jobs`). Also: without a CUDA device, Triton's kernels run in its interpreter on CPU tensors (set before
+anything imports triton)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,21 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "predictor_tiny.jsonl"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_jobs(request, tmp_path_factory):
+    """The selected modules' slow subprocess checks, started now in the background (tests/early_jobs.py)."""
+    from early_jobs import EarlyJobs
+
+    jobs = EarlyJobs()
+    modules = {item.module.__name__: item.module for item in request.session.items if getattr(item, "module", None)}
+    for name in sorted(modules):  # the suite's own order: the earliest module's job first
+        offer = getattr(modules[name], "start_early", None)
+        for job, prepare in (offer(tmp_path_factory) if offer else {}).items():
+            jobs.start(job, prepare)
+    yield jobs
+    jobs.close()
 
 
 @pytest.fixture(scope="module")

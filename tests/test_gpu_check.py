@@ -7,27 +7,41 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
+from early_jobs import Command
+
+from odma.bench.gpu_work import TINY_MAX_TOKENS
 
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
+DRY_RUN = "gpu_check.sh --cpu"
+
+
+def _dry_run(tmp_path_factory) -> Command:
     out = tmp_path_factory.mktemp("gpu_check")
     # every part of the bench (the GPU plan runs only the engine; the others stay available and must not rot)
     env = dict(os.environ, BENCH_PARTS="kernels,runs,vmm,step,engine,http,peer")
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", str(out)],
-                          capture_output=True, text=True, timeout=1800, env=env)
+    return Command(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", str(out)], env, 1800, out)
+
+
+def start_early(tmp_path_factory) -> dict:
+    """The dry run starts with the session (tests/early_jobs.py)."""
+    return {DRY_RUN: partial(_dry_run, tmp_path_factory)}
+
+
+@pytest.fixture(scope="module")
+def dry_run(early_jobs, tmp_path_factory):
+    done = early_jobs.result(DRY_RUN, partial(_dry_run, tmp_path_factory))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads((out / "gpu_check.json").read_text())
+    result = json.loads((done.command.out / "gpu_check.json").read_text())
     result["_stdout"] = done.stdout
-    result["_out"] = out
+    result["_out"] = done.command.out
     return result
 
 
@@ -82,7 +96,7 @@ def test_the_dry_run_covers_every_part(dry_run):
     assert text["odma:median"]["predictor"] == "running-median"
     assert text["odma:oracle"]["prediction"]["median_abs_error"] == 0  # exact lengths, handed over upstream
     assert text["odma:oracle"]["prediction"]["under_share"] == 0
-    assert text["odma:median"]["prediction"]["mean_predicted"] == 16  # the prior 128, cut to max_tokens (tiny: 16)
+    assert text["odma:median"]["prediction"]["mean_predicted"] == TINY_MAX_TOKENS  # the prior 128, cut to max_tokens
     for variant in (learned, "odma:median", "odma:oracle"):  # every odma variant against both baselines
         assert runs[sharegpt][f"{variant}_vs_paged"] > 0 and runs[sharegpt][f"{variant}_vs_static"] > 0
     assert runs[azure]["odma_vs_paged"] > 0
@@ -103,15 +117,7 @@ def test_the_dry_run_covers_every_part(dry_run):
     assert [line.split()[0] for line in (result["_out"] / "parts.txt").read_text().splitlines()] == ["tests", "bench"]
 
 
-def test_map_growth_runs_in_the_engine_part(tmp_path):
-    from odma.bench import gpu_bench
-
-    result = gpu_bench.run(_args(tmp_path, parts="engine", policies="odma,odma-map"))
-    policies = result["engine"]["runs"]["azure-conv"]["policies"]
-    assert policies["odma-map"]["growth"] == "map" and policies["odma"]["growth"] == "copy"  # host VM on CPU
-
-
-@pytest.mark.parametrize("tagging, policies", [("ahead", "odma,paged,static"), ("loop", "odma")])
+@pytest.mark.parametrize("tagging, policies", [("ahead", "odma,odma-map,paged,static"), ("loop", "odma")])
 def test_every_policy_reports_its_tagging_time_and_first_token_times(tmp_path, tagging, policies):
     from odma.bench import gpu_bench
 
@@ -123,6 +129,8 @@ def test_every_policy_reports_its_tagging_time_and_first_token_times(tmp_path, t
         assert r["prediction"]["tagged"] == r["requests"] == r["completed"], policy  # tagged, none lost
         assert r["tagging_s"] > 0 and r["tagging_s"] < r["seconds"], policy  # the running median's calls
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"], policy
+    if "odma-map" in run["policies"]:  # growth by mapping runs in the engine part (the host's VM on a CPU)
+        assert run["policies"]["odma-map"]["growth"] == "map" and run["policies"]["odma"]["growth"] == "copy"
 
 
 def _args(tmp_path, **overrides):

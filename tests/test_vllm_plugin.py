@@ -7,13 +7,17 @@ Without the peer venv these tests skip, except under CI (CI=true), where a missi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import subprocess
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import pytest
+from early_jobs import Command
 
 from odma.config import REPO_ROOT
 
@@ -25,8 +29,7 @@ def peer_python() -> Path | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
+def _model(tmp_path_factory) -> Path:
     from odma.models.tiny import make_tiny_model
     from odma.tokenizer import _cached_smollm2_folder
 
@@ -41,7 +44,7 @@ def model(tmp_path_factory) -> Path:
     return folder
 
 
-def _run_checks(model: Path, out: Path, switched_on: bool) -> dict:
+def _checks_command(model: Callable[[], Path], out: Path, switched_on: bool) -> Command:
     python = peer_python()
     if python is None:
         if os.environ.get("CI"):
@@ -52,13 +55,37 @@ def _run_checks(model: Path, out: Path, switched_on: bool) -> dict:
         pytest.fail(f"{python} cannot import vllm and odma.vllm:\n{probe.stderr[-2000:]}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "ODMA_VLLM"))}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    args = [str(python), str(Path(__file__).with_name("vllm_engine_checks.py")), "--model", str(model), "--out",
+    args = [str(python), str(Path(__file__).with_name("vllm_engine_checks.py")), "--model", str(model()), "--out",
             str(out)]
     if switched_on:
         env["ODMA_VLLM"] = "1"
         env["TRITON_INTERPRET"] = "1"  # the backend's accelerator kernels are checked on CPU tensors too
         args.append("--switched-on")
-    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+    return Command(args, env, 900, out)
+
+
+def _jobs(tmp_path_factory) -> dict[str, Callable[[], Command]]:
+    """The two runs (the plugin's switch off, then on) on one tiny model, made when the first of them starts."""
+    model = functools.cache(partial(_model, tmp_path_factory))
+
+    def job(switched_on: bool) -> Callable[[], Command]:
+        return lambda: _checks_command(model, tmp_path_factory.mktemp("on" if switched_on else "off") / "result.json",
+                                       switched_on)
+
+    return {OFF: job(False), ON: job(True)}
+
+
+OFF, ON = "vllm checks, plugin off", "vllm checks, plugin on"
+
+
+def start_early(tmp_path_factory) -> dict[str, Callable[[], Command]]:
+    """Both runs start with the session (tests/early_jobs.py)."""
+    return _jobs(tmp_path_factory)
+
+
+def _result(early_jobs, tmp_path_factory, name: str) -> dict:
+    run = early_jobs.result(name, _jobs(tmp_path_factory)[name])
+    out = run.command.out
     if not out.exists():
         pytest.fail(f"the checks wrote nothing (rc {run.returncode}):\n{run.stderr[-4000:]}")
     result = json.loads(out.read_text())
@@ -68,15 +95,15 @@ def _run_checks(model: Path, out: Path, switched_on: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def checks(model, tmp_path_factory) -> dict:
+def checks(early_jobs, tmp_path_factory) -> dict:
     """The plugin's switch off: stock vLLM, and odma's scheduler named by --scheduler-cls."""
-    return _run_checks(model, tmp_path_factory.mktemp("off") / "result.json", switched_on=False)
+    return _result(early_jobs, tmp_path_factory, OFF)
 
 
 @pytest.fixture(scope="module")
-def switched_on(model, tmp_path_factory) -> dict:
+def switched_on(early_jobs, tmp_path_factory) -> dict:
     """ODMA_VLLM=1: the entry point registers odma's attention backend and scheduler."""
-    return _run_checks(model, tmp_path_factory.mktemp("on") / "result.json", switched_on=True)
+    return _result(early_jobs, tmp_path_factory, ON)
 
 
 def test_plugin_off_leaves_vllm_untouched(checks):

@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 from odma.bench import gpu_http
 from odma.bench.gpu_peer import bench_peer
+from odma.bench.gpu_work import burst_caps
 
 PARTS = ("kernels", "runs", "vmm", "step", "engine", "http", "peer")
 # seconds: 9.6 minutes in all (gpu_check runs engine, http and peer in about 6.5)
@@ -498,8 +499,7 @@ def _engine(args, device, dtype_name: str, model, loaded=None, **overrides):
     from odma.engine.config import EngineConfig
     from odma.engine.llm_engine import LLMEngine
 
-    max_tokens = min(args.max_tokens, 16) if args.tiny else args.max_tokens
-    max_prompt = min(args.max_prompt, 24) if args.tiny else args.max_prompt
+    max_prompt, max_tokens = burst_caps(args.max_prompt, args.max_tokens, args.tiny)
     base = dict(
         model="paper-7b" if not args.tiny else "tiny-qwen2", device=str(device), dtype=dtype_name,
         kv_budget=args.kv_budget or ("48KiB" if args.tiny else "4GiB"), policy="odma", kv_growth="copy",
@@ -552,7 +552,8 @@ def bench_step(args, device, dtype_name: str, report: Report, cap: Cap) -> dict:
 
         def measure(mode=mode) -> dict:
             engine = _engine(args, device, dtype_name, model, decode_graphs=mode, max_num_seqs=batch,
-                             kv_budget="1MiB" if args.tiny else "4GiB")
+                             kv_budget="1MiB" if args.tiny else "4GiB", max_tokens_cap=steps + 8,
+                             max_model_len=context + steps + 8)
             runner = engine.workers[0].runner
             params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
             seqs = [engine.add_request(p, params) for p in prompts]
@@ -756,8 +757,7 @@ def _work(args, run: EngineRun, vocab_size: int):
 
     n = run.requests or args.requests or 400
     n = min(n, 8) if args.tiny else n  # a dry run: the same runs, 8 requests each
-    max_tokens = min(args.max_tokens, 16) if args.tiny else args.max_tokens
-    max_prompt = min(args.max_prompt, 24) if args.tiny else args.max_prompt
+    max_prompt, max_tokens = burst_caps(args.max_prompt, args.max_tokens, args.tiny)
     return burst_from_trace(run.trace, n, max_prompt=max_prompt, max_tokens=max_tokens,
                             kv_budget=args.kv_budget or ("48KiB" if args.tiny else "4GiB"), vocab_size=vocab_size)
 
@@ -823,7 +823,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
                      kv_growth="map" if policy.mapped else "copy", tagging=args.tagging,
                      loaded=LoadedPredictor(RunningMedian(), RunningMedian.name, None), **memory)
     prompts = [list(p) for p in work.prompts]
-    max_prompt = min(args.max_prompt, 24) if args.tiny else args.max_prompt
+    max_prompt, _ = burst_caps(args.max_prompt, args.max_tokens, args.tiny)
     # compile every kernel variant before the clock starts: short contexts (one split), longer ones (several)
     warm = [p[:8] for p in prompts[:4]] + [(p * 64)[: min(max_prompt, 512)] for p in prompts[:2]]
     engine.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

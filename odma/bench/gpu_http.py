@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from odma.bench.gpu_work import BurstWork
+from odma.bench.gpu_work import BurstWork, burst_caps
 from odma.errors import ConfigError
 
 CONCURRENCY = 64  # requests running at once: the engine's max_num_seqs and the HTTP clients
@@ -66,8 +66,8 @@ def burst_work(args) -> BurstWork:
     from odma.tokenizer import load_tokenizer
 
     n = args.http_requests or (6 if args.tiny else 128)
-    return burst_from_trace(args.trace, n, max_prompt=min(args.max_prompt, 24) if args.tiny else args.max_prompt,
-                            max_tokens=min(args.max_tokens, 16) if args.tiny else args.max_tokens,
+    max_prompt, max_tokens = burst_caps(args.max_prompt, args.max_tokens, args.tiny)
+    return burst_from_trace(args.trace, n, max_prompt=max_prompt, max_tokens=max_tokens,
                             kv_budget=args.kv_budget or ("48KiB" if args.tiny else "4GiB"),
                             vocab_size=len(load_tokenizer(RANDOM_TOKENIZER).hf))
 

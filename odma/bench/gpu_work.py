@@ -9,6 +9,15 @@ from dataclasses import dataclass
 
 from odma.trace_records import chat_histories
 
+# a dry run's caps (`--tiny`: the tiny model, on a CPU in Triton's interpreter, where every step costs ~0.1 s):
+# short prompts and outputs, enough for every part's orchestration
+TINY_MAX_PROMPT, TINY_MAX_TOKENS = 24, 8
+
+
+def burst_caps(max_prompt: int, max_tokens: int, tiny: bool) -> tuple[int, int]:
+    """(max_prompt, max_tokens) of a run: as asked, or within the dry run's caps."""
+    return (min(max_prompt, TINY_MAX_PROMPT), min(max_tokens, TINY_MAX_TOKENS)) if tiny else (max_prompt, max_tokens)
+
 
 @dataclass(frozen=True)
 class BurstWork:

@@ -1,0 +1,112 @@
+"""Slow checks that run as a subprocess of their own (the GPU check's CPU dry run, the vLLM plugin's two engine runs)
+start when the session starts, one after another on a background thread at a lower CPU priority, so the rest of
+the suite runs beside them instead of before or after them (the suite itself keeps mostly one core busy).
+
+A test module offers its jobs as `start_early(tmp_path_factory) -> {name: prepare}`; `prepare()` returns the
+`Command` to run, or raises pytest's skip or fail, which every test waiting for that job then raises. Its fixtures
+wait with `EarlyJobs.result(name, prepare)`: a job that did not start early (its module run alone) runs inline
+then, at the normal priority, with the same command."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+NICE = 10  # the background job yields to the tests (timing-sensitive ones included) whenever they want the core
+
+
+@dataclass(frozen=True)
+class Command:
+    args: list[str]
+    env: dict[str, str] | None
+    timeout_s: float
+    out: Path | None = None  # where the job writes what its tests read
+
+
+@dataclass(frozen=True)
+class Finished:
+    command: Command
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Prepare = Callable[[], Command]
+
+
+def run(command: Command, nice: bool = False) -> Finished:
+    """The command to its end (killed at its timeout: subprocess.TimeoutExpired), output captured."""
+    proc = subprocess.Popen(command.args, env=command.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: os.nice(NICE)) if nice else None)
+    _RUNNING.add(proc)
+    try:
+        stdout, stderr = proc.communicate(timeout=command.timeout_s)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    finally:
+        _RUNNING.discard(proc)
+    return Finished(command, proc.returncode, stdout, stderr)
+
+
+_RUNNING: set[subprocess.Popen] = set()
+
+
+class EarlyJobs:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self._done: dict[str, threading.Event] = {}
+        self._results: dict[str, Finished | BaseException] = {}
+        self._queue: queue.Queue[tuple[str, Prepare] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, name: str, prepare: Prepare) -> None:
+        """Queue the job behind those started before it."""
+        if name in self._done:
+            raise ValueError(f"early job {name!r} started twice")
+        self._done[name] = threading.Event()
+        self._queue.put((name, prepare))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="early-jobs", daemon=True)
+            self._thread.start()
+
+    def result(self, name: str, prepare: Prepare) -> Finished:
+        """The job's outcome once it ended (raising what its preparation or run raised); a job never started early
+        runs now, inline."""
+        done = self._done.get(name)
+        if done is None:
+            return run(prepare())
+        done.wait()
+        outcome = self._results[name]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def close(self) -> None:
+        """Stop: what has not started never will, what runs is killed (an interrupted session leaves no process)."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._queue.put(None)
+        for proc in list(_RUNNING):
+            proc.kill()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            name, prepare = job
+            try:
+                self._results[name] = run(prepare(), nice=True)
+            except BaseException as exc:  # noqa: BLE001 - pytest's skip/fail included: the waiting test raises it
+                self._results[name] = exc
+            self._done[name].set()
