@@ -25,11 +25,17 @@ def early_jobs(request, tmp_path_factory):
     from early_jobs import EarlyJobs
 
     jobs = EarlyJobs()
-    modules = {item.module.__name__: item.module for item in request.session.items if getattr(item, "module", None)}
+    wanted: dict[str, set[str]] = {}  # module name → fixtures its selected tests use
+    modules = {}
+    for item in request.session.items:
+        if getattr(item, "module", None) is not None:
+            modules[item.module.__name__] = item.module
+            wanted.setdefault(item.module.__name__, set()).update(getattr(item, "fixturenames", ()))
     for name in sorted(modules):  # the suite's own order: the earliest module's job first
         offer = getattr(modules[name], "start_early", None)
-        for job, prepare in (offer(tmp_path_factory) if offer else {}).items():
-            jobs.start(job, prepare)
+        for job, (fixture, prepare) in (offer(tmp_path_factory) if offer else {}).items():
+            if fixture in wanted[name]:  # a selected test waits for it
+                jobs.start(job, prepare)
     yield jobs
     jobs.close()
 

@@ -1,11 +1,11 @@
 """Slow checks that run as a subprocess of their own (the GPU check's CPU dry run, the vLLM plugin's two engine runs)
 start when the session starts, one after another on a background thread at a lower CPU priority, so the rest of
-the suite runs beside them instead of before or after them (the suite itself keeps mostly one core busy).
+the suite runs beside them instead of before or after them.
 
-A test module offers its jobs as `start_early(tmp_path_factory) -> {name: prepare}`; `prepare()` returns the
-`Command` to run, or raises pytest's skip or fail, which every test waiting for that job then raises. Its fixtures
-wait with `EarlyJobs.result(name, prepare)`: a job that did not start early (its module run alone) runs inline
-then, at the normal priority, with the same command."""
+A test module offers its jobs as `start_early(tmp_path_factory) -> {name: (fixture, prepare)}`; a job starts only
+where a selected test uses its fixture. `prepare()` returns the `Command` to run, or raises pytest's skip or fail,
+which every test waiting for that job then raises. The fixture waits with `EarlyJobs.result(name, prepare)`; a job
+that was not started early runs then, inline, at the normal priority."""
 
 from __future__ import annotations
 

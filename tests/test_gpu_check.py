@@ -32,7 +32,7 @@ def _dry_run(tmp_path_factory) -> Command:
 
 def start_early(tmp_path_factory) -> dict:
     """The dry run starts with the session (tests/early_jobs.py)."""
-    return {DRY_RUN: partial(_dry_run, tmp_path_factory)}
+    return {DRY_RUN: ("dry_run", partial(_dry_run, tmp_path_factory))}
 
 
 @pytest.fixture(scope="module")

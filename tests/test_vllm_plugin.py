@@ -78,9 +78,10 @@ def _jobs(tmp_path_factory) -> dict[str, Callable[[], Command]]:
 OFF, ON = "vllm checks, plugin off", "vllm checks, plugin on"
 
 
-def start_early(tmp_path_factory) -> dict[str, Callable[[], Command]]:
+def start_early(tmp_path_factory) -> dict[str, tuple[str, Callable[[], Command]]]:
     """Both runs start with the session (tests/early_jobs.py)."""
-    return _jobs(tmp_path_factory)
+    jobs = _jobs(tmp_path_factory)
+    return {OFF: ("checks", jobs[OFF]), ON: ("switched_on", jobs[ON])}
 
 
 def _result(early_jobs, tmp_path_factory, name: str) -> dict:
