@@ -76,6 +76,10 @@ VARIANTS = {
     "packed+double": ("odma", {**_packed_without(), "pool": _pool(**{**PACKED_POOL, "growth": "double"})}, "median"),
     "packed+sjf": ("odma", _packed_without(schedule="sjf"), "median"),
     "packed+demand1.0": ("odma", _packed_without(admission_demand=1.0), "median"),
+    # without copying shared prompt prefixes (the engine's paged pool has none): the ratio on equal terms where a
+    # burst's prompts share prefixes (ShareGPT chat turns sent with their history, `sharegpt-chat:400:bench`)
+    "static-noprefix": ("static", {"prefix_share_min_tokens": 0}, "median"),
+    "packed-noprefix": ("odma", {**odma_memory("packed"), "prefix_share_min_tokens": 0}, "median"),
     # exact lengths instead of the running median's guess
     "oracle": ("oracle", {}, "median"),  # contiguous blocks of exactly the true length, never growing
     "O:packed": ("odma", odma_memory("packed"), "oracle"),
