@@ -7,12 +7,10 @@ Without the peer venv these tests skip, except under CI (CI=true), where a missi
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
 import subprocess
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -30,21 +28,26 @@ def peer_python() -> Path | None:
 
 
 def _model(tmp_path_factory) -> Path:
+    """Made on the calling thread (the main one) with the global RNG state put back: the tests running meanwhile
+    keep theirs."""
+    import torch
+
     from odma.models.tiny import make_tiny_model
     from odma.tokenizer import _cached_smollm2_folder
 
     root = tmp_path_factory.mktemp("vllm")
     # head_dim 64 (vLLM's CPU attention has no kernel for smaller heads), SmolLM2's vocabulary and tokenizer
-    folder = make_tiny_model(root / "tiny", "llama", vocab_size=49152, hidden_size=256, intermediate_size=256,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                             eos_token_id=2)
+    with torch.random.fork_rng():
+        folder = make_tiny_model(root / "tiny", "llama", vocab_size=49152, hidden_size=256, intermediate_size=256,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                 eos_token_id=2)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (_cached_smollm2_folder() / name).exists():
             shutil.copy(_cached_smollm2_folder() / name, folder / name)
     return folder
 
 
-def _checks_command(model: Callable[[], Path], out: Path, switched_on: bool) -> Command:
+def _checks_command(model: Path, out: Path, switched_on: bool) -> Command:
     python = peer_python()
     if python is None:
         if os.environ.get("CI"):
@@ -55,7 +58,7 @@ def _checks_command(model: Callable[[], Path], out: Path, switched_on: bool) -> 
         pytest.fail(f"{python} cannot import vllm and odma.vllm:\n{probe.stderr[-2000:]}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "ODMA_VLLM"))}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    args = [str(python), str(Path(__file__).with_name("vllm_engine_checks.py")), "--model", str(model()), "--out",
+    args = [str(python), str(Path(__file__).with_name("vllm_engine_checks.py")), "--model", str(model), "--out",
             str(out)]
     if switched_on:
         env["ODMA_VLLM"] = "1"
@@ -65,8 +68,8 @@ def _checks_command(model: Callable[[], Path], out: Path, switched_on: bool) -> 
 
 
 def _jobs(tmp_path_factory) -> dict[str, Callable[[], Command]]:
-    """The two runs (the plugin's switch off, then on) on one tiny model, made when the first of them starts."""
-    model = functools.cache(partial(_model, tmp_path_factory))
+    """The two runs (the plugin's switch off, then on) on one tiny model, made now."""
+    model = _model(tmp_path_factory)
 
     def job(switched_on: bool) -> Callable[[], Command]:
         return lambda: _checks_command(model, tmp_path_factory.mktemp("on" if switched_on else "off") / "result.json",
@@ -85,7 +88,7 @@ def start_early(tmp_path_factory) -> dict[str, tuple[str, Callable[[], Command]]
 
 
 def _result(early_jobs, tmp_path_factory, name: str) -> dict:
-    run = early_jobs.result(name, _jobs(tmp_path_factory)[name])
+    run = early_jobs.result(name, lambda: _jobs(tmp_path_factory)[name]())  # inline: only if not started early
     out = run.command.out
     if not out.exists():
         pytest.fail(f"the checks wrote nothing (rc {run.returncode}):\n{run.stderr[-4000:]}")
