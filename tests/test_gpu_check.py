@@ -27,7 +27,7 @@ def _dry_run(tmp_path_factory) -> Command:
     out = tmp_path_factory.mktemp("gpu_check")
     # every part of the bench (the GPU plan runs only the engine; the others stay available and must not rot)
     env = dict(os.environ, BENCH_PARTS="kernels,runs,vmm,step,engine,http,peer")
-    return Command(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", str(out)], env, 1800, out)
+    return Command(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", str(out)], env, 4800, out)
 
 
 def start_early(tmp_path_factory) -> dict:
