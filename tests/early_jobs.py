@@ -9,8 +9,8 @@ that was not started early runs then, inline, at the normal priority."""
 
 from __future__ import annotations
 
-import os
 import queue
+import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -41,8 +41,9 @@ Prepare = Callable[[], Command]
 
 def run(command: Command, nice: bool = False) -> Finished:
     """The command to its end (killed at its timeout: subprocess.TimeoutExpired), output captured."""
-    proc = subprocess.Popen(command.args, env=command.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=(lambda: os.nice(NICE)) if nice else None)
+    # through nice(1), not a preexec_fn (not safe in a process with threads: the child could deadlock before exec)
+    args = ["nice", "-n", str(NICE), *command.args] if nice and shutil.which("nice") else command.args
+    proc = subprocess.Popen(args, env=command.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _RUNNING.add(proc)
     try:
         stdout, stderr = proc.communicate(timeout=command.timeout_s)
