@@ -39,12 +39,14 @@ class Finished:
 Prepare = Callable[[], Command]
 
 
-def run(command: Command, nice: bool = False) -> Finished:
-    """The command to its end (killed at its timeout: subprocess.TimeoutExpired), output captured."""
+def run(command: Command, nice: bool = False, running: set[subprocess.Popen] | None = None) -> Finished:
+    """The command to its end (killed at its timeout: subprocess.TimeoutExpired), output captured; `running` holds
+    the process while it runs (for `EarlyJobs.close`)."""
+    running = set() if running is None else running
     # through nice(1), not a preexec_fn (not safe in a process with threads: the child could deadlock before exec)
     args = ["nice", "-n", str(NICE), *command.args] if nice and shutil.which("nice") else command.args
     proc = subprocess.Popen(args, env=command.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _RUNNING.add(proc)
+    running.add(proc)
     try:
         stdout, stderr = proc.communicate(timeout=command.timeout_s)
     except BaseException:
@@ -52,11 +54,9 @@ def run(command: Command, nice: bool = False) -> Finished:
         proc.communicate()
         raise
     finally:
-        _RUNNING.discard(proc)
+        running.discard(proc)
     return Finished(command, proc.returncode, stdout, stderr)
 
-
-_RUNNING: set[subprocess.Popen] = set()
 
 
 class EarlyJobs:
@@ -67,6 +67,7 @@ class EarlyJobs:
         self._results: dict[str, Finished | BaseException] = {}
         self._queue: queue.Queue[tuple[str, Prepare] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._running: set[subprocess.Popen] = set()  # this instance's job while it runs: close() kills only that
 
     def start(self, name: str, prepare: Prepare) -> None:
         """Queue the job behind those started before it."""
@@ -98,7 +99,7 @@ class EarlyJobs:
             except queue.Empty:
                 break
         self._queue.put(None)
-        for proc in list(_RUNNING):
+        for proc in list(self._running):
             proc.kill()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -107,7 +108,7 @@ class EarlyJobs:
         while (job := self._queue.get()) is not None:
             name, prepare = job
             try:
-                self._results[name] = run(prepare(), nice=True)
+                self._results[name] = run(prepare(), nice=True, running=self._running)
             except BaseException as exc:  # noqa: BLE001 - pytest's skip/fail included: the waiting test raises it
                 self._results[name] = exc
             self._done[name].set()

@@ -48,3 +48,22 @@ def test_a_job_past_its_timeout_is_killed_and_one_never_started_runs_inline_at_t
     finally:
         jobs.close()
     assert float(inline.stdout.split()[0]) == os.nice(0)
+
+
+def test_closing_one_set_of_jobs_kills_its_own_job_and_no_other():
+    """The session's jobs run while these tests make and close jobs of their own: a close reaches only its own."""
+    session, other = EarlyJobs(), EarlyJobs()
+    try:
+        session.start("whole", lambda: Command([sys.executable, "-c", "import time; time.sleep(2); print('whole')"],
+                                               None, 60))
+        other.start("hangs", lambda: Command([sys.executable, "-c", "import time; time.sleep(60)"], None, 60))
+        deadline = time.monotonic() + 30
+        while not other._running and time.monotonic() < deadline:  # its job has started
+            time.sleep(0.05)
+        (killed,) = other._running
+        other.close()
+        assert killed.wait(10) != 0
+        whole = session.result("whole", None)
+    finally:
+        session.close()
+    assert whole.returncode == 0 and whole.stdout.strip() == "whole"
