@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator, NamedTuple
 
@@ -93,6 +94,27 @@ def chat_histories(records) -> list[tuple[tuple[str, str], ...]]:
         if r.output is not None:
             earlier.append((r.prompt, r.output))
     return out
+
+
+def burst_prompt_ids(records, tokenizer, *, max_prompt: int, vocab_size: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """The token ids a burst sends for each record: with a tokenizer, a record's text as the served model sees it
+    (`tokenizer.chat_prompt`, after its conversation's earlier turns: `chat_histories`); otherwise random ids of its
+    recorded prompt length (seeded: every system and policy gets the same). Cut to `max_prompt`, at least one id,
+    folded into `vocab_size`. The GPU bench's burst and its replay both build their prompts here."""
+    rng = random.Random(seed)
+    out: list[tuple[int, ...]] = []
+    for r, history in zip(records, chat_histories(records)):
+        if tokenizer is not None and r.prompt:
+            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt, history))[:max_prompt]
+        else:
+            ids = [rng.randrange(vocab_size) for _ in range(max(1, min(r.prompt_tokens, max_prompt)))]
+        out.append(tuple(i % vocab_size for i in ids))
+    return out
+
+
+def forced_lengths(records, max_tokens: int) -> list[int]:
+    """Each record's recorded output length cut to `max_tokens`, at least one token: what a burst forces."""
+    return [max(1, min(r.output_tokens or 1, max_tokens)) for r in records]
 
 
 def normalized_prompt(text: str) -> str:

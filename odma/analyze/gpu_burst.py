@@ -14,14 +14,13 @@ against the raw GPU runs in tests/test_gpu_replay.py: they are a property of the
 
 from __future__ import annotations
 
-import random
 import statistics
 from dataclasses import dataclass, field, replace
 
 from odma.analyze.profiles import QWEN7B_CONFIG, ModelShape
 from odma.errors import ConfigError
 from odma.kv import OffloadConfig, OffloadController
-from odma.trace_records import chat_histories
+from odma.trace_records import burst_prompt_ids, forced_lengths
 
 GIB = 1 << 30
 PAGE_TOKENS = 16  # odma.engine.config.PAGE_TOKENS: the paged baseline's page
@@ -186,22 +185,13 @@ def bench_prompts(config: BurstConfig) -> tuple[list[list[int]], list[int]]:
     vocabulary, prompts cut to max_prompt. With `recorded_lengths`, every trace gets random ids of its recorded
     prompt lengths (a conversation's history included)."""
     records = bench_records(config)
-    rng = random.Random(0)
     tokenizer = None
     if any(r.prompt for r in records) and not config.recorded_lengths:
         from odma.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer("smollm2")
-    prompts = []
-    for r, history in zip(records, chat_histories(records)):
-        if tokenizer is not None:
-            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt, history))[:config.max_prompt]
-            prompts.append([i % config.vocab_size for i in ids])
-        else:
-            prompts.append([rng.randrange(config.vocab_size)
-                            for _ in range(max(1, min(r.prompt_tokens, config.max_prompt)))])
-    lengths = [max(1, min(r.output_tokens or 1, config.max_tokens)) for r in records]
-    return prompts, lengths
+    prompts = burst_prompt_ids(records, tokenizer, max_prompt=config.max_prompt, vocab_size=config.vocab_size)
+    return [list(p) for p in prompts], forced_lengths(records, config.max_tokens)
 
 
 class _NoMetrics:

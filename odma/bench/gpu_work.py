@@ -4,10 +4,9 @@ the HTTP server and a peer all run the same `BurstWork`, so their figures compar
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
-from odma.trace_records import chat_histories
+from odma.trace_records import burst_prompt_ids, forced_lengths
 
 # a dry run's caps (`--tiny`: the tiny model, on a CPU in Triton's interpreter, where every step costs ~0.1 s):
 # short prompts and outputs, enough for every part's orchestration
@@ -64,22 +63,11 @@ def burst_from_records(name: str, records, *, max_prompt: int, max_tokens: int, 
     with_text = [bool(r.prompt) for r in records]
     if any(with_text) and not all(with_text):
         raise ValueError(f"trace {name!r} mixes records with and without a prompt text: a burst is one or the other")
-    rng = random.Random(seed)
-    prompts: list[tuple[int, ...]] = []
-    texts: list[str | None] = []
-    for r, history in zip(records, chat_histories(records)):
-        if r.prompt:
-            if tokenizer is None:
-                raise ValueError(f"trace {name!r} has text: its prompts need a tokenizer")
-            ids = tokenizer.encode(tokenizer.chat_prompt(r.prompt, history))[:max_prompt]
-            prompts.append(tuple(i % vocab_size for i in ids))
-            texts.append(r.prompt)
-        else:
-            n = max(1, min(r.prompt_tokens, max_prompt))
-            prompts.append(tuple(rng.randrange(vocab_size) for _ in range(n)))
-            texts.append(None)
-    lengths = tuple(max(1, min(r.output_tokens or 1, max_tokens)) for r in records)
-    return BurstWork(name, tuple(prompts), tuple(texts), lengths, max_tokens, kv_budget)
+    if any(with_text) and tokenizer is None:
+        raise ValueError(f"trace {name!r} has text: its prompts need a tokenizer")
+    prompts = burst_prompt_ids(records, tokenizer, max_prompt=max_prompt, vocab_size=vocab_size, seed=seed)
+    texts = tuple(r.prompt or None for r in records)
+    return BurstWork(name, tuple(prompts), texts, tuple(forced_lengths(records, max_tokens)), max_tokens, kv_budget)
 
 
 def burst_from_trace(spec: str, requests: int, *, max_prompt: int, max_tokens: int, kv_budget: str,
