@@ -209,6 +209,17 @@ def test_a_run_of_several_traces_gives_one_raw_run_each(tmp_path):
     assert second.config == first.config
 
 
+def test_a_file_that_is_not_a_raw_run_is_named(tmp_path):
+    """A JSON that is not a bench result (a replay's rows, a list) stops the fit with its name, not a traceback."""
+    from odma.analyze.gpu_fit import read_raw_runs
+
+    (tmp_path / "rows.json").write_text(json.dumps([{"policy": "paged"}]))
+    with pytest.raises(ConfigError, match="rows.json: not a raw odma-bench gpu result"):
+        read_raw_runs(tmp_path / "rows.json")
+    with pytest.raises(ConfigError, match="rows.json: no engine part"):
+        read_raw_run(tmp_path / "rows.json")
+
+
 def test_the_replay_builds_the_bench_prompts():
     """The replay's prompts are the bench's (`gpu_work.burst_from_records`, a layer above the replay): random ids
     for a trace without text, the chat-templated, tokenized texts for one with text (its prefix sharing depends on

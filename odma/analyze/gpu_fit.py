@@ -72,6 +72,8 @@ def read_raw_runs(path: str | Path) -> list[RawRun]:
     paged and odma under the running median; the others (another predictor, the oracle) are left out."""
     path = Path(path)
     data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a raw odma-bench gpu result (its JSON is a {type(data).__name__})")
     engine = data.get("engine")
     if not isinstance(engine, dict) or not isinstance(engine.get("runs"), dict):
         return [read_raw_run(path)]
@@ -103,7 +105,7 @@ def read_raw_run(path: str | Path) -> RawRun:
     policies that failed or were cut are left out."""
     path = Path(path)
     data = _read_json(path)
-    engine = data.get("engine")
+    engine = data.get("engine") if isinstance(data, dict) else None
     if not isinstance(engine, dict) or "policies" not in engine:
         raise ConfigError(f"{path}: no engine part with one run (odma-bench gpu --parts engine; several runs: "
                           f"read_raw_runs)")

@@ -42,6 +42,12 @@ def _packed_without(*names: str, **engine) -> dict:
     return {"packing": False, "pool": _pool(**pool), "admission_theta": PACKED_THETA, "preempt": "wait", **engine}
 
 
+def _packed_scaled(scale: float, **engine) -> dict:
+    """Packing as the engine sets it, reserving for scale·L̂ (PoolConfig.reserve_scale; 0.5 by default)."""
+    packed = odma_memory("packed")
+    return {**packed, "pool": replace(packed["pool"], reserve_scale=scale), **engine}
+
+
 # name -> (base policy, EngineConfig overrides, lengths: "median" (the bench's running median), "oracle" (every
 # request tagged with its true length) or "default" (the learned predictor, from the trace's texts: ShareGPT only))
 VARIANTS = {
@@ -91,6 +97,13 @@ VARIANTS = {
     "L:packed": ("odma", odma_memory("packed"), "default"),
     "L:packed+demand1.0": ("odma", _packed_without(admission_demand=1.0), "default"),
     "L:packed+sjf": ("odma", _packed_without(schedule="sjf"), "default"),
+    # how much of L̂ a block reserves up front: the rest is grown into (by copy) when the request gets there
+    **{f"{tag}packed+scale{s:g}": ("odma", _packed_scaled(s), lengths)
+       for tag, lengths in (("", "median"), ("O:", "oracle"), ("L:", "default")) for s in (0.125, 0.25, 0.75, 1.0)},
+    # the order of service by predicted remaining length (ordering.py), with smaller reservations
+    **{f"{tag}packed+{order}{f'+scale{s:g}' if s != 0.5 else ''}": ("odma", _packed_scaled(s, schedule=order), lengths)
+       for tag, lengths in (("", "median"), ("O:", "oracle"), ("L:", "default"))
+       for order in ("sjf", "adaptive") for s in (0.125, 0.25, 0.5) if (order, s) != ("sjf", 0.5)},  # above
 }
 
 
