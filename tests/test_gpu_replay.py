@@ -275,3 +275,18 @@ def test_a_slide_costs_its_planning_beside_the_step():
     extra = profile.breakdown([slid], False)["host_s"] - profile.breakdown([plain], False)["host_s"]
     assert extra == pytest.approx(3 * profile.ms_per_slide / 1e3)
     assert profile.device_ms(slid, False) == profile.device_ms(plain, False)
+
+
+def test_a_shipped_profile_is_checked_against_runs_outside_its_fit(capsys, tmp_path):
+    """fit-gpu --profile fits nothing: it replays the runs of the profile's device and prints measured against
+    replayed; runs of another device only are a clear error."""
+    from odma.analyze.cli import main
+
+    assert main(["fit-gpu", "--profile", "h100-7b", str(RAW / "gpu_rerun_h100.json"),
+                 "--json", str(tmp_path / "rows.json")]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["policy"] for r in rows} >= {"static", "odma", "paged"}
+    assert all(abs(r["error"]) < 0.1 for r in rows if r["policy"] in ("static", "odma", "paged"))
+    assert "| gpu_rerun_h100 (H100) | odma/paged |" in capsys.readouterr().out
+    assert main(["fit-gpu", "--profile", "h200-7b", str(RAW / "gpu_rerun_h100.json")]) == 2
+    assert "no H200 run" in capsys.readouterr().err

@@ -116,3 +116,24 @@ def test_every_option_says_what_it_does_and_its_default(capsys):
     text = " ".join(capsys.readouterr().out.split())  # unwrapped
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 2048)", "(default: info)", "(default: off)"):
         assert shown in text
+
+
+def test_the_switch_interval_is_set_before_the_server_starts(monkeypatch, capsys):
+    """--gil-switch-ms sets the process's switch interval before the engine loop starts; out of range, a clear error
+    and no server."""
+    import sys
+
+    import odma.server.cli as cli
+
+    started = []
+    monkeypatch.setattr(cli, "build_server", lambda *a, **k: started.append(sys.getswitchinterval()) or (None, None))
+    monkeypatch.setattr(cli, "serve", lambda *a, **k: None)
+    before = sys.getswitchinterval()
+    try:
+        assert cli.main(["--gil-switch-ms", "1"]) == 0
+        assert started == [pytest.approx(0.001)]
+        assert cli.main(["--gil-switch-ms", "0"]) == 2
+        assert "--gil-switch-ms must be in (0, 1000]" in capsys.readouterr().err
+        assert len(started) == 1
+    finally:
+        sys.setswitchinterval(before)

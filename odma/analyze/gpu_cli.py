@@ -20,6 +20,8 @@ def add_parsers(sub) -> None:
                    help="fit on this device's runs; the other device's profile is the fitted one scaled by the ratio "
                         "of the two devices' step parts, and its runs check it (default: %(default)s)")
     p.add_argument("--out-dir", help="write <device>-7b.json profiles here (the shipped ones: odma/analyze/gpu_profiles)")
+    p.add_argument("--profile", help="fit nothing: check this profile (h100-7b | h200-7b | a profile JSON) against the "
+                                     "runs of its device, as the runs that were not part of its fit (default: fit)")
     p.add_argument("--json", help="write the comparison rows here")
     p.set_defaults(func=cmd_fit_gpu)
     p = sub.add_parser("gpu-burst", help="the odma-bench gpu engine burst replayed on a GPU profile")
@@ -41,6 +43,8 @@ def cmd_fit_gpu(args: argparse.Namespace) -> int:
     from odma.analyze.gpu_profile import save_gpu_profile
 
     runs = [r for p in args.runs for r in read_raw_runs(p) if r.policies]
+    if args.profile:
+        return _check_profile(args, runs)
     fit_runs = [r for r in runs if r.device == args.fit_device]
     others = [r for r in runs if r.device != args.fit_device]
     if not fit_runs:
@@ -59,6 +63,22 @@ def cmd_fit_gpu(args: argparse.Namespace) -> int:
             "copy_ms_per_gib", "swap_gbps", "ms_per_slide")))
         if args.out_dir:
             save_gpu_profile(prof, Path(args.out_dir) / f"{prof.name}.json")
+    print(format_rows(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+def _check_profile(args: argparse.Namespace, runs) -> int:
+    """A shipped profile against runs it was not fitted on: the replay's counts must equal theirs, then tok/s."""
+    from odma.analyze.gpu_fit import compare, format_rows, replay_runs
+    from odma.analyze.gpu_profile import load_gpu_profile
+
+    profile = load_gpu_profile(args.profile)
+    mine = [r for r in runs if r.device == profile.device]
+    if not mine:
+        raise ConfigError(f"no {profile.device} run among {[r.name for r in runs]} for profile {args.profile}")
+    rows = compare(profile, mine, replay_runs(mine))
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(temperature, top_p, top_k, max_new_tokens; default: none)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads (default: all cores but one, which the HTTP side and the predictor need)")
+    p.add_argument("--gil-switch-ms", type=float, default=None,
+                   help="the interpreter's thread switch interval (sys.setswitchinterval) in this server's process, "
+                        "where the engine loop and the HTTP side share one interpreter lock (default: Python's 5 ms)")
     ray = p.add_argument_group("Ray Serve (several replicas behind one endpoint; needs the ray extra: pip install 'odma[ray]')")
     r = RaySettings()
     ray.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines behind one endpoint")
@@ -348,6 +351,10 @@ def main(argv: list[str] | None = None, *, exit_fast: bool = False) -> int:
                  config.model, config.device, config.policy, config.kv_budget, default_cache_dir())
         if args.ray:
             return _serve_on_ray(args, config)
+        if args.gil_switch_ms is not None:
+            if not 0 < args.gil_switch_ms <= 1000:
+                raise ConfigError(f"--gil-switch-ms must be in (0, 1000], got {args.gil_switch_ms}")
+            sys.setswitchinterval(args.gil_switch_ms / 1000)
         app, runtime = build_server(config, args.max_queue, args.served_model_name,
                                     generation_config=args.generation_config,
                                     override_generation_config=args.override_generation_config, max_n=args.max_n)

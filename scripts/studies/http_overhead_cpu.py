@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--max-prompt", type=int, default=64)
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--also-flags", default=None,
+                   help="server flags of a second HTTP run in every round, after the first (e.g. '--gil-switch-ms 1'): "
+                        "its tokens/s, ratio and CPU per token as http_b_*")
     p.add_argument("--decode-only", action="store_true",
                    help="only the streams' detokenisation: µs per token of a TextStream over SmolLM2's tokenizer at "
                         "256 and 1,024 tokens, windowed and decoding the whole output each time (as before)")
@@ -57,9 +60,16 @@ def main() -> None:
                "engine_cpu_us_per_token": round(engine_cpu / tokens * 1e6, 1),
                "server_cpu_us_per_token": round(server_cpu / tokens * 1e6, 1)}
         row["ratio"] = round(row["http_tok_s"] / row["engine_tok_s"], 3)
+        if args.also_flags:
+            http_b, server_b_cpu = http_burst(flags + args.also_flags.split(), work)
+            row.update(http_b_tok_s=http_b["tokens_per_s"], http_b_ok=http_b["requests_ok"],
+                       ratio_b=round(http_b["tokens_per_s"] / row["engine_tok_s"], 3),
+                       server_b_cpu_us_per_token=round(server_b_cpu / tokens * 1e6, 1))
         rounds.append(row)
         print(json.dumps(row), flush=True)
     keys = ("engine_tok_s", "http_tok_s", "ratio", "engine_cpu_us_per_token", "server_cpu_us_per_token")
+    if args.also_flags:
+        keys += ("http_b_tok_s", "ratio_b", "server_b_cpu_us_per_token")
     print(json.dumps({"median": {k: statistics.median(r[k] for r in rounds) for k in keys}}))
 
 
