@@ -15,7 +15,7 @@ from odma.kv import KVRequest, PagedKV
 from odma.analyze.policies import BuildContext, bucket_manager, parse_policies, parse_policy
 from odma.analyze.profiles import GIB, PROFILES, CostModel, StepWork, load_profile
 from odma.config import ReservationTable
-from odma.errors import ConfigError, UnknownRequestError
+from odma.errors import ConfigError, InvalidRequestError, UnknownRequestError
 
 FIXTURE = Path(__file__).resolve().parent.parent / "datasets" / "fixtures" / "analyze_trace.jsonl"
 
@@ -73,6 +73,28 @@ def test_paged_counts_pages_and_keeps_a_watermark():
     assert kv.free_pages == 10
     with pytest.raises(UnknownRequestError):
         kv.release("a", 1)
+
+
+def test_paged_maps_whole_shared_pages_and_frees_each_with_its_last_holder():
+    kv = PagedKV(total_tokens=160, page_tokens=16, watermark=0.0)  # 10 pages
+    kv.admit(KVRequest("a", 40, 100))  # 41 tokens → 3 pages
+    assert kv.shareable_tokens(37) == 32
+    b = kv.admit_sharing(KVRequest("b", 50, 100), "a", 32)  # 2 pages mapped + 2 fresh for the other 19 tokens
+    assert b.pages[:2] == kv._pages["a"][:2] and b.capacity == 64 and kv.free_pages == 10 - 3 - 2
+    for bad in (20, 64):  # not whole pages; more than a holds
+        with pytest.raises(InvalidRequestError):
+            kv.admit_sharing(KVRequest("c", 50, 100), "a", bad)
+    with pytest.raises(UnknownRequestError):
+        kv.admit_sharing(KVRequest("c", 50, 100), "gone", 16)
+    assert kv.admit_sharing(KVRequest("c", 200, 400), "a", 32) is None  # 11 fresh pages: refused, nothing taken
+    kv.check()
+    assert kv.free_pages == 5 and "c" not in kv._pages
+    kv.release("a", 1)  # its third page is free now, the two it shares stay with b
+    kv.check()
+    assert kv.free_pages == 6
+    kv.evict("b")
+    kv.check()
+    assert kv.free_pages == 10 and kv.reserved_tokens == 0
 
 
 def test_policy_names_and_overrides():

@@ -121,7 +121,7 @@ def test_a_preempted_holder_is_not_copied_from(folder):
 def test_the_index_finds_the_longest_shared_prefix():
     class Seq:
         def __init__(self, ids, cached):
-            self.ids, self.num_cached, self.block = ids, cached, object()
+            self.ids, self.num_cached, self.kv = ids, cached, object()  # it holds memory
 
         @property
         def num_tokens(self):

@@ -73,6 +73,32 @@ def test_a_copied_prefix_is_read_by_the_prefill_kernel(folder):
     assert [s.output_ids for s in [first, *later]] == [s.output_ids for s in alone]
 
 
+def test_the_paged_baseline_maps_a_shared_prefix_s_whole_pages(folder):
+    """Prompts that begin like a running request's map its full pages of them (16 tokens each) into their own page
+    table and compute the rest: nothing copied, the same tokens as a full prefill, and the pages the holder gives
+    back when it ends early stay with the requests that map them until they end too."""
+    shared = [list(range(60, 96)) + [i] for i in range(3)]  # a 36-token prefix: two whole pages, four tokens over
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine = tiny_engine(folder, kv_budget="1MiB", attention="triton", policy="paged", device=DEVICE)
+    kv = engine.workers[0].kv
+    first = engine.add_request(shared[0], short)
+    engine.step()  # its prompt is cached now
+    its_pages = kv._pages[first.request_id][:2]
+    before = engine.prefill_tokens
+    later = [engine.add_request(p, GREEDY) for p in shared[1:]]
+    engine.step()  # they map its pages, and it ends (its second token)
+    assert first.finished and kv._pages[later[0].request_id][:2] == kv._pages[later[1].request_id][:2] == its_pages
+    while engine.has_work():
+        engine.step()
+        kv.check()
+    counters = engine.scheduler.counters
+    assert (counters.prefix_maps, counters.prefix_copies, counters.prefix_tokens) == (2, 0, 64)
+    assert engine.prefill_tokens - before == 2 * (len(shared[1]) - 32)
+    alone = tiny_engine(folder, kv_budget="1MiB").generate(shared[1:], GREEDY)
+    assert [s.output_ids for s in later] == [s.output_ids for s in alone]
+    assert kv.free_pages == kv.total_pages
+
+
 def test_paged_baseline_recomputes_under_pressure(folder, reference):
     engine = tiny_engine(folder, kv_budget="32KiB", attention="triton", policy="paged", device=DEVICE)
     seqs = engine.generate(PROMPTS, GREEDY)

@@ -49,11 +49,11 @@ def test_the_fit_recovers_known_parameters():
                        ms_per_slide=2.0, prefill_span=16256.0)
     prompts = bench_prompts(SMALL)
     # the same burst twice: odma swapping (the first runs) and packing (it slides blocks, whose cost is fitted too)
-    bursts = {(SMALL, memory): {p: run_burst(SMALL, p, prompts=prompts,
-                                             engine_overrides=odma_memory(memory) if p == "odma" else None)
-                                for p in ("static", "odma", "paged")} for memory in ("swap", "packed")}
+    bursts = {(SMALL, memory, True): {p: run_burst(SMALL, p, prompts=prompts,
+                                                   engine_overrides=odma_memory(memory) if p == "odma" else None)
+                                      for p in ("static", "odma", "paged")} for memory in ("swap", "packed")}
     runs = []
-    for (config, memory), replayed in bursts.items():
+    for (config, memory, _), replayed in bursts.items():
         measured = {}
         for policy, b in replayed.items():
             seconds = truth.breakdown(b.steps, b.paged)["seconds"]
@@ -61,8 +61,9 @@ def test_the_fit_recovers_known_parameters():
                                 "device_ms_p50": truth.device_p50_ms(b.steps, b.paged),
                                 "host_ms_p50": truth.paged_host_ms if b.paged else truth.host_ms}
         runs.append(RawRun(f"synthetic-{memory}.json", "X", config, measured,
-                           truth.step_ms + truth.ms_per_1k_context * 16.384, 16384, truth.copy_ms_per_gib, memory))
-    assert sum(s.slides for s in bursts[SMALL, "packed"]["odma"].steps) > 0
+                           truth.step_ms + truth.ms_per_1k_context * 16.384, 16384, truth.copy_ms_per_gib, memory,
+                           paged_prefixes=True))
+    assert sum(s.slides for s in bursts[SMALL, "packed", True]["odma"].steps) > 0
     fitted = fit_profile(runs, bursts, "fitted")
     for name in FITTED:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name

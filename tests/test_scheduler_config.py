@@ -87,8 +87,9 @@ def test_the_engine_settings_map_onto_the_scheduler_config():
     assert not dataclasses.replace(engine, balloon=True, kv_growth="copy",
                                    balloon_chunked_prefill=False).scheduler_config(SMOLLM2).chunk_prefills
     assert dataclasses.replace(engine, balloon=True, kv_growth="copy").scheduler_config(SMOLLM2).chunk_prefills
-    # the paged baseline recomputes (its pages are not swapped) and has no contiguous windows or prefixes to copy
+    # the paged baseline recomputes (its pages are not swapped), has no contiguous windows, and shares prefixes
+    # (by mapping whole pages: the scheduler asks the pool)
     paged = dataclasses.replace(engine, policy="paged", attention="triton").scheduler_config(SMOLLM2)
-    assert (paged.preempt, paged.clear_window, paged.prefix_min_tokens) == ("recompute", False, 0)
+    assert (paged.preempt, paged.clear_window, paged.prefix_min_tokens) == ("recompute", False, 32)
     assert dataclasses.replace(engine, policy="paged", attention="triton",
                                preempt="wait").scheduler_config(SMOLLM2).preempt == "wait"

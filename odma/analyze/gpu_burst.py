@@ -244,7 +244,9 @@ class BurstEngine:
             pages = total // PAGE_TOKENS
             self.kv = PagedKV(pages * PAGE_TOKENS, page_tokens=PAGE_TOKENS, bytes_per_token=bytes_per_token)
             preempt = "recompute" if engine.preempt == "swap" else engine.preempt
-            self.scheduler = Scheduler(self.kv, replace(common, preempt=options.pop("preempt", preempt), **options))
+            # shared prompt prefixes: their whole pages mapped (vLLM's prefix caching), as the engine's paged pool does
+            self.scheduler = Scheduler(self.kv, replace(common, preempt=options.pop("preempt", preempt),
+                                                        prefix_min_tokens=engine.prefix_share_min_tokens, **options))
         else:
             large_share = 0.0 if policy == "static" else settings.large_share
             pool = KVPool(total, self.policy, large_share=large_share, align=settings.align,
@@ -406,4 +408,5 @@ def _counts(engine: BurstEngine) -> dict:
     return {"preemptions": c.preemptions, "swap_outs": c.swap_outs, "migrations": stats.migrations,
             "migrated_tokens": stats.migrated_tokens, "grown_in_place": stats.grown_in_place,
             "relocated_tokens": stats.relocated_tokens, "compactions": getattr(engine.kv, "compactions", 0),
-            "slides": getattr(engine.kv, "slides", 0), "overlapped_tokens": getattr(stats, "overlapped_tokens", 0)}
+            "slides": getattr(engine.kv, "slides", 0), "overlapped_tokens": getattr(stats, "overlapped_tokens", 0),
+            "prefix_copies": c.prefix_copies, "prefix_maps": c.prefix_maps, "prefix_tokens": c.prefix_tokens}

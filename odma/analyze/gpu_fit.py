@@ -28,7 +28,8 @@ POLICIES = ("static", "odma", "paged")
 FITTED = ("step_ms", "ms_per_1k_context", "paged_read_factor", "ms_per_1k_prefill", "host_ms", "swap_gbps",
           "ms_per_slide")
 CHECKED_COUNTS = ("steps", "preemptions", "swap_outs", "migrations", "migrated_tokens", "mean_running",
-                  "grown_in_place", "relocated_tokens", "overlapped_tokens", "slides")
+                  "grown_in_place", "relocated_tokens", "overlapped_tokens", "slides", "prefix_copies", "prefix_maps",
+                  "prefix_tokens")
 
 
 @dataclass(frozen=True)
@@ -44,15 +45,16 @@ class RawRun:
     copy_ms_per_gib: float | None  # part vmm: one 1 GiB block copied
     odma_memory: str = "swap"  # the run's --odma-memory (odma.analyze.gpu_burst.ODMA_MEMORY): how its odma is replayed
     several: bool = False  # its file holds several engine runs (one per trace): its name says which
+    paged_prefixes: bool = False  # its paged pool mapped shared prompt prefixes (runs before that shared none)
 
     @property
     def name(self) -> str:
         return f"{Path(self.path).stem} {self.config.trace}" if self.several else Path(self.path).stem
 
     @property
-    def burst_key(self) -> tuple[BurstConfig, str]:
-        """What its replay depends on: the burst and how its odma meets pressure."""
-        return self.config, self.odma_memory
+    def burst_key(self) -> tuple[BurstConfig, str, bool]:
+        """What its replay depends on: the burst, how its odma meets pressure, whether its pages shared prefixes."""
+        return self.config, self.odma_memory, self.paged_prefixes
 
 
 def _read_json(path: Path) -> dict:
@@ -131,7 +133,10 @@ def _raw_run(path: Path, data: dict, engine: dict) -> RawRun:
     for row in (data.get("vmm") or {}).get("rows", []):
         if row.get("block_bytes") == GIB and "copy_block_ms" in row.get("result", {}):
             copy = float(row["result"]["copy_block_ms"])
-    return RawRun(str(path), device, config, policies, micro, context, copy, _odma_memory(path, engine))
+    # a run's paged policy records its prefix maps since the pool has them; before, it shared nothing
+    paged_prefixes = "prefix_maps" in engine["policies"].get("paged", {})
+    return RawRun(str(path), device, config, policies, micro, context, copy, _odma_memory(path, engine),
+                  paged_prefixes=paged_prefixes)
 
 
 def _odma_memory(path: Path, engine: dict) -> str:
@@ -149,7 +154,7 @@ def _odma_memory(path: Path, engine: dict) -> str:
     return memory
 
 
-Bursts = dict[tuple[BurstConfig, str], dict[str, BurstResult]]  # RawRun.burst_key → policy → its replay
+Bursts = dict[tuple[BurstConfig, str, bool], dict[str, BurstResult]]  # RawRun.burst_key → policy → its replay
 
 
 def replay_runs(runs: list[RawRun], check: bool = True) -> Bursts:
@@ -161,9 +166,10 @@ def replay_runs(runs: list[RawRun], check: bool = True) -> Bursts:
         if run.burst_key not in out:
             if run.config not in prompts:
                 prompts[run.config] = bench_prompts(run.config)
-            memory = odma_memory(run.odma_memory)
+            overrides = {"odma": odma_memory(run.odma_memory),
+                         "paged": None if run.paged_prefixes else {"prefix_share_min_tokens": 0}}
             out[run.burst_key] = {p: run_burst(run.config, p, prompts=prompts[run.config],
-                                               engine_overrides=memory if p == "odma" else None) for p in POLICIES}
+                                               engine_overrides=overrides.get(p)) for p in POLICIES}
         if check:
             for policy, measured in run.policies.items():
                 replayed = out[run.burst_key][policy].summary()

@@ -657,7 +657,9 @@ def _counts(engine) -> dict:
             "grown_in_place": stats.grown_in_place, "swap_outs": c.swap_outs,
             # packing's moves: blocks relocated or slid out of a growth's way, and the tokens that moved twice
             "relocated_tokens": stats.relocated_tokens, "overlapped_tokens": stats.overlapped_tokens,
-            "slides": getattr(kv, "slides", 0)}  # only odma's contiguous KV slides blocks
+            "slides": getattr(kv, "slides", 0),  # only odma's contiguous KV slides blocks
+            # shared prompt prefixes: copied into a contiguous block, or mapped as whole pages (paged)
+            "prefix_copies": c.prefix_copies, "prefix_maps": c.prefix_maps, "prefix_tokens": c.prefix_tokens}
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,8 @@ class EngineConfig:
     # is fenced and its blocks relocated elsewhere (into lent segments, say) instead of waited for
     clear_window: bool = True
     # a prompt that begins with at least this many tokens a running request has cached copies their K/V instead
-    # of computing them (odma.engine.prefix_share; the chat template's system prompt, a conversation's history); 0: off
+    # of computing them (odma.engine.prefix_share; the chat template's system prompt, a conversation's history;
+    # the paged baseline maps their whole pages); 0: off
     prefix_share_min_tokens: int = 16
     # odma's blocks kept packed under memory pressure (docs/results/gpu/replay_policy.md): growth by compaction that
     # slides blocks over the gaps between them when no range can be cleared otherwise, growth over the gaps beside a
@@ -243,8 +244,9 @@ class EngineConfig:
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         """The scheduler's policy these settings ask for, for serving `model` (its shape prices a prefill chunk's
-        attention). The paged baseline recomputes preempted requests (vLLM's default: its pages are not swapped)
-        and neither clears windows nor copies prefixes (both need contiguous blocks)."""
+        attention). The paged baseline recomputes preempted requests (vLLM's default: its pages are not swapped),
+        clears no windows (it has none) and maps shared prompt prefixes' whole pages instead of copying them (vLLM's
+        prefix caching)."""
         paged = self.policy == "paged"
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -256,7 +258,7 @@ class EngineConfig:
             # ballooning without balloon_chunked_prefill feeds prompts whole (they wait for their lent room back)
             chunk_prefills=self.chunked_prefill and (not self.balloon or self.balloon_chunked_prefill),
             clear_window=self.clear_window and not paged,
-            prefix_min_tokens=0 if paged else self.prefix_share_min_tokens,
+            prefix_min_tokens=self.prefix_share_min_tokens,
             admission_theta=self.resolved_admission_theta,
             admission_demand=self.admission_demand,
         )

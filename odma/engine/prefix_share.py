@@ -1,5 +1,6 @@
 """Prompt prefixes shared by copy: a request whose prompt begins like a running request's cached tokens copies
-their K/V into its own block and prefills only the rest.
+their K/V into its own block and prefills only the rest (the paged baseline maps the holder's whole pages instead:
+`PagedKV.admit_sharing`).
 
 Chat traffic repeats itself at the front: the chat template's system prompt (24 tokens of SmolLM2's, on every
 request without a system turn), an application's instructions, a conversation's earlier turns. vLLM keeps such
@@ -57,7 +58,7 @@ class PrefixIndex:
         (None, 0) when none shares min_tokens."""
         key = self._key(seq)
         holders = self._by_key.get(key, []) if key is not None else []
-        recent = [h for h in reversed(holders[-MAX_CANDIDATES:]) if h.block is not None]
+        recent = [h for h in reversed(holders[-MAX_CANDIDATES:]) if h.kv is not None]  # a block, or pages
         return self._longest(seq, recent, lambda other: other.num_cached)
 
     def shared_with(self, seq: Sequence, others: list[Sequence]) -> int:

@@ -49,6 +49,7 @@ class SchedulerCounters:
     window_clears: int = 0  # a held queue head got its range by relocating the blocks in it
     window_moves: int = 0  # blocks relocated for it
     prefix_copies: int = 0  # admissions that copied a shared prompt prefix's K/V instead of computing it
+    prefix_maps: int = 0  # admissions that mapped a running request's pages of a shared prefix (paged)
     prefix_tokens: int = 0  # prompt tokens those copies saved
     prefix_holds: int = 0  # admissions put off one step to copy a prefix that a request prefilled in that step
 
@@ -84,6 +85,8 @@ class Scheduler:
         self.clear_window = config.clear_window and (self.elastic is None or config.chunk_prefills)
         # Shared prompt prefixes (odma.engine.prefix_share): copied from a running request that holds them; None: off
         self.prefixes = PrefixIndex(config.prefix_min_tokens) if config.prefix_min_tokens else None
+        # pages are mapped into the request's table instead (PagedKV.admit_sharing): whole pages only, no copy
+        self.maps_prefixes = getattr(kv, "shares_pages", False)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -195,7 +198,7 @@ class Scheduler:
                 continue
             start = seq.num_cached + shared
             q_len = self._room_for(seq, start, need, prefill, budget)
-            handle = self.kv.admit(seq) if q_len else None
+            handle = self._take_memory(seq, source, shared) if q_len else None
             if handle is None:
                 self.counters.admission_refusals += q_len > 0
                 if self._head_holds(seq):
@@ -204,8 +207,12 @@ class Scheduler:
             self._start(seq, handle)
             for rule in self.admission:
                 rule.admitted(seq)
-            work.append(Work(seq, seq.num_cached + shared, q_len, source))
-            self.counters.prefix_copies += source is not None
+            mapped = source is not None and self.maps_prefixes
+            if mapped:
+                seq.num_cached = shared  # its first pages are the holder's: nothing to copy or compute
+            work.append(Work(seq, start, q_len, None if mapped else source))
+            self.counters.prefix_copies += source is not None and not mapped
+            self.counters.prefix_maps += mapped
             self.counters.prefix_tokens += shared
             self.counters.prefill_chunks += q_len < need
             budget -= self.prefill_cost(start, q_len) if q_len > 1 else q_len
@@ -217,6 +224,11 @@ class Scheduler:
         self._freed_buckets.clear()
         return work
 
+    def _take_memory(self, seq: Sequence, source: Sequence | None, shared: int) -> KVHandle | None:
+        if source is not None and self.maps_prefixes:
+            return self.kv.admit_sharing(seq, source.request_id, shared)
+        return self.kv.admit(seq)
+
     def _may_copy_prefix(self, seq: Sequence) -> bool:
         """Not a request that has K/V already (swapped in), that scores its prompt (echo: every prompt position
         must be computed), or a sample of n > 1 that copies its sibling's whole prompt (odma.engine.fork)."""
@@ -224,8 +236,16 @@ class Scheduler:
                 and not (seq.index and not seq.prompt_copied))
 
     def _prefix_source(self, seq: Sequence) -> tuple[Sequence | None, int]:
-        """(holder, tokens): a running request whose cached K/V `seq` may copy for its first tokens."""
-        return self.prefixes.lookup(seq) if self._may_copy_prefix(seq) else (None, 0)
+        """(holder, tokens): a running request whose cached K/V `seq` may copy (or map: whole pages) for its first
+        tokens."""
+        if not self._may_copy_prefix(seq):
+            return None, 0
+        holder, shared = self.prefixes.lookup(seq)
+        if holder is not None and self.maps_prefixes:
+            shared = self.kv.shareable_tokens(shared)
+            if shared < self.prefixes.min_tokens:
+                return None, 0
+        return holder, shared
 
     def _hold_for_prefix(self, seq: Sequence, planned: list[Work], step_prefill: int) -> bool:
         """Put `seq` off one step when a request prefilled in this step shares at least a quarter of what it

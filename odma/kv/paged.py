@@ -5,9 +5,16 @@ request's handle also lists its page ids in order (`KVHandle.pages`), which is w
 reads through a page table. Freed pages are reused last-freed first, so after some churn a request's pages lie
 scattered over the arena, as in a running vLLM. Admission keeps a watermark of free pages back, as vLLM does, so
 a fresh batch does not preempt at once.
+
+A request whose prompt begins like a running request's cached tokens maps that request's full pages of them into
+its own table (`admit_sharing`), as vLLM's prefix caching does: nothing is copied, each page counts its holders and
+is free when the last lets go. Only full pages below the holder's cached length are shared, so nobody writes into
+a shared page.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from odma.errors import DuplicateRequestError, InvalidRequestError, UnknownRequestError
 from odma.kv.blocks import Growth, KVHandle
@@ -18,6 +25,8 @@ from odma.kv.pool import PoolStats
 
 
 class PagedKV(KVManager):
+    shares_pages = True  # a shared prompt prefix is mapped, not copied (the scheduler asks `admit_sharing`)
+
     def __init__(self, total_tokens: int, page_tokens: int = 16, watermark: float = 0.01, name: str = "paged",
                  bytes_per_token: int = 0) -> None:
         if page_tokens < 1 or total_tokens < page_tokens:
@@ -30,6 +39,7 @@ class PagedKV(KVManager):
         self.total_pages = total_tokens // page_tokens
         self.watermark_pages = int(self.total_pages * watermark)
         self._free = list(reversed(range(self.total_pages)))  # a stack: page 0 is handed out first
+        self._holders = [0] * self.total_pages  # requests whose table holds each page (0: free)
         self._pages: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}  # tokens each request holds (for the live-token figures)
         self._handles: dict[str, KVHandle] = {}
@@ -67,23 +77,41 @@ class PagedKV(KVManager):
         return self.free_pages - self._admission_pages(req) >= self.watermark_pages
 
     def admit(self, req: SizedRequest) -> KVHandle | None:
+        return self.admit_sharing(req, None, 0)
+
+    def shareable_tokens(self, tokens: int) -> int:
+        """Of `tokens` shared at the front, those that fill whole pages (what `admit_sharing` maps)."""
+        return tokens // self.page_tokens * self.page_tokens
+
+    def admit_sharing(self, req: SizedRequest, holder_id: str | None, tokens: int) -> KVHandle | None:
+        """Admit `req` with the first `tokens` (whole pages) of its K/V mapped from `holder_id`'s pages; the rest of
+        its prompt and its first generated token get fresh pages. None: not enough free pages (nothing changes)."""
         if req.request_id in self._pages:
             raise DuplicateRequestError(f"request {req.request_id} already holds pages")
-        need = self._admission_pages(req)
+        shared: list[int] = []
+        if holder_id is not None:
+            if tokens % self.page_tokens or tokens > self._held(holder_id) * self.page_tokens:
+                raise InvalidRequestError(f"cannot share {tokens} tokens of {holder_id!r}: whole pages it holds only")
+            shared = self._pages[holder_id][: tokens // self.page_tokens]
+        need = max(0, self._admission_pages(req) - len(shared))
         if self.free_pages - need < self.watermark_pages:
             self.refusals += 1
             return None
-        pages = self._take(need)
+        for page in shared:
+            self._holders[page] += 1
+        pages = shared + self._take(need)
         self._pages[req.request_id] = pages
         self._lengths[req.request_id] = req.prompt_tokens
         self.reservations += 1
-        handle = self._handles[req.request_id] = KVHandle(req.request_id, need * self.page_tokens, pages=pages)
+        handle = self._handles[req.request_id] = KVHandle(req.request_id, len(pages) * self.page_tokens, pages=pages)
         return handle
 
     def _take(self, n: int) -> list[int]:
         taken = self._free[-n:] if n else []
         del self._free[len(self._free) - n:]
         taken.reverse()
+        for page in taken:
+            self._holders[page] = 1
         return taken
 
     def grow(self, request_id: str, new_len: int, *, held: int | None = None) -> Growth | None:
@@ -104,7 +132,10 @@ class PagedKV(KVManager):
         pages = self._pages.get(request_id)
         if pages is None:
             raise UnknownRequestError(f"request {request_id!r} holds no pages")
-        self._free += reversed(pages)
+        for page in reversed(pages):
+            self._holders[page] -= 1
+            if not self._holders[page]:
+                self._free.append(page)
         self.releases += 1
         del self._pages[request_id], self._handles[request_id], self._lengths[request_id]
 
@@ -140,5 +171,8 @@ class PagedKV(KVManager):
     def check(self) -> None:
         assert 0 <= self.free_pages <= self.total_pages
         held = [p for pages in self._pages.values() for p in pages]
-        assert len(held) + self.free_pages == self.total_pages, "pages not conserved"
-        assert len(set(held) | set(self._free)) == self.total_pages, "a page is held twice or lost"
+        assert all(self._holders[p] == n for p, n in Counter(held).items()), "a page's holders miscounted"
+        assert len(set(held)) + self.free_pages == self.total_pages, "pages not conserved"
+        assert len(set(held) | set(self._free)) == self.total_pages, "a page is lost"
+        assert not set(held) & set(self._free), "a held page is free"
+        assert all(len(set(pages)) == len(pages) for pages in self._pages.values()), "a page twice in one table"

@@ -85,6 +85,7 @@ VARIANTS = {
     # without copying shared prompt prefixes (the engine's paged pool has none): the ratio on equal terms where a
     # burst's prompts share prefixes (ShareGPT chat turns sent with their history, `sharegpt-chat:400:bench`)
     "static-noprefix": ("static", {"prefix_share_min_tokens": 0}, "median"),
+    "paged-noprefix": ("paged", {"prefix_share_min_tokens": 0}, "median"),  # the paged pool before it mapped prefixes
     "packed-noprefix": ("odma", {**odma_memory("packed"), "prefix_share_min_tokens": 0}, "median"),
     # exact lengths instead of the running median's guess
     "oracle": ("oracle", {}, "median"),  # contiguous blocks of exactly the true length, never growing
