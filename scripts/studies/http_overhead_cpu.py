@@ -33,7 +33,8 @@ def main() -> None:
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--also-flags", default=None,
-                   help="server flags of a second HTTP run in every round, after the first (e.g. '--gil-switch-ms 1'): "
+                   help="server flags of a second HTTP run in every round, after the first in odd rounds and before it in even "
+                        "ones (e.g. '--gil-switch-ms 1'): "
                         "its tokens/s, ratio and CPU per token as http_b_*")
     p.add_argument("--decode-only", action="store_true",
                    help="only the streams' detokenisation: µs per token of a TextStream over SmolLM2's tokenizer at "
@@ -53,7 +54,11 @@ def main() -> None:
     rounds = []
     for i in range(args.rounds):
         engine, engine_cpu = engine_burst(flags, work)
+        if args.also_flags and i % 2:  # every other round the second server first
+            http_b, server_b_cpu = http_burst(flags + args.also_flags.split(), work)
         http, server_cpu = http_burst(flags, work)
+        if args.also_flags and not i % 2:
+            http_b, server_b_cpu = http_burst(flags + args.also_flags.split(), work)
         tokens = work.output_tokens
         row = {"round": i + 1, "output_tokens": tokens, "engine_tok_s": engine["tokens_per_s"],
                "http_tok_s": http["tokens_per_s"], "http_ok": http["requests_ok"], "requests": work.requests,
@@ -61,7 +66,6 @@ def main() -> None:
                "server_cpu_us_per_token": round(server_cpu / tokens * 1e6, 1)}
         row["ratio"] = round(row["http_tok_s"] / row["engine_tok_s"], 3)
         if args.also_flags:
-            http_b, server_b_cpu = http_burst(flags + args.also_flags.split(), work)
             row.update(http_b_tok_s=http_b["tokens_per_s"], http_b_ok=http_b["requests_ok"],
                        ratio_b=round(http_b["tokens_per_s"] / row["engine_tok_s"], 3),
                        server_b_cpu_us_per_token=round(server_b_cpu / tokens * 1e6, 1))
