@@ -49,6 +49,9 @@ def add_arguments(p) -> None:
     p.add_argument("--http-requests", type=int, default=None,
                    help="requests in the http part's burst (default 128: 25K forced tokens after 113K prompt "
                         "tokens, ~10 s a run at 3K tok/s; tiny: 6)")
+    p.add_argument("--http-also-flags", default="",
+                   help="odma-serve flags of a second server run after the first, time cap permitting (e.g. "
+                        "'--gil-switch-ms 1'): its figures as server_b, http_b_vs_engine (default: none)")
 
 
 # -- the work ---------------------------------------------------------------------------------------------------
@@ -369,10 +372,22 @@ def bench_http(args, device, dtype_name: str, report, cap) -> dict:
             time.perf_counter() + max(1.0, cap.left() - 5)), report)
     else:
         out["skipped"].append({"run": "server", "why": "time cap"})
-    engine, server = out.get("engine", {}), out.get("server", {})
-    if "output_tokens" in engine and "output_tokens" in server:
-        out["tokens_equal"] = engine["output_tokens"] == server["output_tokens"] == work.output_tokens
-        if not (engine["cut_at_cap"] or server["cut_at_cap"]) and engine["tokens_per_s"]:
-            out["http_vs_engine"] = round(server["tokens_per_s"] / engine["tokens_per_s"], 3)
+    also = shlex.split(getattr(args, "http_also_flags", "") or "")
+    if also and cap.left() > SERVER_SET_ASIDE_S:
+        out["server_b_flags"] = also
+        log_dir = Path(report.path).parent if report.path else Path(tempfile.mkdtemp(prefix="odma-gpu-http-"))
+        _measure(out, "server_b", lambda: http_run(
+            flags + also, work, log_dir / "http_server_b.log", max(5.0, min(READY_TIMEOUT_S, cap.left() - 5)),
+            time.perf_counter() + max(1.0, cap.left() - 5)), report)
+    elif also:
+        out["skipped"].append({"run": "server_b", "why": "time cap"})
+    engine = out.get("engine", {})
+    for key, ratio in (("server", "http_vs_engine"), ("server_b", "http_b_vs_engine")):
+        server = out.get(key, {})
+        if "output_tokens" in engine and "output_tokens" in server:
+            out["tokens_equal" if key == "server" else "tokens_equal_b"] = (
+                engine["output_tokens"] == server["output_tokens"] == work.output_tokens)
+            if not (engine["cut_at_cap"] or server["cut_at_cap"]) and engine["tokens_per_s"]:
+                out[ratio] = round(server["tokens_per_s"] / engine["tokens_per_s"], 3)
     report.save()
     return out
