@@ -104,6 +104,8 @@ def test_the_dry_run_covers_every_part(dry_run):
     assert static["peak_running"] <= static["worst_case_fit"]  # static holds every request's worst case
     assert odma["peak_running"] >= static["peak_running"]
     assert "staged in" in result["_stdout"] and '"encoder:default"' in result["_stdout"]  # the staged files loaded
+    # the kernels' warm-up before any burst: a number of seconds, not an error
+    assert isinstance(result["engine"]["kernels_warmed_s"], float), result["engine"]["kernels_warmed_s"]
     http = result["http"]  # odma-serve on the CPU (the tiny random model) against the engine alone, one burst
     for run in ("engine", "server", "server_b"):  # server_b: the same server with a 1 ms switch interval
         r = http[run]
