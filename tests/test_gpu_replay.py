@@ -208,6 +208,13 @@ def test_a_run_of_several_traces_gives_one_raw_run_each(tmp_path):
     assert first.name == "runs azure-conv" and one.name == "gpu_rerun_h100"  # a file of several runs names the trace
     assert set(second.policies) == {"odma", "paged"} and second.policies["odma"]["tokens_per_s"] != 1.0
     assert second.config == first.config
+    # the paged pool of these runs shared no prefixes (no prefix_maps recorded): replayed so; a run that records
+    # its maps is replayed with them
+    assert not first.paged_prefixes and not second.paged_prefixes
+    runs["again"]["policies"]["paged"] = dict(engine["policies"]["paged"], prefix_maps=0)
+    (tmp_path / "runs.json").write_text(json.dumps(dict(old, engine={"model": engine["model"], "runs": runs})))
+    first, second = read_raw_runs(tmp_path / "runs.json")
+    assert not first.paged_prefixes and second.paged_prefixes and first.burst_key != second.burst_key
 
 
 def test_a_file_that_is_not_a_raw_run_is_named(tmp_path):
