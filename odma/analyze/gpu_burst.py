@@ -237,16 +237,16 @@ class BurstEngine:
                                  prefill_cost=PrefillCost.for_model(config.model), order=engine.schedule,
                                  aging_rounds=engine.sjf_aging_rounds, chunk_prefills=engine.chunked_prefill,
                                  admission_theta=engine.resolved_admission_theta,
-                                 admission_demand=engine.admission_demand)
+                                 admission_demand=engine.admission_demand,
+                                 # shared prompt prefixes: copied into a block, or their whole pages mapped
+                                 prefix_min_tokens=engine.prefix_share_min_tokens)
         self.swap = None
         self.copies: CopyCounter | None = None  # the paged pool copies nothing
         if self.paged:
             pages = total // PAGE_TOKENS
             self.kv = PagedKV(pages * PAGE_TOKENS, page_tokens=PAGE_TOKENS, bytes_per_token=bytes_per_token)
             preempt = "recompute" if engine.preempt == "swap" else engine.preempt
-            # shared prompt prefixes: their whole pages mapped (vLLM's prefix caching), as the engine's paged pool does
-            self.scheduler = Scheduler(self.kv, replace(common, preempt=options.pop("preempt", preempt),
-                                                        prefix_min_tokens=engine.prefix_share_min_tokens, **options))
+            self.scheduler = Scheduler(self.kv, replace(common, preempt=options.pop("preempt", preempt), **options))
         else:
             large_share = 0.0 if policy == "static" else settings.large_share
             pool = KVPool(total, self.policy, large_share=large_share, align=settings.align,
@@ -259,7 +259,7 @@ class BurstEngine:
             if preempt == "swap":
                 self.swap = ModelledSwap(config.swap_space_bytes, bytes_per_token)
             self.scheduler = Scheduler(self.kv, replace(common, preempt=preempt, clear_window=engine.clear_window,
-                                                        prefix_min_tokens=engine.prefix_share_min_tokens, **options),
+                                                        **options),
                                        self.swap)
         # the bench's engine tags with the running median (static too: its L̂ only orders); a study may name another
         loaded = LoadedPredictor(RunningMedian(), RunningMedian.name, None)

@@ -826,7 +826,7 @@ def _warm_kernels(args, device, dtype_name: str, model, paged: set[bool]) -> flo
     for pages in sorted(paged):
         engine = _engine(args, device, dtype_name, model, policy="paged" if pages else "odma", tagging="loop",
                          loaded=LoadedPredictor(RunningMedian(), RunningMedian.name, None))
-        n = min(WARM_BATCH, engine.config.max_num_seqs, 8 if args.tiny else WARM_BATCH)
+        n = min(engine.config.max_num_seqs, 8 if args.tiny else WARM_BATCH)
         engine.generate([[1 + i % 97] * 8 for i in range(n)],
                         SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         del engine

@@ -364,23 +364,22 @@ def bench_http(args, device, dtype_name: str, report, cap) -> dict:
         _measure(out, "engine", lambda: engine_run(flags, work, share), report)
     else:
         out["skipped"].append({"run": "engine", "why": "time cap"})
-    if cap.left() > 0:
-        log_dir = Path(report.path).parent if report.path else Path(tempfile.mkdtemp(prefix="odma-gpu-http-"))
-        _measure(out, "server", lambda: http_run(
-            flags, work, log_dir / "http_server.log", max(5.0, min(READY_TIMEOUT_S, cap.left() - 5)),
+    log_dir = Path(report.path).parent if report.path else Path(tempfile.mkdtemp(prefix="odma-gpu-http-"))
+
+    def server_run(key: str, run_flags: list[str], room: float) -> None:
+        if cap.left() <= room:
+            out["skipped"].append({"run": key, "why": "time cap"})
+            return
+        _measure(out, key, lambda: http_run(
+            run_flags, work, log_dir / f"http_{key}.log", max(5.0, min(READY_TIMEOUT_S, cap.left() - 5)),
             # the burst's end: what is left of the cap then, less the server's stop
             time.perf_counter() + max(1.0, cap.left() - 5)), report)
-    else:
-        out["skipped"].append({"run": "server", "why": "time cap"})
+
+    server_run("server", flags, 0)
     also = shlex.split(getattr(args, "http_also_flags", "") or "")
-    if also and cap.left() > SERVER_SET_ASIDE_S:
+    if also:
         out["server_b_flags"] = also
-        log_dir = Path(report.path).parent if report.path else Path(tempfile.mkdtemp(prefix="odma-gpu-http-"))
-        _measure(out, "server_b", lambda: http_run(
-            flags + also, work, log_dir / "http_server_b.log", max(5.0, min(READY_TIMEOUT_S, cap.left() - 5)),
-            time.perf_counter() + max(1.0, cap.left() - 5)), report)
-    elif also:
-        out["skipped"].append({"run": "server_b", "why": "time cap"})
+        server_run("server_b", flags + also, SERVER_SET_ASIDE_S)
     engine = out.get("engine", {})
     for key, ratio in (("server", "http_vs_engine"), ("server_b", "http_b_vs_engine")):
         server = out.get(key, {})

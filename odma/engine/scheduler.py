@@ -198,7 +198,10 @@ class Scheduler:
                 continue
             start = seq.num_cached + shared
             q_len = self._room_for(seq, start, need, prefill, budget)
-            handle = self._take_memory(seq, source, shared) if q_len else None
+            mapped = source is not None and self.maps_prefixes  # whole pages of the holder's, not a copy
+            handle = None
+            if q_len:
+                handle = self.kv.admit_sharing(seq, source.request_id, shared) if mapped else self.kv.admit(seq)
             if handle is None:
                 self.counters.admission_refusals += q_len > 0
                 if self._head_holds(seq):
@@ -207,7 +210,6 @@ class Scheduler:
             self._start(seq, handle)
             for rule in self.admission:
                 rule.admitted(seq)
-            mapped = source is not None and self.maps_prefixes
             if mapped:
                 seq.num_cached = shared  # its first pages are the holder's: nothing to copy or compute
             work.append(Work(seq, start, q_len, None if mapped else source))
@@ -223,11 +225,6 @@ class Scheduler:
             seq.waited_steps += 1
         self._freed_buckets.clear()
         return work
-
-    def _take_memory(self, seq: Sequence, source: Sequence | None, shared: int) -> KVHandle | None:
-        if source is not None and self.maps_prefixes:
-            return self.kv.admit_sharing(seq, source.request_id, shared)
-        return self.kv.admit(seq)
 
     def _may_copy_prefix(self, seq: Sequence) -> bool:
         """Not a request that has K/V already (swapped in), that scores its prompt (echo: every prompt position

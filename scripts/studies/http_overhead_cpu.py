@@ -54,11 +54,11 @@ def main() -> None:
     rounds = []
     for i in range(args.rounds):
         engine, engine_cpu = engine_burst(flags, work)
-        if args.also_flags and i % 2:  # every other round the second server first
-            http_b, server_b_cpu = http_burst(flags + args.also_flags.split(), work)
-        http, server_cpu = http_burst(flags, work)
-        if args.also_flags and not i % 2:
-            http_b, server_b_cpu = http_burst(flags + args.also_flags.split(), work)
+        servers = {"a": flags} | ({"b": flags + args.also_flags.split()} if args.also_flags else {})
+        order = list(servers)[::-1] if i % 2 else list(servers)  # every other round the second server first
+        runs = {name: http_burst(servers[name], work) for name in order}
+        http, server_cpu = runs["a"]
+        http_b, server_b_cpu = runs.get("b", (None, None))
         tokens = work.output_tokens
         row = {"round": i + 1, "output_tokens": tokens, "engine_tok_s": engine["tokens_per_s"],
                "http_tok_s": http["tokens_per_s"], "http_ok": http["requests_ok"], "requests": work.requests,
