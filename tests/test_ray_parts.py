@@ -27,7 +27,7 @@ from odma.server.metrics import Metrics
 from odma.serve_ray.cluster import ClusterState, log_files, replica_log
 from odma.serve_ray.front import ClusterView, FrontEngine
 from odma.serve_ray.merge_metrics import merge_texts
-from odma.serve_ray.messages import EventEncoder, SampleView
+from odma.server.wire import EventEncoder, SampleView
 from odma.serve_ray.scoring import (Candidate, HoldBook, ReplicaLoad, Sent, load_of, pending_after, rank_replicas,
                                     route)
 from odma.serve_ray.settings import RaySettings

@@ -17,7 +17,7 @@ from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from odma.engine import SamplingParams  # noqa: E402
 from odma.serve_ray import scoring  # noqa: E402
-from odma.serve_ray.messages import RemoteJob  # noqa: E402
+from odma.server.wire import RemoteJob  # noqa: E402
 from odma.serve_ray.router import MemoryAwareRouter  # noqa: E402
 from odma.serve_ray.scoring import ReplicaLoad  # noqa: E402
 

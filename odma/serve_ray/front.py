@@ -32,7 +32,7 @@ from odma.kv.buckets import align_up
 from odma.server.admission import Door, Pass
 from odma.server.runtime import Event, drain_events
 from odma.serve_ray.merge_metrics import merge_stats, merge_texts
-from odma.serve_ray.messages import RemoteJob, Views, sample_ids
+from odma.server.wire import RemoteJob, Views, sample_ids
 from odma.serve_ray.scoring import ROUTING, ReplicaLoad
 from odma.serve_ray.settings import RaySettings
 from predictor.serving import ServedPredictor

@@ -17,7 +17,7 @@ from odma.server.metrics import Metrics
 from odma.server.runtime import AsyncEngine, Handle
 from odma.server.streams import TextStream
 from odma.serve_ray.cluster import replica_log
-from odma.serve_ray.messages import EventEncoder, RemoteJob
+from odma.server.wire import EventEncoder, RemoteJob
 from odma.serve_ray.scoring import ReplicaLoad, load_of
 from odma.serve_ray.settings import RaySettings
 

@@ -13,7 +13,7 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from odma.serve_ray import scoring
-from odma.serve_ray.messages import RemoteJob
+from odma.server.wire import RemoteJob
 from odma.serve_ray.scoring import Candidate, HoldBook, ReplicaLoad, Sent, pending_after, rank_replicas, route
 from odma.serve_ray.settings import DEFAULT_MAX_SKIPS
 

@@ -1,5 +1,6 @@
-"""What travels between the ingress and an engine replica (no Ray here): the job one HTTP request asks for, and
-the replica's events for it, one batch per engine step, rebuilt at the ingress into what the answer reads."""
+"""What travels between the HTTP side and an engine in another process (odma-serve's engine process, a Ray
+replica): the job one HTTP request asks for, and the engine's events for it, one batch per engine step, rebuilt on
+the HTTP side into what the answer reads."""
 
 from __future__ import annotations
 
