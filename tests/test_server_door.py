@@ -18,8 +18,9 @@ from odma.engine.stats import BucketStats, DeviceStats, EngineStats, PredictorSt
 from odma.server.served_engine import ServedEngine, ServedRuntime
 
 SERVER = Path(odma.server.__file__).parent
-# runtime.py is the in-process runtime itself: it drives an LLMEngine (the other side of the door)
-IMPLEMENTATION = {"runtime.py"}
+# runtime.py is the in-process runtime itself, engine_process.py the engine process's: both drive an LLMEngine (the
+# other side of the door)
+IMPLEMENTATION = {"runtime.py", "engine_process.py"}
 # the modules that build the in-process runtime (an LLMEngine and its AsyncEngine) and hand it to the app
 COMPOSITION = {"cli.py", "testing.py"}
 ROOTS = {"engine": ServedEngine, "runtime": ServedRuntime}
@@ -157,7 +158,13 @@ def test_both_runtimes_implement_every_member(tmp_path):
     engines = SimpleNamespace(options=lambda **_: SimpleNamespace(generate=None))
     remote = RemoteRuntime(front, engines, cluster=None, settings=RaySettings(), predictor=None)
     assert isinstance(remote, ServedRuntime) and isinstance(remote.engine, ServedEngine)
-    for proto, objects in ((ServedRuntime, (local, remote)), (ServedEngine, (local.engine, front))):
+    from odma.server.testing import tiny_process_server
+
+    with tiny_process_server(folder) as srv:
+        process = srv.runtime
+        assert isinstance(process, ServedRuntime) and isinstance(process.engine, ServedEngine)
+        assert process.stats() == EngineStats.from_dict(process.stats().as_dict())
+    for proto, objects in ((ServedRuntime, (local, remote, process)), (ServedEngine, (local.engine, front, process.engine))):
         for name in _protocol_members(proto):
             for obj in objects:
                 assert hasattr(obj, name), f"{type(obj).__name__} lacks {proto.__name__}.{name}"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,12 +23,12 @@ from odma.server.threaded import free_port
 class Served:
     """`python -m odma.server.cli` over the tiny model, as a user starts it."""
 
-    def __init__(self, folder) -> None:
+    def __init__(self, folder, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "odma.server.cli", "--model", str(folder), "--served-model-name", MODEL,
                "--port", str(self.port), "--predictor", "median", "--length-log", "", "--kv-budget", "8MiB",
-               "--max-tokens-cap", "4000", "--threads", "1"]
+               "--max-tokens-cap", "4000", "--threads", "1", *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "ODMA_CPU_KERNELS": "0"})  # the C kernels are not tested here
         deadline = time.monotonic() + 180
@@ -41,8 +42,21 @@ class Served:
             assert time.monotonic() < deadline, "odma-serve did not start"
             time.sleep(0.2)
 
+    def children(self) -> list[int]:
+        """The server's child processes now (the engine process, with --engine-process)."""
+        out = []
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            except OSError:
+                continue
+            if fields.get("PPid", "").strip() == str(self.proc.pid):
+                out.append(int(status.parent.name))
+        return out
+
     def interrupt(self) -> tuple[float, str]:
-        """Ctrl-C: (seconds until the process exited, its stderr)."""
+        """Ctrl-C: (seconds until the process exited, its stderr). No child process outlives it."""
+        children = self.children()
         start = time.monotonic()
         self.proc.send_signal(signal.SIGINT)
         try:
@@ -50,11 +64,20 @@ class Served:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+        left = [pid for pid in children if Path(f"/proc/{pid}").exists()
+                and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+        assert left == [], f"child processes left running: {left}"
         return time.monotonic() - start, self.proc.stderr.read()
 
 
-def test_an_idle_server_stops_at_once(tiny_folder):
-    served = Served(tiny_folder)
+# the engine in process, and in a process of its own (which the stop ends too, leaving no process behind)
+SERVERS = pytest.mark.parametrize("flags", [(), ("--engine-process",)], ids=["in-process", "engine-process"])
+
+
+@SERVERS
+def test_an_idle_server_stops_at_once(tiny_folder, flags):
+    served = Served(tiny_folder, *flags)
+    assert bool(served.children()) == bool(flags)  # the engine process (and multiprocessing's tracker), where asked for
     seconds, stderr = served.interrupt()
     assert served.proc.returncode == 0, stderr
     assert "Finished server process" in stderr and "Traceback" not in stderr
@@ -78,8 +101,9 @@ def test_the_command_skips_the_interpreter_teardown_after_a_clean_stop(monkeypat
     assert exits == [0] and served == [("served", True), ("served", True)]
 
 
-def test_requests_in_flight_end_with_a_clear_last_event(tiny_folder):
-    served = Served(tiny_folder)
+@SERVERS
+def test_requests_in_flight_end_with_a_clear_last_event(tiny_folder, flags):
+    served = Served(tiny_folder, *flags)
     events: list[str] = []
     plain: list[httpx.Response] = []
     streaming = threading.Event()

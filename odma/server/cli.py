@@ -9,6 +9,7 @@ import os
 import re
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from odma.config import GROWTH_HINTS, GROWTH_POLICIES, BucketConfig, PoolConfig, default_cache_dir
@@ -17,6 +18,7 @@ from odma.engine.config import (ATTENTION_KINDS, DECODE_GRAPHS, KV_GROWTH, LOG_P
 from odma.engine.ordering import ORDERS
 from odma.errors import ConfigError, OdmaError
 from odma.models.weights import WEIGHT_DTYPES, WEIGHTS
+from odma.server.logs import configure_logging
 from odma.server.ray_settings import INGRESS, PREDICT_AT, ROUTERS, RaySettings
 
 log = logging.getLogger("odma.serve")
@@ -179,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gil-switch-ms", type=float, default=None,
                    help="the interpreter's thread switch interval (sys.setswitchinterval) in this server's process, "
                         "where the engine loop and the HTTP side share one interpreter lock (default: Python's 5 ms)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine in a process of its own, so the HTTP side (tokenizing, detokenizing, SSE) "
+                        "and the engine's step loop do not share one interpreter lock (docs/serving.md)")
     ray = p.add_argument_group("Ray Serve (several replicas behind one endpoint; needs the ray extra: pip install 'odma[ray]')")
     r = RaySettings()
     ray.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas engines behind one endpoint")
@@ -288,19 +293,6 @@ def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
                          override_generation_config=args.override_generation_config, max_n=args.max_n)
 
 
-# Libraries that log at INFO on the root logger (onnxruntime's quantizer printed ~40 lines while the default
-# predictor was built): the server's own loggers follow --log-level, the rest only say warnings unless debugging.
-OWN_LOGGERS = ("odma", "predictor", "backends", "training", "uvicorn")
-
-
-def configure_logging(level: str) -> None:
-    level = level.upper()
-    root = level if level == "DEBUG" else "WARNING"
-    logging.basicConfig(level=root, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in OWN_LOGGERS:
-        logging.getLogger(name).setLevel(level)
-
-
 GRACE_S = 5.0  # how long uvicorn waits for connections after a stop signal (streams end at once: they are drained)
 
 
@@ -355,9 +347,13 @@ def main(argv: list[str] | None = None, *, exit_fast: bool = False) -> int:
             if not 0 < args.gil_switch_ms <= 1000:
                 raise ConfigError(f"--gil-switch-ms must be in (0, 1000], got {args.gil_switch_ms}")
             sys.setswitchinterval(args.gil_switch_ms / 1000)
-        app, runtime = build_server(config, args.max_queue, args.served_model_name,
-                                    generation_config=args.generation_config,
-                                    override_generation_config=args.override_generation_config, max_n=args.max_n)
+        build = build_server
+        if args.engine_process:
+            from odma.server.engine_process import build_process_server
+
+            build = partial(build_process_server, log_level=args.log_level)
+        app, runtime = build(config, args.max_queue, args.served_model_name, generation_config=args.generation_config,
+                             override_generation_config=args.override_generation_config, max_n=args.max_n)
     except OdmaError as exc:
         print(f"odma-serve: {exc}", file=sys.stderr)
         return 2

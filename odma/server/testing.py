@@ -30,6 +30,11 @@ def tiny_model_folder(folder: str | Path) -> Path:
     return folder
 
 
+def _base_config(folder: str | Path) -> EngineConfig:
+    return EngineConfig(model=str(folder), kv_budget="8MiB", length_log=None, predictor="median", max_tokens_cap=64,
+                        default_max_tokens=16, threads=1, pool=PoolConfig(align=16))
+
+
 @contextmanager
 def tiny_server(folder: str | Path, *, predictor=None, defaults: SamplingDefaults | None = None, max_queue: int = 64,
                 max_n: int = 4, wrap=None, **config) -> Iterator[ThreadedServer]:
@@ -38,9 +43,7 @@ def tiny_server(folder: str | Path, *, predictor=None, defaults: SamplingDefault
     (`wrap(app)`); `config`: EngineConfig fields."""
     from odma.models import load_model
 
-    base = EngineConfig(model=str(folder), kv_budget="8MiB", length_log=None, predictor="median", max_tokens_cap=64,
-                        default_max_tokens=16, threads=1, pool=PoolConfig(align=16))
-    engine_config = replace(base, **config)
+    engine_config = replace(_base_config(folder), **config)
     metrics = Metrics()
     loaded = LoadedPredictor(predictor, getattr(predictor, "name", "test"), None) if predictor is not None else None
     from transformers import AutoTokenizer
@@ -55,3 +58,21 @@ def tiny_server(folder: str | Path, *, predictor=None, defaults: SamplingDefault
         srv.app = app
         yield srv
     runtime.close()
+
+
+@contextmanager
+def tiny_process_server(folder: str | Path, *, max_queue: int = 64, max_n: int = 4,
+                        **config) -> Iterator[ThreadedServer]:
+    """`tiny_server` with the engine in its own process (`--engine-process`), over the same config; the engine
+    process loads `folder` itself. `srv.runtime` is the `ProcessRuntime`."""
+    from odma.server.engine_process import build_process_server
+
+    app, runtime = build_process_server(replace(_base_config(folder), **config), max_queue, MODEL, generation_config="auto",
+                                        override_generation_config=None, max_n=max_n, log_level="warning")
+    try:
+        with ThreadedServer(app) as srv:
+            srv.runtime = runtime
+            srv.app = app
+            yield srv
+    finally:
+        runtime.close()
