@@ -108,6 +108,24 @@ def device_programs(device: torch.device) -> int:
     return DEFAULT_PROGRAMS
 
 
+def compiled_variants() -> dict[str, int]:
+    """Variants of each of odma's Triton kernels compiled in this process so far (each specialization of a kernel's
+    arguments is compiled once; a count that grows while requests are served is compile time inside a step).
+    Empty where Triton does not compile (not importable, or its interpreter)."""
+    import sys
+
+    counts: dict[str, int] = {}
+    for module_name in ("backends.triton_kernels", "backends.triton_run_kernels"):
+        module = sys.modules.get(module_name)
+        if module is None:  # never imported: nothing compiled
+            continue
+        for name, fn in vars(module).items():
+            caches = getattr(fn, "device_caches", None)  # per device: (compiled kernels by key, ...)
+            if name.endswith("_kernel") and caches:
+                counts[name] = sum(len(cache[0]) for cache in caches.values())
+    return counts
+
+
 class TritonAttention:
     """The step-level attention of one backend (one per model runner)."""
 
@@ -170,11 +188,15 @@ class TritonAttention:
         longest = max((c + 1 for c, q in zip(fields[3::FIELDS], q_lens) if q == 1), default=0)
         divisor = math.gcd(row, head_dim, page_elems, *fields[0::FIELDS], *fields[1::FIELDS], *fields[2::FIELDS])
         width = len(table) // n
-        # field-major on the host (each field a contiguous row: the kernels index them by request)
-        host = torch.cat([torch.tensor(fields, dtype=torch.int64).view(n, FIELDS).t().flatten(),
-                          torch.tensor(table, dtype=torch.int64)])
+        # field-major on the host (each field a contiguous row: the kernels index them by request), each row padded
+        # to an even length so that every field and the table start 16 bytes aligned: Triton specializes a kernel on
+        # its pointers' alignment, and an odd batch compiled other variants inside a burst's steps
+        m = n + (n & 1)
+        columns = torch.zeros(FIELDS, m, dtype=torch.int64)
+        columns[:, :n] = torch.tensor(fields, dtype=torch.int64).view(n, FIELDS).t()
+        host = torch.cat([columns.flatten(), torch.tensor(table, dtype=torch.int64)])
         dev = self._to_device(host)
-        base, lstride, half, starts, q_len = dev[:FIELDS * n].view(FIELDS, n)
+        base, lstride, half, starts, q_len = dev[:FIELDS * m].view(FIELDS, m)[:, :n]
         lens = starts + q_len
         ends = torch.cumsum(q_len, 0)
         q_rows = ends - q_len
@@ -187,7 +209,7 @@ class TritonAttention:
         tile_m = (arange[:n_tiles] - (torch.cumsum(tiles, 0) - tiles)[tile_req]) * blocks[1]
         step = TritonStep(
             kernels=self.kernels, storage=storage, row=row, head_dim=head_dim, page=page, page_elems=page_elems,
-            table=dev[FIELDS * n:].view(n, width), table_stride=width, base=base, lstride=lstride, half=half,
+            table=dev[FIELDS * m:].view(n, width), table_stride=width, base=base, lstride=lstride, half=half,
             lens=lens, starts=starts, q_lens=q_len, q_rows=q_rows, tok_req=tok_req, tok_pos=tok_pos,
             n_tokens=n_tokens, dec_req=dec_req, dec_row=q_rows[dec_req], n_decode=n_decode, tile_req=tile_req,
             tile_m=tile_m, n_tiles=n_tiles, tuning=t, blocks=blocks,

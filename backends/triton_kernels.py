@@ -126,7 +126,9 @@ def _store_decode(out_ptr, part_acc_ptr, part_lse_ptr, row, stride_o, i, s, n_sp
                  mask=omask)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "layer"])
+# table_stride (the widest page table of the step) changes from step to step on pages: specialized (1, a multiple
+# of 16, other) it compiled new variants inside a burst's steps
+@triton.jit(do_not_specialize=["n_tokens", "layer", "table_stride"])
 def kv_write_kernel(kv_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, stride_q, stride_k, stride_v, stride_qo, rotary_ptr,
                     tok_req_ptr, tok_pos_ptr, n_tokens, base_ptr, lstride_ptr, half_ptr, table_ptr, table_stride,
                     page_elems, layer,

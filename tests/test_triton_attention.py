@@ -157,6 +157,19 @@ def test_a_mixed_step_matches_the_reference(paged, kv_heads, group, dtype):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_an_odd_batch_reads_aligned_index_rows(paged):
+    """Triton specializes a kernel on its pointers' 16-byte alignment: the plan's per-request rows and page table
+    start aligned whatever the batch size, so an odd batch compiles no other variant (one did inside the bursts)."""
+    case = _step(MIX[:5], kv_heads=2, group=1, dim=64, dtype=torch.float32, paged=paged)
+    ref, expected = _reference(*case)
+    out, arena_after, step = _run(*case[:5], Tuning(split_tokens=16))
+    for name in ("base", "lstride", "half", "starts", "q_lens", "table"):
+        assert getattr(step, name).data_ptr() % 16 == 0, name
+    _check(out, ref, torch.float32)
+    assert torch.equal(arena_after, expected)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_head_dim_128_and_the_automatic_split(paged, dtype):
     case = _step([(0, 1), (1, 1), (16, 1), (70, 1), (0, 2)], kv_heads=2, group=3, dim=128, dtype=dtype, paged=paged)
