@@ -8,8 +8,8 @@
 #             ShareGPT's first turns (their text: SmolLM2's chat template; 200 requests) under odma with the
 #               learned predictor, the running median and the oracle, paged and static;
 #             Azure's conversation trace (lengths only; 400 requests) under odma and paged;
-#           then odma-serve over HTTP against the engine alone on one burst (64 running), a second server with a
-#           1 ms interpreter switch interval (--gil-switch-ms) on the same burst, and transformers' continuous
+#           then odma-serve over HTTP against the engine alone on one burst (64 running), a second server with its
+#           engine in a process of its own (--engine-process) on the same burst, and transformers' continuous
 #           batching on ShareGPT's burst. At most CAP_BENCH seconds (395: 200 for the engine's bursts, shared in
 #           proportion to their tokens (they took ~155), 120 for http, 75 for the peer).
 # At most: env and wheels 15 s + tests 100 s + bench 395 s = 510 s; on an H200 it took 6 minutes (tests 70 s at
@@ -100,12 +100,12 @@ if [ "$CPU" = 1 ]; then
   PICK=(-k "identity or single_token_block or paged_needs or buckets_cover or without_a_gpu or found_on_the_device")
   # the caps only catch a hang here: the suite runs this at a low priority beside other tests (tests/early_jobs.py)
   BENCH=(--device cpu --tiny --rounds 1 --caps kernels=900,runs=900,vmm=900,step=900,engine=1200,http=900,peer=900
-         "--http-also-flags=--gil-switch-ms 1")
+         "--http-also-flags=--engine-process")
   CAP_TESTS=${CAP_TESTS:-1200}
   CAP_BENCH=${CAP_BENCH:-3000}
 else
   PICK=()
-  BENCH=(--caps engine=200,http=120,peer=75,step=20 "--http-also-flags=--gil-switch-ms 1")
+  BENCH=(--caps engine=200,http=120,peer=75,step=20 "--http-also-flags=--engine-process")
   CAP_TESTS=${CAP_TESTS:-100}
   CAP_BENCH=${CAP_BENCH:-395}
 fi

@@ -827,11 +827,19 @@ def _warm_kernels(args, device, dtype_name: str, model, paged: set[bool]) -> flo
         engine = _engine(args, device, dtype_name, model, policy="paged" if pages else "odma", tagging="loop",
                          loaded=LoadedPredictor(RunningMedian(), RunningMedian.name, None))
         n = min(engine.config.max_num_seqs, 8 if args.tiny else WARM_BATCH)
-        engine.generate([[1 + i % 97] * 8 for i in range(n)],
+        engine.generate([p[: engine.max_model_len - 4] for p in warm_prompts(n)],  # the tiny model's 32 tokens
                         SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         del engine
         _backend(str(device)).empty_cache()
     return round(time.perf_counter() - started, 2)
+
+
+def warm_prompts(n: int) -> list[list[int]]:
+    """n prompts that reach what a burst's prompts do: lengths off and on the 16-token grid, one to several pages
+    (page tables of several widths), and a shared 48-token prefix (prefills that start after a copied or mapped
+    prefix)."""
+    prefix = [7 + i % 89 for i in range(48)]
+    return [prefix + [1 + i] * (1 + 13 * (i % 7)) if i % 2 else [1 + i % 97] * (8 + 24 * (i % 5)) for i in range(n)]
 
 
 def _describe(work) -> dict:
@@ -858,7 +866,13 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     engine.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.predictor, tags = _predictions(policy.predictor, work)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0, ignore_eos=True)
+    from backends.triton_attention import compiled_variants
+
+    compiled = compiled_variants()
     result = engine_burst(engine, prompts, work.lengths, params, deadline, texts=work.texts, tags=tags)
+    # kernel variants the burst compiled (each is compile time inside a step): none, once the warm-ups cover it
+    after = compiled_variants()
+    result["compiled_in_burst"] = {k: n - compiled.get(k, 0) for k, n in after.items() if n > compiled.get(k, 0)}
     result["kv_tokens"] = engine.pool.stats().total_tokens
     # how many requests of the burst fit at once if each held its worst case (what static reserves)
     result["worst_case_fit"] = result["kv_tokens"] // (min(map(len, prompts)) + work.max_tokens)
