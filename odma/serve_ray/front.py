@@ -29,7 +29,7 @@ from odma.engine.sequence import RequestTags, Sequence
 from odma.engine.stats import EngineStats
 from odma.kv import KVRequest, build_policy
 from odma.kv.buckets import align_up
-from odma.server.admission import Door, Pass
+from odma.server.admission import Door, HandedOverDoor, Pass
 from odma.server.runtime import Event, drain_events
 from odma.serve_ray.merge_metrics import merge_stats, merge_texts
 from odma.server.wire import RemoteJob, Views, sample_ids
@@ -201,7 +201,7 @@ def _replica_died(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError)
 
 
-class RemoteRuntime:
+class RemoteRuntime(HandedOverDoor):
     """odma-serve's `ServedRuntime` over the engine deployment. A replica that fails mid-request (it died, Ray lost
     it) fails that request's unfinished samples with an error naming the replica's failure: the answer is a 500,
     or an error event in a stream, never a hang."""
@@ -263,32 +263,11 @@ class RemoteRuntime:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    @property
-    def max_queue(self) -> int:
-        return self.door.max_queue
-
-    @property
-    def waiting(self) -> int:
-        """Samples admitted and not running yet: being tokenized here, held by the router, queued at replicas."""
-        return self.engine.num_waiting + self.door.waiting
-
-    def admit(self, samples: int = 1) -> Pass | None:
-        """Places in the cluster's queue for a request of `samples` samples, taken now (None: no room)."""
-        return self.door.admit(samples, also_waiting=self.engine.num_waiting)
-
     def submit(self, prompt: str | list[int], params: SamplingParams, *, n: int = 1, prompt_text: str | None = None,
                tags: RequestTags | None = None, admitted: Pass | None = None) -> RemoteHandle:
         """Validate (InvalidRequestError... raise here, nothing sent) and start the job on a replica. `admitted`:
         the places `admit` took, given back here as `outstanding` takes the samples over (no await in between)."""
-        try:
-            ids = (self.engine.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str)
-                   else list(prompt))
-            if isinstance(prompt, str) and prompt_text is None:
-                prompt_text = prompt
-            self.engine.validate(ids, params)
-        finally:
-            if admitted is not None:
-                admitted.release()
+        ids, prompt_text = self.checked_prompt(prompt, params, prompt_text, admitted)
         rid = f"req-{uuid.uuid4().hex}"
         handle = RemoteHandle(sample_ids(rid, n), asyncio.Queue(), n)
         job = RemoteJob(rid, ids, params, n, prompt_text, tags, created_at=time.time())

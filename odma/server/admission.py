@@ -6,6 +6,7 @@ running or ends (finished, cancelled, refused by validation, the server stopping
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 # A place frees when a waiting request starts running: within a few engine steps while requests finish (tens of
 # milliseconds to about a second). One second lets a client that honours the header come back soon without
@@ -63,3 +64,44 @@ class Pass:
     def release(self, samples: int | None = None) -> None:
         """Give back `samples` places (None: all that are left)."""
         self._door._release(self, samples)
+
+
+class HandedOverDoor:
+    """The door of a runtime whose engine counts its waiting samples elsewhere (an engine process, Ray replicas):
+    a request holds its places while it is tokenized here, and `checked_prompt` hands them over to the engine's
+    count (`engine.num_waiting`) once the prompt passed the checks. Needs `door` and `engine` (a ServedEngine)."""
+
+    door: Door
+    engine: Any
+
+    @property
+    def max_queue(self) -> int:
+        return self.door.max_queue
+
+    @max_queue.setter
+    def max_queue(self, value: int) -> None:
+        self.door.max_queue = value
+
+    @property
+    def waiting(self) -> int:
+        """Samples admitted and not running yet: being tokenized here, and those the engine counts."""
+        return self.engine.num_waiting + self.door.waiting
+
+    def admit(self, samples: int = 1) -> Pass | None:
+        """Places for a request of `samples` samples, taken now (None: no room)."""
+        return self.door.admit(samples, also_waiting=self.engine.num_waiting)
+
+    def checked_prompt(self, prompt, params, prompt_text: str | None,
+                       admitted: Pass | None) -> tuple[list[int], str | None]:
+        """(token ids, prompt text) of a prompt that passed the engine's checks (InvalidRequestError... raise here);
+        either way the pass is given back, as the caller's count takes the samples over."""
+        try:
+            tokenizer = self.engine.tokenizer
+            ids = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt, str) and prompt_text is None:
+                prompt_text = prompt
+            self.engine.validate(ids, params)
+        finally:
+            if admitted is not None:
+                admitted.release()
+        return ids, prompt_text

@@ -35,7 +35,7 @@ from odma.engine.sampling import SamplingParams
 from odma.engine.sequence import RequestTags
 from odma.engine.stats import EngineStats
 from odma.errors import OdmaError
-from odma.server.admission import Door, Pass
+from odma.server.admission import Door, HandedOverDoor, Pass
 from odma.server.runtime import SHUTTING_DOWN, Handle, drain_events
 from odma.server.served_engine import Event
 from odma.server.wire import EventEncoder, RemoteJob, Views, sample_ids
@@ -298,7 +298,7 @@ def _deliver(items: list[tuple[_Waiting, tuple]]) -> None:
         waiting.handle.queue.put_nowait(Event(token, finished, view))
 
 
-class ProcessRuntime:
+class ProcessRuntime(HandedOverDoor):
     """odma-serve's `ServedRuntime` over an engine in its own process (started here; ready when this returns)."""
 
     def __init__(self, config: EngineConfig, metrics, max_queue: int = 256, log_level: str = "info",
@@ -457,41 +457,17 @@ class ProcessRuntime:
         """After `stop`: the engine process closed its engine (its length log, the probe's state) as it stopped."""
         self.stop()
 
-    # -- admission -----------------------------------------------------------------------------------
-
-    @property
-    def max_queue(self) -> int:
-        return self.door.max_queue
-
-    @max_queue.setter
-    def max_queue(self, value: int) -> None:
-        self.door.max_queue = value
-
-    @property
-    def waiting(self) -> int:
-        """Samples admitted and not running yet: being tokenized here, sent, or queued in the engine process."""
-        return self.door.waiting + self.engine.num_waiting
-
-    def admit(self, samples: int = 1) -> Pass | None:
-        return self.door.admit(samples, also_waiting=self.engine.num_waiting)
-
     # -- requests ------------------------------------------------------------------------------------
 
     def submit(self, prompt: str | list[int], params: SamplingParams, *, n: int = 1, prompt_text: str | None = None,
                tags: RequestTags | None = None, admitted: Pass | None = None) -> Handle:
         """Validate (InvalidRequestError... raise here, nothing sent) and send the job to the engine process. The
         door's places pass to the engine's own count of waiting samples (`engine.num_waiting`)."""
-        try:
-            if self.closing:
-                raise EngineProcessError(SHUTTING_DOWN if not self._gone else ENGINE_GONE)
-            ids = (self.engine.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str)
-                   else list(prompt))
-            if isinstance(prompt, str) and prompt_text is None:
-                prompt_text = prompt
-            self.engine.validate(ids, params)
-        finally:
+        if self.closing:
             if admitted is not None:
                 admitted.release()
+            raise EngineProcessError(SHUTTING_DOWN if not self._gone else ENGINE_GONE)
+        ids, prompt_text = self.checked_prompt(prompt, params, prompt_text, admitted)
         rid = f"req-{uuid.uuid4().hex}"
         handle = Handle(sample_ids(rid, n), asyncio.Queue(), n)
         with self._lock:
