@@ -8,8 +8,10 @@
 #             ShareGPT's first turns (their text: SmolLM2's chat template; 200 requests) under odma with the
 #               learned predictor, the running median and the oracle, paged and static;
 #             Azure's conversation trace (lengths only; 400 requests) under odma and paged;
-#           then odma-serve over HTTP against the engine alone on one burst (64 running), a second server with its
-#           engine in a process of its own (--engine-process) on the same burst, and transformers' continuous
+#           then odma-serve over HTTP against the engine alone on one burst (64 running; its engine in a process of
+#           its own, the default on a GPU), a second server with the engine in its process (--no-engine-process) on
+#           the same burst (the CPU dry run, whose default is one process, runs --engine-process there), and
+#           transformers' continuous
 #           batching on ShareGPT's burst. At most CAP_BENCH seconds (395: 200 for the engine's bursts, shared in
 #           proportion to their tokens (they took ~155), 120 for http, 75 for the peer).
 # At most: env and wheels 15 s + tests 100 s + bench 395 s = 510 s; on an H200 it took 6 minutes (tests 70 s at
@@ -105,7 +107,7 @@ if [ "$CPU" = 1 ]; then
   CAP_BENCH=${CAP_BENCH:-3000}
 else
   PICK=()
-  BENCH=(--caps engine=200,http=120,peer=75,step=20 "--http-also-flags=--engine-process")
+  BENCH=(--caps engine=200,http=120,peer=75,step=20 "--http-also-flags=--no-engine-process")
   CAP_TESTS=${CAP_TESTS:-100}
   CAP_BENCH=${CAP_BENCH:-395}
 fi

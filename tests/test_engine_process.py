@@ -150,6 +150,8 @@ def test_a_dead_engine_process_fails_live_requests_and_refuses_new_ones(tiny_fol
         r = _post(srv, "/v1/completions", {"prompt": "anyone?", "max_tokens": 3})
         assert r.status_code == 503, r.text
         assert not srv.runtime.alive
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 503 and "engine is not running" in health.json()["error"]["message"]
 
 
 def test_an_engine_that_cannot_start_says_why(tiny_folder):
@@ -160,3 +162,11 @@ def test_an_engine_that_cannot_start_says_why(tiny_folder):
         with tiny_process_server(tiny_folder, kv_budget="lots"):
             pass
     assert time.monotonic() - started < 120
+
+
+def test_health_says_503_once_the_engine_loop_in_process_has_stopped(tiny_folder):
+    with tiny_server(tiny_folder) as srv:
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        srv.runtime.stop()
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 503 and "engine is not running" in health.json()["error"]["message"]

@@ -137,3 +137,14 @@ def test_the_switch_interval_is_set_before_the_server_starts(monkeypatch, capsys
         assert len(started) == 1
     finally:
         sys.setswitchinterval(before)
+
+
+def test_the_engine_runs_in_its_own_process_by_default_where_steps_leave_the_host():
+    from odma.engine import EngineConfig
+    from odma.server.cli import engine_in_own_process
+
+    assert engine_in_own_process(None, EngineConfig(device="cuda")) is True
+    assert engine_in_own_process(None, EngineConfig(device="mlu")) is True
+    assert engine_in_own_process(None, EngineConfig(device="cpu")) is False
+    assert engine_in_own_process(False, EngineConfig(device="cuda")) is False
+    assert engine_in_own_process(True, EngineConfig(device="cpu")) is True

@@ -243,6 +243,11 @@ class RemoteRuntime(HandedOverDoor):
             self._poller.cancel()
             self._poller = None
 
+    @property
+    def alive(self) -> bool:
+        """The ingress serves while it runs: Ray Serve checks the engine replicas and restarts them itself."""
+        return True
+
     def drain(self) -> None:
         """Refuse new requests (503); Ray Serve drains the replicas, and the requests they run, itself."""
         self.closing = True

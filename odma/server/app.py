@@ -18,7 +18,7 @@ from odma.server.errors import HTTPError, install_error_handlers
 from odma.server.generation_config import SamplingDefaults
 from odma.server.jobs import Job, JobBuilder, max_prompt_chars
 from odma.server.metrics import Metrics
-from odma.server.openapi import INFO_RESPONSES, METRICS_RESPONSES, MODEL_RESPONSES, generate_responses, install_schema
+from odma.server.openapi import HEALTH_RESPONSES, INFO_RESPONSES, METRICS_RESPONSES, MODEL_RESPONSES, generate_responses, install_schema
 from odma.server.protocol import ApiLimits, request_models
 from odma.server.responses import ChatCompletionResponse, CompletionResponse, Health, ModelCard, ModelList
 from odma.server.render import TokenText
@@ -75,8 +75,10 @@ def _info_routes(app: FastAPI, runtime: ServedRuntime, metrics: Metrics, model_n
     engine = runtime.engine
     created = int(time.time())
 
-    @app.get("/health", response_model=Health, responses=INFO_RESPONSES)
+    @app.get("/health", response_model=Health, responses=HEALTH_RESPONSES)
     async def health():
+        if not runtime.alive:
+            raise HTTPError(503, "the engine is not running: its loop or its process ended (the server log says why)")
         return {"status": "ok", "model": model_name, "policy": engine.config.policy,
                 "running": engine.num_running, "waiting": runtime.waiting}
 

@@ -36,7 +36,7 @@ from odma.engine.sequence import RequestTags
 from odma.engine.stats import EngineStats
 from odma.errors import OdmaError
 from odma.server.admission import Door, HandedOverDoor, Pass
-from odma.server.runtime import SHUTTING_DOWN, Handle, drain_events
+from odma.server.runtime import SHUTTING_DOWN, Handle, drain_events, step_or_fail
 from odma.server.served_engine import Event
 from odma.server.wire import EventEncoder, RemoteJob, Views, sample_ids
 
@@ -146,12 +146,8 @@ class EngineHost:
             if self.closing.is_set():
                 outputs = self.engine.cancel_all(SHUTTING_DOWN) if self.engine.has_work() else []
             elif self.engine.has_work():
-                try:
-                    outputs = self.engine.step()
-                except Exception:  # noqa: BLE001 - a scheduler bug must not hang every client: fail them all
-                    log.exception("engine loop failed; failing the live requests")
-                    self.loop_errors += 1
-                    outputs = self.engine.fail_all("engine loop error")
+                outputs, failed = step_or_fail(self.engine)
+                self.loop_errors += failed
             else:
                 outputs = []
             idle = not self.engine.has_work()

@@ -43,6 +43,8 @@ def generate_responses(model: type) -> dict[int | str, dict[str, Any]]:
 
 
 INFO_RESPONSES = {500: {**ERROR, "description": "the server failed"}}
+HEALTH_RESPONSES = {503: {**ERROR, "description": "the engine is not running (its loop or its process ended)"},
+                    **INFO_RESPONSES}
 MODEL_RESPONSES = {404: {**ERROR, "description": "the model is not served here"}, **INFO_RESPONSES}
 METRICS_RESPONSES = {200: {"description": "Prometheus text exposition",
                            "content": {"text/plain": {"schema": {"type": "string"}}}},

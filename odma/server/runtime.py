@@ -68,6 +68,16 @@ async def drain_events(handle, cancel) -> AsyncIterator[Event]:
             cancel(handle)
 
 
+def step_or_fail(engine: LLMEngine) -> tuple[list, bool]:
+    """One engine step's outputs, and whether it raised: then every live request fails (their outputs), since a
+    scheduler bug must not hang every client."""
+    try:
+        return engine.step(), False
+    except Exception:  # noqa: BLE001 - whatever the step raised
+        log.exception("engine loop failed; failing the live requests")
+        return engine.fail_all("engine loop error"), True
+
+
 def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
     for queue, event in items:
         queue.put_nowait(event)
@@ -156,12 +166,8 @@ class AsyncEngine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception:  # noqa: BLE001 - a scheduler bug must not hang every client: fail them all
-                log.exception("engine loop failed; failing the live requests")
-                self.loop_errors += 1
-                outputs = self.engine.fail_all("engine loop error")
+            outputs, failed = step_or_fail(self.engine)
+            self.loop_errors += failed
             # before the events go out: a client that got its answer finds its place already given back
             self._release_started()
             self._dispatch([Event(out.token, out.finished, out.seq) for out in outputs])

@@ -90,6 +90,11 @@ class ServedRuntime(Protocol):
     def closing(self) -> bool:
         """Stopping: new requests are refused (503)."""
 
+    @property
+    def alive(self) -> bool:
+        """The engine runs (its loop thread, or its process): /health answers 503 when not, so that whatever
+        supervises the server can restart it."""
+
     # -- admission
     @property
     def max_queue(self) -> int: ...
