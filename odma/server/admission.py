@@ -66,13 +66,10 @@ class Pass:
         self._door._release(self, samples)
 
 
-class HandedOverDoor:
-    """The door of a runtime whose engine counts its waiting samples elsewhere (an engine process, Ray replicas):
-    a request holds its places while it is tokenized here, and `checked_prompt` hands them over to the engine's
-    count (`engine.num_waiting`) once the prompt passed the checks. Needs `door` and `engine` (a ServedEngine)."""
+class BehindADoor:
+    """A runtime's `max_queue`: its door's bound (settable, as the tests and operators do)."""
 
     door: Door
-    engine: Any
 
     @property
     def max_queue(self) -> int:
@@ -81,6 +78,14 @@ class HandedOverDoor:
     @max_queue.setter
     def max_queue(self, value: int) -> None:
         self.door.max_queue = value
+
+
+class HandedOverDoor(BehindADoor):
+    """The door of a runtime whose engine counts its waiting samples elsewhere (an engine process, Ray replicas):
+    a request holds its places while it is tokenized here, and `checked_prompt` hands them over to the engine's
+    count (`engine.num_waiting`) once the prompt passed the checks. Needs `door` and `engine` (a ServedEngine)."""
+
+    engine: Any
 
     @property
     def waiting(self) -> int:

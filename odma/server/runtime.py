@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from odma.engine import LLMEngine, SamplingParams
 from odma.engine.sequence import RequestTags, Sequence, Status
 from odma.engine.stats import EngineStats
-from odma.server.admission import Door, Pass
+from odma.server.admission import BehindADoor, Door, Pass
 from odma.server.served_engine import Event
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
         queue.put_nowait(event)
 
 
-class AsyncEngine:
+class AsyncEngine(BehindADoor):
     """odma-serve's `ServedRuntime` in process: the engine loop in a thread, each request's events on its queue."""
 
     def __init__(self, engine: LLMEngine, max_queue: int = 256) -> None:
@@ -133,14 +133,6 @@ class AsyncEngine:
     def alive(self) -> bool:
         """The engine loop thread runs (a health check)."""
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def max_queue(self) -> int:
-        return self.door.max_queue
-
-    @max_queue.setter
-    def max_queue(self, value: int) -> None:
-        self.door.max_queue = value
 
     @property
     def waiting(self) -> int:
