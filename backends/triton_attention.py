@@ -191,7 +191,7 @@ class TritonAttention:
         # field-major on the host (each field a contiguous row: the kernels index them by request), each row padded
         # to an even length so that every field and the table start 16 bytes aligned: Triton specializes a kernel on
         # its pointers' alignment, and an odd batch compiled other variants inside a burst's steps
-        m = n + (n & 1)
+        m = (n | 1) + 1  # even, and past n whatever n is: the same ops for every batch (a step costs no op per request)
         columns = torch.zeros(FIELDS, m, dtype=torch.int64)
         columns[:, :n] = torch.tensor(fields, dtype=torch.int64).view(n, FIELDS).t()
         host = torch.cat([columns.flatten(), torch.tensor(table, dtype=torch.int64)])

@@ -107,12 +107,12 @@ def test_the_dry_run_covers_every_part(dry_run):
     # the kernels' warm-up before any burst: a number of seconds, not an error
     assert isinstance(result["engine"]["kernels_warmed_s"], float), result["engine"]["kernels_warmed_s"]
     http = result["http"]  # odma-serve on the CPU (the tiny random model) against the engine alone, one burst
-    for run in ("engine", "server", "server_b"):  # server_b: the same server with a 1 ms switch interval
+    for run in ("engine", "server", "server_b"):  # server_b: the same server with its engine in a process of its own
         r = http[run]
         assert r["requests_ok"] == http["requests"] and r["requests_failed"] == 0 and not r["cut_at_cap"], (run, r)
         assert r["output_tokens"] == http["forced_output_tokens"] and r["ttft_p50_s"] > 0, (run, r)
     assert http["tokens_equal"] and http["http_vs_engine"] > 0 and http["server"]["exit_code"] == 0
-    assert http["server_b_flags"] == ["--gil-switch-ms", "1"] and http["tokens_equal_b"] and http["http_b_vs_engine"] > 0
+    assert http["server_b_flags"] == ["--engine-process"] and http["tokens_equal_b"] and http["http_b_vs_engine"] > 0
     peer = result["peer"]  # transformers' continuous batching on the first engine run's burst (ShareGPT's)
     if "skipped" not in peer:
         assert peer["trace"] == sharegpt and peer["requests"] == runs[sharegpt]["work"]["requests"], peer

@@ -256,7 +256,9 @@ def kill_a_replica_mid_stream(url: str, app: str, state) -> tuple[list[dict], st
         if sum(running.values()) == 4:
             break
         time.sleep(0.1)
-    assert sorted(running.values()) == [2, 2], running
+    # four streams sent together are placed on loads reported up to a period before: usually 2 + 2, 1 + 3 once
+    # under the whole suite's load; what the test needs is streams on both, the victim's and the survivor's
+    assert len(running) == 2 and min(running.values()) >= 1, running
     victim, actor = next(iter(actors.items()))
     ray.kill(actor, no_restart=True)
     killed_at = time.monotonic()
