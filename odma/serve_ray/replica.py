@@ -15,7 +15,7 @@ from dataclasses import replace
 from odma.engine import EngineConfig, LLMEngine
 from odma.server.metrics import Metrics
 from odma.server.runtime import AsyncEngine, Handle
-from odma.server.streams import TextStream
+from odma.server.streams import StopWatch
 from odma.serve_ray.cluster import replica_log
 from odma.server.wire import EventEncoder, RemoteJob
 from odma.serve_ray.scoring import ReplicaLoad, load_of
@@ -102,8 +102,7 @@ class EngineReplica:
                                              tags=job.tags)
         encoder = EventEncoder()
         # a stop string ends the request here at the token where the ingress's text sees it (the same TextStream)
-        stops = ({i: TextStream(self.engine, job.params.stop, job.params.min_tokens) for i in range(job.n)}
-                 if job.params.stop else None)
+        stops = StopWatch(self.engine, job.params, job.n)
         try:
             while not handle.finished:
                 events = [await handle.queue.get()]
@@ -113,19 +112,13 @@ class EngineReplica:
                 for ev in events:
                     if ev.finished:
                         handle.remaining -= 1
-                    elif stops is not None:
-                        self._watch_stop(stops[ev.seq.index], ev)
+                    elif stops.stopped_by(ev.seq.index, ev.token):
+                        self.runtime.finish_early(ev.seq.request_id)
                     batch.append(encoder.encode(ev.token, ev.finished, ev.seq))
                 yield batch
         finally:
             if not handle.finished:
                 self.runtime.cancel(handle)
-
-    def _watch_stop(self, text: TextStream, ev) -> None:
-        if not text.stopped:
-            text.push(ev.token)
-            if text.stopped:
-                self.runtime.finish_early(ev.seq.request_id)
 
     # -- what the router and the cluster read --------------------------------------------------------
 

@@ -38,7 +38,7 @@ from odma.errors import OdmaError
 from odma.server.admission import Door, HandedOverDoor, Pass
 from odma.server.runtime import SHUTTING_DOWN, Handle, drain_events, step_or_fail
 from odma.server.served_engine import Event
-from odma.server.streams import TextStream  # imported before the engine is ready: ~0.8 s, once (not in a request)
+from odma.server.streams import StopWatch  # imported before the engine is ready: ~0.8 s, once (not in a request)
 from odma.server.wire import EventEncoder, RemoteJob, Views, sample_ids
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,10 @@ class _Hooks:
 
 @dataclass(slots=True)
 class _Live:
-    """One job in the engine process: its events' encoder, and its stop-string watchers (None: no stop strings)."""
+    """One job in the engine process: its events' encoder, and its samples' stop strings."""
 
     encoder: EventEncoder
-    stops: dict | None
+    stops: StopWatch
     left: int  # samples not finished yet
 
 
@@ -100,7 +100,6 @@ class EngineHost:
         self.added = 0  # samples taken in, all told (the HTTP side counts what it sent against it)
         self.last_snapshot = 0.0
         self.stale = False  # the engine changed since the last snapshot sent
-        self.loop_errors = 0
 
     # commands, applied by the reader thread as they arrive
     def read_commands(self) -> None:
@@ -128,10 +127,8 @@ class EngineHost:
         return True
 
     def _submit(self, job: RemoteJob) -> None:
-        stops = ({i: TextStream(self.engine, job.params.stop, job.params.min_tokens) for i in range(job.n)}
-                 if job.params.stop else None)
         with self.lock:
-            self.live[job.request_id] = _Live(EventEncoder(), stops, job.n)
+            self.live[job.request_id] = _Live(EventEncoder(), StopWatch(self.engine, job.params, job.n), job.n)
         try:
             self.engine.add_samples(job.prompt_ids, job.params, job.n, request_id=job.request_id,
                                     prompt_text=job.prompt_text, tags=job.tags)
@@ -150,8 +147,7 @@ class EngineHost:
             if self.closing.is_set():
                 outputs = self.engine.cancel_all(SHUTTING_DOWN) if self.engine.has_work() else []
             elif self.engine.has_work():
-                outputs, failed = step_or_fail(self.engine)
-                self.loop_errors += failed
+                outputs, _ = step_or_fail(self.engine)
             else:
                 outputs = []
             idle = not self.engine.has_work()
@@ -174,12 +170,8 @@ class EngineHost:
                 live = self.live.get(job_id)
                 if live is None:
                     continue
-                if live.stops is not None and not out.finished and out.token is not None:
-                    text = live.stops[seq.index]
-                    if not text.stopped:
-                        text.push(out.token)
-                        if text.stopped:
-                            self.engine.abort(seq.request_id, reason="stop")
+                if not out.finished and live.stops.stopped_by(seq.index, out.token):
+                    self.engine.abort(seq.request_id, reason="stop")
                 wire.append((job_id, live.encoder.encode(out.token, out.finished, seq)))
                 if out.finished:
                     live.left -= 1

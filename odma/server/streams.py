@@ -62,6 +62,24 @@ class TextStream:
         return delta
 
 
+class StopWatch:
+    """Stop strings watched where the engine runs apart from the answer (an engine process, a Ray replica): each
+    sample's tokens pushed through the same `TextStream` the answer uses, so the engine ends the sample at the token
+    where the answer's text sees the stop string (its realized length logged as the answer's)."""
+
+    def __init__(self, engine: ServedEngine, params, n: int) -> None:
+        self._texts = ({i: TextStream(engine, params.stop, params.min_tokens) for i in range(n)}
+                       if params.stop else None)
+
+    def stopped_by(self, index: int, token: int | None) -> bool:
+        """Whether `token` completes a stop string of sample `index` (once: later tokens say no)."""
+        if self._texts is None or token is None or self._texts[index].stopped:
+            return False
+        text = self._texts[index]
+        text.push(token)
+        return text.stopped
+
+
 class Sample:
     """One choice of a job: its text so far and the logprobs entries already sent."""
 
