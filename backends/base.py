@@ -142,7 +142,8 @@ def copy_kv(view: Callable[[Block], torch.Tensor], src: Block, dst: Block, n_tok
     if not n_tokens or (src.offset, src.capacity) == (dst.offset, dst.capacity):
         return
     if src.offset < dst.end and dst.offset < src.end:
-        if dst.capacity < src.capacity:
+        if dst.capacity < src.capacity and dst.offset != src.offset:
+            # (a block shrunk in place is fine: every slice moves toward the start, each by more than the last)
             raise BackendError(f"overlapping copy from {src} to {dst} into a smaller block")
         old, new = view(src).flatten(0, 1), view(dst).flatten(0, 1)  # one storage, two layouts: [2·layers, capacity, ...]
         count = old.shape[0]

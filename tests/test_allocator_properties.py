@@ -40,6 +40,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool: KVPool | None = None
         self.arena = None
         self.lengths: dict[str, int] = {}  # tokens written per live request (the model of the truth)
+        self.kept: set[str] = set()  # requests that ended keeping their first rows for others (keep_front)
         self.next_id = 0
 
     @precondition(lambda self: self.pool is None)
@@ -98,7 +99,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pool is not None)
     @rule(rid=requests, grow=st.integers(1, 90))
     def extend(self, rid, grow):
-        if rid not in self.lengths:
+        if rid not in self.lengths or rid in self.kept:
             return
         old_block = self.pool.block_of(rid)
         new_len = min(self.lengths[rid] + grow, self.pool._live[rid].request.prompt_tokens + MAX_NEW)
@@ -117,10 +118,28 @@ class PoolMachine(RuleBasedStateMachine):
         if rid not in self.lengths:
             return
         self._verify(rid)
-        prompt = self.pool._live[rid].request.prompt_tokens
-        realized = data.draw(st.integers(0, min(MAX_NEW, self.lengths[rid] - prompt + 1)))
-        self.pool.release(rid, realized)
+        if rid in self.kept:  # its length was logged when it ended
+            self.pool.release(rid, 0, observe=False)
+            self.kept.discard(rid)
+        else:
+            prompt = self.pool._live[rid].request.prompt_tokens
+            realized = data.draw(st.integers(0, min(MAX_NEW, self.lengths[rid] - prompt + 1)))
+            self.pool.release(rid, realized)
         del self.lengths[rid]
+
+    @precondition(lambda self: self.pool is not None)
+    @rule(rid=requests, data=st.data())
+    def keep_front(self, rid, data):
+        if rid not in self.lengths:
+            return
+        rows = data.draw(st.integers(1, self.lengths[rid]))
+        before = self.pool.block_of(rid)
+        block = self.pool.keep_front(rid, rows)
+        assert block.offset == before.offset and rows <= block.capacity <= before.capacity
+        self.lengths[rid] = rows
+        self.kept.add(rid)
+        SEEN["kept"] = SEEN.get("kept", 0) + (block.capacity < before.capacity)  # a tail freed: the copy ran
+        self._verify(rid)  # its first rows re-laid intact in the smaller block
 
     @precondition(lambda self: self.pool is not None and isinstance(self.pool.policy, BucketPolicy))
     @rule(lengths=st.lists(st.integers(1, MAX_NEW), min_size=4, max_size=12))
@@ -166,11 +185,12 @@ TestPoolProperties = PoolMachine.TestCase
 
 
 def test_sequences_exercised_every_path():
-    """The property run above must have reached migrations, refusals, flushes and free-list reuse;
+    """The property run above must have reached migrations, refusals, flushes, free-list reuse and blocks shrunk in
+    place;
     otherwise it proved less than it claims."""
     if not SEEN:
         import pytest
 
         pytest.skip("run together with TestPoolProperties")
-    for key in ("migrations", "refusals", "migration_refusals", "flushes", "free_list_hits"):
+    for key in ("migrations", "refusals", "migration_refusals", "flushes", "free_list_hits", "kept"):
         assert SEEN.get(key, 0) > 0, f"no {key} in the random sequences: {SEEN}"

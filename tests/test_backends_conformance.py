@@ -216,6 +216,7 @@ def test_growth_in_place_lays_the_kv_out_again_intact(backend, segmented):
     (Block(16, 16, 0), Block(4, 40, 1)),  # grown over the gaps before and after it
     (Block(16, 16, 0), Block(12, 20, 1)),  # grown over a few tokens before it: every slice moves a little
     (Block(16, 8, 0), Block(0, 48, 1)),  # grown a lot: the later slices move past the block's old end
+    (Block(8, 40, 0), Block(8, 16, 0)),  # shrunk in place (KVPool.keep_front): every slice moves toward the start
 ])
 def test_overlapping_moves_keep_the_kv_intact(backend, segmented, src, dst, temp_bytes, monkeypatch):
     """Compaction slides blocks over gaps smaller than themselves and grows them over the gaps beside them: the

@@ -169,6 +169,47 @@ def test_the_bench_default_packs_and_headroom_waits_instead_of_preempting():
     assert run_burst(SMALL, "odma", engine_overrides=packed, prompts=prompts).summary()["slides"] > 0
 
 
+def test_a_study_layer_over_the_kv_sees_every_admission_and_release():
+    """`run_burst(wrap_kv=...)`: a layer a study puts over the engine's KV manager (another memory design, modelled)
+    stands where the manager stood, for the scheduler too; one that only forwards changes nothing."""
+
+    class Forwarding:
+        def __init__(self, kv, scheduler) -> None:
+            self._kv, self.scheduler, self.calls = kv, scheduler, {"admit": 0, "release": 0, "evict": 0}
+
+        def __getattr__(self, name):
+            return getattr(self._kv, name)
+
+        def admit(self, req):
+            handle = self._kv.admit(req)
+            self.calls["admit"] += handle is not None
+            return handle
+
+        def release(self, request_id, realized_output):
+            self.calls["release"] += 1
+            return self._kv.release(request_id, realized_output)
+
+        def evict(self, request_id):
+            self.calls["evict"] += 1
+            return self._kv.evict(request_id)
+
+    _needs_trace()
+    prompts = bench_prompts(SMALL)
+    layers = []
+
+    def wrap(kv, scheduler):
+        layers.append(Forwarding(kv, scheduler))
+        return layers[-1]
+
+    plain = run_burst(SMALL, "odma", engine_overrides=odma_memory("packed"), prompts=prompts)
+    wrapped = run_burst(SMALL, "odma", engine_overrides=odma_memory("packed"), prompts=prompts, wrap_kv=wrap)
+    assert wrapped.summary() == plain.summary() and wrapped.steps == plain.steps
+    (layer,) = layers
+    assert layer.scheduler.kv is layer and not layer.scheduler.maps_prefixes  # it maps nothing: prefixes are copied
+    # every request (and the six warm-up ones) admitted and released once: packing preempts nobody
+    assert layer.calls == {"admit": SMALL.requests + 6, "release": SMALL.requests + 6, "evict": 0}
+
+
 def test_a_raw_run_is_replayed_with_the_odma_memory_it_ran(tmp_path):
     """fit-gpu replays each run's odma as the run ran it: the recorded --odma-memory, "swap" for the first runs (no
     compaction, no waiting), and a clear error where a compacting run does not say which preset it was."""

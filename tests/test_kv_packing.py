@@ -191,3 +191,34 @@ def test_a_slide_over_a_gap_as_large_as_the_block_is_a_plain_copy():
     assert pool.slide("B", 2 * UNIT) is not None  # B's new place ends where its old one begins
     s = pool.stats()
     assert s.relocated_tokens == 2 * UNIT - 8 and s.overlapped_tokens == 0
+
+
+def test_an_ended_request_keeps_its_first_rows_in_place_and_frees_its_tail():
+    """KVPool.keep_front: the block of a request that ended while others read its first rows shrinks where it is
+    (its rows re-laid for the smaller capacity by one copy), the tail is free at once, and the rows stay live
+    (they can still slide) until released."""
+    mover = RecordingMover()
+    pool = _layout("A.BBB.C", mover=mover)
+    before = pool.reserved_tokens
+    kept = pool.keep_front("B", 20)
+    assert (kept.offset, kept.capacity) == (2 * UNIT, 2 * UNIT)  # 20 rows: two units, at the same place
+    assert mover.copies[-1][1:] == (kept, 20) and mover.copies[-1][0].capacity == 3 * UNIT
+    assert pool.free_extents("main") == [(1, 1), (4, 2)]  # the tail joined the gap after it
+    assert pool.reserved_tokens == before - UNIT and pool.length_of("B") == 20
+    pool.check_invariants()
+    assert pool.slide("B", UNIT).offset == UNIT  # compaction may still move it
+    assert pool.free_extents("main") == [(3, 3)]
+    pool.release("B", 0, observe=False)
+    pool.flush_free_lists()
+    assert pool.free_extents("main") == [(1, 5)]
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("rows", [0, 3 * UNIT, 2.5, True])
+def test_keeping_rows_the_block_does_not_hold_is_refused_and_changes_nothing(rows):
+    pool = _layout("A.BBB.C")
+    block, length = pool.block_of("B"), pool.length_of("B")
+    with pytest.raises(InvalidRequestError, match="rows to keep"):
+        pool.keep_front("B", rows)
+    assert pool.block_of("B") == block and pool.length_of("B") == length
+    pool.check_invariants()

@@ -202,7 +202,8 @@ class BurstEngine:
     """The engine's loop around one device's scheduler, without a model: the order of `LLMEngine.step`."""
 
     def __init__(self, config: BurstConfig, policy: str, *, engine_overrides: dict | None = None,
-                 scheduler_options: dict | None = None, oracle: bool = False, predictor: str | None = None) -> None:
+                 scheduler_options: dict | None = None, oracle: bool = False, predictor: str | None = None,
+                 wrap_kv=None) -> None:
         from odma.engine.config import EngineConfig
         from odma.engine.length_predictor import LoadedPredictor
         from odma.engine.prefill_cost import PrefillCost
@@ -261,6 +262,9 @@ class BurstEngine:
             self.scheduler = Scheduler(self.kv, replace(common, preempt=preempt, clear_window=engine.clear_window,
                                                         **options),
                                        self.swap)
+        if wrap_kv is not None:  # a study's layer over the KV manager (scripts/studies/prefix_reference.py)
+            self.kv = self.scheduler.kv = wrap_kv(self.kv, self.scheduler)
+            self.scheduler.maps_prefixes = getattr(self.kv, "shares_pages", False)
         # the bench's engine tags with the running median (static too: its L̂ only orders); a study may name another
         loaded = LoadedPredictor(RunningMedian(), RunningMedian.name, None)
         if predictor is not None:
@@ -351,17 +355,19 @@ class BurstEngine:
 
 def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None = None,
               scheduler_options: dict | None = None, oracle: bool = False,
-              prompts: tuple[list[list[int]], list[int]] | None = None, predictor: str | None = None) -> BurstResult:
+              prompts: tuple[list[list[int]], list[int]] | None = None, predictor: str | None = None,
+              wrap_kv=None) -> BurstResult:
     """The bench's warm-up, then the burst through `policy` ("static", "odma", "paged" or "oracle"), every step
     recorded.
     `engine_overrides`: EngineConfig fields that differ from the engine's defaults (a policy study's knobs);
     `oracle`: every request is tagged with its true length (a contiguous upper bound); `predictor`: a length
     predictor spec ("default": the learned one) that tags the burst's requests from their trace texts and tags
-    instead of the bench's running median."""
+    instead of the bench's running median; `wrap_kv`: a function of the KV manager and the scheduler that returns a layer over the manager (a
+    study's model of another memory design)."""
     prompts, lengths = prompts or bench_prompts(config)
     records = bench_records(config) if predictor is not None else [None] * len(prompts)
     engine = BurstEngine(config, policy, engine_overrides=engine_overrides, scheduler_options=scheduler_options,
-                         oracle=oracle, predictor=predictor)
+                         oracle=oracle, predictor=predictor, wrap_kv=wrap_kv)
     # the bench's warm-up: short and 512-token prompts of 4 tokens each (they seed the running median and the
     # bucket window, as on the GPU)
     warm = [p[:8] for p in prompts[:4]] + [(p * 64)[:min(config.max_prompt, 512)] for p in prompts[:2]]

@@ -40,7 +40,7 @@ from odma.errors import (
 from odma.kv.blocks import LARGE_REGION, MAIN, Block, BlockMover, KVHandle
 from odma.kv.buckets import LARGE
 from odma.kv.extents import ExtentMap
-from odma.kv.policy import Reservation, ReservationPolicy, SizedRequest, validate_request
+from odma.kv.policy import KVRequest, Reservation, ReservationPolicy, SizedRequest, validate_request
 from odma.kv.segments import SegmentMap
 
 _DEFAULTS = PoolConfig()  # one default per setting: the config dataclass's
@@ -336,6 +336,33 @@ class KVPool:
             if self.on_release is not None:
                 self.on_release(r, realized_len, block)
         return block
+
+    def keep_front(self, req: SizedRequest | str, tokens: int) -> Block:
+        """The request has ended but others read its first `tokens` rows: its block shrinks in place to them (rounded
+        up to the alignment; the tail goes back to the free extents, the rows are re-laid for the smaller capacity by
+        the mover) and stays live, holding those rows only, until `release(req, 0, observe=False)`. Its realized
+        length is the caller's to log (`policy.observe`)."""
+        with self._lock:
+            live = self._lookup(req)
+            rid = live.request.request_id
+            if type(tokens) is not int or not 1 <= tokens <= live.length:
+                raise InvalidRequestError(f"request {rid}: rows to keep must be an integer in [1, {live.length}], "
+                                          f"got {tokens!r}")
+            old = live.block
+            units = self._units_for(tokens)
+            new = Block(old.offset, units * self.align, old.bucket, old.region)
+            if new.capacity < old.capacity:
+                if self.mover is not None:
+                    self.mover.copy(old, new, tokens)
+                tail = Block(new.end, old.capacity - new.capacity, old.bucket, old.region)
+                if not (self._seg.fences and self._seg.withhold_if_fenced(tail, self.align)):
+                    self._give_back(tail)
+                self._move(live, new)
+                self._reserved_units -= tail.capacity // self.align
+            self._live_tokens -= live.length - tokens
+            live.length = tokens
+            live.request = KVRequest(rid, tokens, 0)
+            return new
 
     def block_of(self, req: SizedRequest | str) -> Block:
         with self._lock:
