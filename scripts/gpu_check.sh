@@ -6,7 +6,8 @@
 #   bench   odma-bench gpu, parts engine, http and peer (BENCH_PARTS; kernels, runs, vmm and step were measured
 #           before and stay available): random weights of the paper model's shape, every policy on one KV budget, on
 #             ShareGPT's first turns (their text: SmolLM2's chat template; 200 requests) under odma with the
-#               learned predictor, the running median and the oracle, paged and static;
+#               learned predictor, the running median and the oracle, paged and static, and odma with the learned
+#               predictor serving shortest predicted first (@sjf);
 #             Azure's conversation trace (lengths only; 400 requests) under odma and paged;
 #           then odma-serve over HTTP against the engine alone on one burst (64 running; its engine in a process of
 #           its own, the default on a GPU), a second server with the engine in its process (--no-engine-process) on
@@ -94,7 +95,7 @@ PYEOF
 # what the engine part stands on: the CUDA backend, the engine through the Triton kernels, decode graphs (the
 # kernels' own tests, test_triton_attention/_runs and test_cuda_vmm, ran before and stay for a longer lease)
 TESTS=${GPU_TESTS:-tests/test_backends_conformance.py tests/test_engine_triton.py tests/test_decode_graphs.py}
-ENGINE_RUNS=(--engine-run "$SHAREGPT:$SHAREGPT_REQUESTS=odma:$LEARNED,odma:median,odma:oracle,paged,static"
+ENGINE_RUNS=(--engine-run "$SHAREGPT:$SHAREGPT_REQUESTS=odma:$LEARNED,odma:median,odma:oracle,paged,static,odma:$LEARNED@sjf"
              --engine-run "azure-conv:$AZURE_REQUESTS=odma,paged")
 if [ "$CPU" = 1 ]; then
   export TRITON_INTERPRET=1

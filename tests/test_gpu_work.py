@@ -89,17 +89,21 @@ def test_bad_traces_are_refused_clearly():
         BurstWork("t", ((1,),), (None, None), (1,), 4, "1MiB")
 
 
-def test_engine_runs_parse_traces_requests_and_a_predictor_per_policy():
+def test_engine_runs_parse_traces_requests_and_a_predictor_and_order_per_policy():
     from odma.bench.gpu_bench import EngineRun
     from odma.errors import ConfigError
 
-    run = EngineRun.parse("alpaca-eval:gpt4:50=odma:default,odma-map:oracle,odma:.gpu/predictor/default,paged")
+    run = EngineRun.parse("alpaca-eval:gpt4:50=odma:default,odma-map:oracle,odma:.gpu/predictor/default,paged,"
+                          "odma:.gpu/predictor/default@sjf,odma@adaptive")
     assert (run.trace, run.requests) == ("alpaca-eval:gpt4", 50)
-    assert [(p.policy, p.mapped, p.predictor) for p in run.policies] == [
-        ("odma", False, "default"), ("odma", True, "oracle"), ("odma", False, ".gpu/predictor/default"),
-        ("paged", False, "median")]
+    assert [(p.policy, p.mapped, p.predictor, p.schedule) for p in run.policies] == [
+        ("odma", False, "default", "fcfs"), ("odma", True, "oracle", "fcfs"),
+        ("odma", False, ".gpu/predictor/default", "fcfs"), ("paged", False, "median", "fcfs"),
+        ("odma", False, ".gpu/predictor/default", "sjf"), ("odma", False, "median", "adaptive")]
+    assert run.policies[4].label == "odma:.gpu/predictor/default@sjf"  # the key of its results
     assert EngineRun.parse("alpaca-eval:gpt4=static").requests is None
-    for bad in ("azure-conv", "azure-conv=", "=odma", "azure-conv=vllm", "azure-conv:0=odma"):
+    for bad in ("azure-conv", "azure-conv=", "=odma", "azure-conv=vllm", "azure-conv:0=odma", "azure-conv=odma@ljf",
+                "azure-conv=odma:default@"):
         with pytest.raises(ConfigError):
             EngineRun.parse(bad)
 

@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-run", action="append", default=None, metavar="TRACE[:REQUESTS]=POLICIES",
                    help="a burst of TRACE (its first REQUESTS records, default --requests) under each POLICY (comma-"
                         "separated, each optionally POLICY:PREDICTOR: odma:default, odma:median, odma:oracle, "
-                        "odma:FOLDER); repeat it to run several traces on one model (results keyed by trace). "
+                        "odma:FOLDER, and @ORDER: odma:default@sjf serves shortest predicted first); repeat it to "
+                        "run several traces on one model (results keyed by trace). "
                         "Without it: --trace under --policies")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--tagging", default="ahead", choices=["ahead", "loop"],
@@ -666,23 +667,29 @@ def _counts(engine) -> dict:
 class PolicyRun:
     """One engine policy of a run: `odma`, `paged`, `static`, NAME-map (growing by mapping), each optionally with
     the length predictor it runs (`odma:default`, `odma:median`, `odma:oracle`, `odma:PATH`, as
-    `predictor.registry` takes specs); none named is the running median, as the engine part always ran."""
+    `predictor.registry` takes specs); none named is the running median, as the engine part always ran. A suffix
+    `@ORDER` serves it in that order (`odma:default@sjf`: shortest predicted first; default fcfs)."""
 
     label: str  # as given: the key of its results
     policy: str
     mapped: bool
     predictor: str
+    schedule: str = "fcfs"
 
     @classmethod
     def parse(cls, label: str) -> "PolicyRun":
+        from odma.engine.ordering import ORDERS
         from odma.errors import ConfigError
 
-        name, _, predictor = label.partition(":")
+        spec, at, schedule = label.rpartition("@") if "@" in label else (label, "", "fcfs")
+        if at and schedule not in ORDERS:
+            raise ConfigError(f"engine policy {label!r}: the order after @ is one of {', '.join(ORDERS)}")
+        name, _, predictor = spec.partition(":")
         policy, mapped = (name[:-4], True) if name.endswith("-map") else (name, False)
         if policy not in ENGINE_POLICIES:
             raise ConfigError(f"engine policy {label!r}: the policy is one of {', '.join(ENGINE_POLICIES)} (NAME-map "
-                              "grows by mapping), optionally followed by :PREDICTOR")
-        return cls(label, policy, mapped, predictor or "median")
+                              "grows by mapping), optionally followed by :PREDICTOR and @ORDER")
+        return cls(label, policy, mapped, predictor or "median", schedule)
 
 
 @dataclass(frozen=True)
@@ -857,7 +864,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     memory = _odma_memory(args) if policy.policy == "odma" else {}
     # warm-ups run under a throwaway median: the measured predictor (a running median learns) sees only the burst
     engine = _engine(args, device, dtype_name, model, policy=policy.policy,
-                     kv_growth="map" if policy.mapped else "copy", tagging=args.tagging,
+                     kv_growth="map" if policy.mapped else "copy", tagging=args.tagging, schedule=policy.schedule,
                      loaded=LoadedPredictor(RunningMedian(), RunningMedian.name, None), **memory)
     prompts = [list(p) for p in work.prompts]
     max_prompt, _ = burst_caps(args.max_prompt, args.max_tokens, args.tiny)
@@ -878,6 +885,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     result["worst_case_fit"] = result["kv_tokens"] // (min(map(len, prompts)) + work.max_tokens)
     result["predictor"] = engine.predictor.name
     result["predictor_fallback"] = engine.predictor.fallback_reason
+    result["schedule"] = engine.config.schedule
     result["preempt"] = engine.config.resolved_preempt
     result["compact_growth"] = engine.config.resolved_pool.compact_growth
     result["packing"] = engine.config.packing_resolved
