@@ -174,10 +174,13 @@ class TritonAttention:
         storage = _flat_storage(kv0)
         layers, _, _, kv_heads, head_dim = kv0.shape[-5:]
         row = kv_heads * head_dim
+        pieces = 0
         if paged:
             fields, table, page, page_elems = _paged_fields(slots, layers, row)
         else:
             fields, table, page, page_elems = _block_fields(slots, storage, kv_heads, head_dim)
+            if any(getattr(s, "pieces", None) for s in slots):
+                table, pieces = _piece_table(slots, storage, row)
         t = self.tuning
         blocks = _tiles(t, kv0.element_size())
         n = len(slots)
@@ -186,7 +189,10 @@ class TritonAttention:
         n_decode = q_lens.count(1)
         n_tiles = sum(-(-q // blocks[1]) for q in q_lens if q > 1)
         longest = max((c + 1 for c, q in zip(fields[3::FIELDS], q_lens) if q == 1), default=0)
-        divisor = math.gcd(row, head_dim, page_elems, *fields[0::FIELDS], *fields[1::FIELDS], *fields[2::FIELDS])
+        # (a piece table's addresses: all but each row's first `pieces` entries, which are row numbers)
+        addresses = [a for i in range(0, len(table), 4 * pieces) for a in table[i + pieces:i + 4 * pieces]] if pieces else ()
+        divisor = math.gcd(row, head_dim, page_elems, *fields[0::FIELDS], *fields[1::FIELDS], *fields[2::FIELDS],
+                           *addresses)
         width = len(table) // n
         # field-major on the host (each field a contiguous row: the kernels index them by request), each row padded
         # to an even length so that every field and the table start 16 bytes aligned: Triton specializes a kernel on
@@ -214,7 +220,7 @@ class TritonAttention:
             n_tokens=n_tokens, dec_req=dec_req, dec_row=q_rows[dec_req], n_decode=n_decode, tile_req=tile_req,
             tile_m=tile_m, n_tiles=n_tiles, tuning=t, blocks=blocks,
             upcast=interpreting() and kv0.dtype == torch.bfloat16, picked=frozenset(range(n)),
-            align=alignment(divisor, kv0.element_size()), rotary=rotary, last=ends - 1)
+            align=alignment(divisor, kv0.element_size()), rotary=rotary, last=ends - 1, pieces=pieces)
         step.choose_splits(longest, kv_heads)
         return step
 
@@ -265,6 +271,7 @@ class TritonStep:
     split_min: int = 0
     n_splits: int = 1
     longest: int = 0  # the longest decoding context (eager plans; what split_tokens reports)
+    pieces: int = 0  # entries of each request's piece table (`table`), 0: none (every request reads its own block)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -308,7 +315,7 @@ class TritonStep:
             self.storage, q2, k2, v2, q_att, q2.stride(0), k2.stride(0), v2.stride(0), q_att.stride(0),
             self.rotary if self.rotates else self.lens, self.tok_req, self.tok_pos, self.n_tokens, *addr, layer,
             HEADS=heads, D=dim, HALF_B=_pow2(max(1, dim // 2)), ROW=self.row, BLOCK_T=t.write_block_t,
-            BLOCK_R=_pow2(self.row), PAGE=self.page, ALIGN=self.align, ROTARY=self.rotates)
+            BLOCK_R=_pow2(self.row), PAGE=self.page, ALIGN=self.align, ROTARY=self.rotates, PIECES=self.pieces)
         group = heads // (self.row // dim)
         scale = dim ** -0.5 * LOG2E
         block_d = _pow2(dim)
@@ -324,7 +331,7 @@ class TritonStep:
                 self.storage, q_att, out, acc, lse, q_att.stride(0), out.stride(0), self.dec_req, self.dec_row,
                 self.lens, *addr[:5], self.page_elems, layer, scale, self.split_min, self.n_splits, HEADS=heads,
                 GROUP=group, D=dim, ROW=self.row, BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-                PAGE=self.page, SPLIT=split, UPCAST=self.upcast, ALIGN=self.align)
+                PAGE=self.page, SPLIT=split, UPCAST=self.upcast, ALIGN=self.align, PIECES=self.pieces)
             if split:
                 kern.reduce_kernel[(self.n_decode, heads)](
                     out, acc, lse, self.dec_row, out.stride(0), self.n_splits, HEADS=heads, D=dim, BLOCK_D=block_d)
@@ -333,7 +340,7 @@ class TritonStep:
                 self.storage, q_att, out, q_att.stride(0), out.stride(0), self.tile_req, self.tile_m, self.q_rows,
                 self.q_lens, self.starts, *addr[:5], self.page_elems, layer, scale, GROUP=group, D=dim,
                 ROW=self.row, BLOCK_M=block_m, BLOCK_N=block_pn, BLOCK_D=block_d, PAGE=self.page,
-                UPCAST=self.upcast, ALIGN=self.align)
+                UPCAST=self.upcast, ALIGN=self.align, PIECES=self.pieces)
         return out
 
 
@@ -440,13 +447,52 @@ def _block_fields(slots: Sequence, storage: torch.Tensor, kv_heads: int, head_di
         kv = s.kv
         if kv.dtype != kv0.dtype or tuple(kv.shape[-2:]) != (kv_heads, head_dim) or not _rows_contiguous(kv):
             raise BackendError("blocks of one step must share dtype and head shape, rows contiguous")
-        if s.start + s.q_len > kv.shape[2]:
-            raise BackendError(f"a block of {kv.shape[2]} tokens cannot hold {s.start + s.q_len} tokens")
+        first = _own_first_row(s)
+        if s.start + s.q_len - first > kv.shape[2]:
+            raise BackendError(f"a block of {kv.shape[2]} tokens from row {first} cannot hold {s.start + s.q_len} tokens")
         offset = kv.data_ptr() - storage.data_ptr()  # blocks of other segments: relative to the first
         if offset % elem:
             raise BackendError("a block is not aligned to its elements")
         fields += (offset // elem, kv.stride(0), kv.stride(1), s.start, s.q_len)
     return fields, [0] * len(slots), 0, 0
+
+
+PAST_ANY_ROW = 1 << 40  # a piece table's end for the request's own block (and the padding after it)
+
+
+def _own_first_row(slot) -> int:
+    """The first row a slot's own block holds: after the pieces it reads from other blocks (0 without)."""
+    pieces = getattr(slot, "pieces", None)
+    return pieces[-1][2] if pieces else 0
+
+
+def _piece_table(slots: Sequence, storage: torch.Tensor, row: int) -> tuple[list[int], int]:
+    """Every request's piece table (`triton_kernels`, PIECES): a request that reads its first rows from other blocks
+    (`pieces`: (block view, the first row it holds, the row after the piece) in row order) has one entry per piece
+    and one for its own block, the others one; PIECES is the longest, to a power of two (few kernel variants)."""
+    elem = storage.element_size()
+    rows_of = []
+    for s in slots:
+        own_first = _own_first_row(s)
+        entries = []
+        previous = 0
+        for view, first, end in [*(getattr(s, "pieces", None) or ()), (s.kv, own_first, PAST_ANY_ROW)]:
+            if view.dtype != storage.dtype or not _rows_contiguous(view) or not first <= previous < end:
+                raise BackendError(f"a piece of rows {previous}..{end} from a block that holds rows from {first}")
+            if end != PAST_ANY_ROW and end - first > view.shape[2]:
+                raise BackendError(f"a block of {view.shape[2]} rows from row {first} cannot hold rows to {end}")
+            offset = view.data_ptr() - storage.data_ptr()
+            if offset % elem:
+                raise BackendError("a block is not aligned to its elements")
+            entries.append((end, offset // elem - first * row, view.stride(0), view.stride(1)))
+            previous = end
+        rows_of.append(entries)
+    pieces = _pow2(max(len(e) for e in rows_of))
+    table: list[int] = []
+    for entries in rows_of:
+        entries += [entries[-1]] * (pieces - len(entries))  # past the own block: never chosen (its end is past all)
+        table += [e[0] for e in entries] + [e[1] for e in entries] + [e[2] for e in entries] + [e[3] for e in entries]
+    return table, pieces
 
 
 def _paged_fields(slots: Sequence, layers: int, row: int):

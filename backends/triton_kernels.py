@@ -11,6 +11,13 @@ two ways, chosen at compile time by PAGE:
   layout, so the row is at page * page_elems + L * layer_stride[r] + (t % PAGE) * ROW (every request's
   layer_stride and half are the page's). This is the paged baseline: the same code, reading through a table.
 
+With PIECES > 0 (contiguous only), a request reads its first rows from other requests' blocks, a prompt prefix
+they hold (the design in docs/results/gpu/replay_policy.md, "A shared prefix read in place"): its table row holds
+PIECES ends (the row after each piece; the last piece, its own block, ends past any row), then each piece's
+virtual base (the element offset row 0 would have in that block: base - first row * ROW), layer stride and
+K-to-V stride, so row t of piece j is at vbase[j] + L * layer_stride[j] + t * ROW. A request without pieces has
+one (its own block, ends all past any row): the same addresses as PIECES == 0.
+
 ALIGN (elements) is what the host has checked every row offset to be a multiple of (`triton_attention.alignment`):
 the offsets are loaded values, so without the hint the compiler must assume any alignment and reads K and V two
 bytes at a time; with it, in 16-byte vectors (cp.async on sm_80+). tests/test_triton_compile.py compiles every
@@ -38,6 +45,22 @@ def _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elem
         page = tl.load(table_ptr + r.to(tl.int64) * table_stride + t // PAGE, mask=mask, other=0).to(tl.int64)
         rows = page * page_elems + layer * lstride + (t % PAGE).to(tl.int64) * ROW
     return tl.multiple_of(rows, ALIGN)
+
+
+@triton.jit
+def _piece_rows(r, t, layer, table_ptr, table_stride, mask, PIECES: tl.constexpr, ROW: tl.constexpr,
+                ALIGN: tl.constexpr):
+    """Element offsets of K rows `t` of requests `r` in `layer` read through their piece tables (PIECES > 0), and
+    each row's K-to-V stride (a piece's block has its own capacity)."""
+    entry = table_ptr + r.to(tl.int64) * table_stride
+    j = tl.zeros(t.shape, dtype=tl.int32)
+    for k in tl.static_range(PIECES - 1):
+        j += (t >= tl.load(entry + k)).to(tl.int32)
+    vbase = tl.load(entry + PIECES + j, mask=mask, other=0)
+    lstride = tl.load(entry + 2 * PIECES + j, mask=mask, other=0)
+    half = tl.load(entry + 3 * PIECES + j, mask=mask, other=0)
+    rows = vbase + layer * lstride + t.to(tl.int64) * ROW
+    return tl.multiple_of(rows, ALIGN), tl.multiple_of(half, ALIGN)
 
 
 @triton.jit
@@ -134,7 +157,7 @@ def kv_write_kernel(kv_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, stride_q, stride_k, 
                     page_elems, layer,
                     HEADS: tl.constexpr, D: tl.constexpr, HALF_B: tl.constexpr, ROW: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, ALIGN: tl.constexpr,
-                    ROTARY: tl.constexpr):
+                    ROTARY: tl.constexpr, PIECES: tl.constexpr = 0):
     """k, v [T, ROW] (row strides stride_k, stride_v) → each token's row `tok_pos` of its request's block. With
     ROTARY, k is rotated on the way and q [T, HEADS * D] rotated into q_out, both at position tok_pos (the token's
     place in its sequence is its place in its block), so the model's own rotary ops and a K write are one launch;
@@ -147,8 +170,11 @@ def kv_write_kernel(kv_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, stride_q, stride_k, 
     r = tl.load(tok_req_ptr + j, mask=jmask, other=0)
     t = tl.load(tok_pos_ptr + j, mask=jmask, other=-1)
     live = jmask & (t >= 0)
-    rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, live, ROW, PAGE, ALIGN)
-    half = tl.load(half_ptr + r)
+    if PIECES > 0:  # a token's row lies in its request's own block, the last piece
+        rows, half = _piece_rows(r, t, layer, table_ptr, table_stride, live, PIECES, ROW, ALIGN)
+    else:
+        rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, live, ROW, PAGE, ALIGN)
+        half = tl.load(half_ptr + r)
     vrows = tl.multiple_of(rows + half, ALIGN)
     e = tl.arange(0, BLOCK_R)
     mask = live[:, None] & (e < ROW)[None, :]
@@ -173,7 +199,8 @@ def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, 
                   page_elems, layer, qk_scale, split_min, n_splits,
                   HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr):
+                  PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr,
+                  PIECES: tl.constexpr = 0):
     """One query token per request. Program (i, kv head, split): the GROUP query heads that share the kv head,
     over the split's range of the context, read once. Each request cuts its own context into n_splits pieces of
     whole tiles, at least split_min tokens each (splits past its end stay empty), so the launch depends on nothing
@@ -195,9 +222,13 @@ def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, 
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         tmask = t < hi
-        rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE,
-                     ALIGN)
-        m, lsum, acc = _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, tmask[None, :], q, m, lsum, acc, qk_scale,
+        if PIECES > 0:
+            rows, halves = _piece_rows(r, t, layer, table_ptr, table_stride, tmask, PIECES, ROW, ALIGN)
+        else:
+            rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE,
+                         ALIGN)
+            halves = half
+        m, lsum, acc = _fold(kv_ptr, rows, halves, kvh, d, tmask, dmask, tmask[None, :], q, m, lsum, acc, qk_scale,
                              D, UPCAST, ALIGN)
     _store_decode(out_ptr, part_acc_ptr, part_lse_ptr, row, stride_o, i, s, n_splits, heads, gmask, d, dmask, acc, m,
                   lsum, HEADS, D, SPLIT)
@@ -237,7 +268,7 @@ def prefill_kernel(kv_ptr, q_ptr, out_ptr, stride_q, stride_o, tile_req_ptr, til
                    page_elems, layer, qk_scale,
                    GROUP: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr,
-                   ALIGN: tl.constexpr):
+                   ALIGN: tl.constexpr, PIECES: tl.constexpr = 0):
     """Causal attention of a chunk of queries (positions start .. start+q_len-1 of request r, packed from row
     q_row[r]) over the request's block [0, start + q_len): the cached tokens (an earlier chunk, a copied prefix)
     and the chunk's own, which the write kernel has stored. Program (tile, head): BLOCK_M queries of one head."""
@@ -266,11 +297,15 @@ def prefill_kernel(kv_ptr, q_ptr, out_ptr, stride_q, stride_o, tile_req_ptr, til
     for kstart in range(0, end, BLOCK_N):
         t = kstart + tl.arange(0, BLOCK_N)
         tmask = t < end
-        rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE,
-                     ALIGN)
+        if PIECES > 0:
+            rows, halves = _piece_rows(r, t, layer, table_ptr, table_stride, tmask, PIECES, ROW, ALIGN)
+        else:
+            rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE,
+                         ALIGN)
+            halves = half
         causal = (t[None, :] <= pos[:, None]) & tmask[None, :]
-        m, lsum, acc = _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, causal, q, m, lsum, acc, qk_scale, D, UPCAST,
-                             ALIGN)
+        m, lsum, acc = _fold(kv_ptr, rows, halves, kvh, d, tmask, dmask, causal, q, m, lsum, acc, qk_scale, D,
+                             UPCAST, ALIGN)
     acc = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     tl.store(out_ptr + (row0 + mi)[:, None] * stride_o + h * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=qmask)

@@ -53,8 +53,9 @@ def test_the_dry_run_covers_every_part(dry_run):
     kernels = result["kernels"]
     rows = [r["result"] for r in kernels["rows"]]
     assert [(r["context"], r["batch"]) for r in kernels["rows"]] == [(64, 1), (64, 4), (256, 1), (256, 4)]
-    for r in rows:  # both readers compute SDPA's attention over the same K/V (fp32 here)
+    for r in rows:  # every reader computes SDPA's attention over the same K/V (fp32 here): pieces too
         assert r["contiguous_error_vs_sdpa"] < 1e-4 and r["paged_error_vs_sdpa"] < 1e-4, r
+        assert r["pieces_error_vs_sdpa"] < 1e-4 and r["contiguous_vs_pieces"] > 0, r
         assert r["contiguous_us"] > 0 and r["paged_us"] > 0
     assert any(r["splits"] > 1 for r in rows)
     runs = result["runs"]  # odma's vLLM backend on an accelerator: one-run and scattered blocks, the same K/V

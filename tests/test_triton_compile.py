@@ -1,6 +1,6 @@
 """The Triton kernels compiled for an H100 (sm_90) without a GPU: every variant the host code launches (contiguous
-and paged, rotary write or plain, split decode or not, prefill; bf16, fp16 and fp32; the static decode batch of a
-captured graph) reads K and V in 16-byte vectors or asynchronous copies, never one element at a time. The launches
+and paged, rotary write or plain, split decode or not, prefill; bf16, fp16 and fp32; first rows read through a piece
+table; the static decode batch of a captured graph) reads K and V in 16-byte vectors or asynchronous copies, never one element at a time. The launches
 are recorded from the real host code (plan_step / attend on CPU tensors, nothing executed) and compiled with the
 specialization Triton's launcher would give them, then their PTX is read (tests/triton_ptx.py), once with the
 Triton CI installs and once with the one the GPU machines run (`TRITON_DEVICE_VERSION` in scripts/setup.sh,
@@ -112,6 +112,12 @@ def _record_launches() -> list[dict]:
                  for i, (s, q) in enumerate([(600, 1), (5, 1), (0, 200)])]
         for rot in (None, rotary):
             att.plan_step(slots, rotary=rot).attend(1, *_qkv(202, heads, kv_heads, dim, dtype))
+        if dtype == torch.bfloat16:  # first rows read from other blocks (a piece table), as the GPU would run it
+            view = [arena[o * per_token:(o + c) * per_token].view(layers, 2, c, kv_heads, dim)
+                    for o, c in ((0, 4096), (4096, 512), (4608, 1024))]
+            slots = [SimpleNamespace(kv=view[1], pages=None, start=4200, q_len=1, pieces=[(view[0], 0, 4000)]),
+                     SimpleNamespace(kv=view[2], pages=None, start=4000, q_len=300, pieces=[(view[0], 0, 4000)])]
+            att.plan_step(slots, rotary=rotary).attend(1, *_qkv(301, heads, kv_heads, dim, dtype))
         # a captured decode batch's static plan
         static = att.static_decode(16, arena, kv_heads, dim, rotary=rotary)
         static.fill([1] * 3, [(0, 2 * 64 * kv_heads * dim, 64 * kv_heads * dim)] * 3, [5, 6, 7])
@@ -175,14 +181,15 @@ def _check(result: dict) -> None:
     for kernel in result["kernels"]:
         what = f"{kernel['kernel']} {kernel['constexprs']} under Triton {result['triton']}: {kernel['loads']}"
         if kernel["kernel"] in READERS:
-            seen.add((kernel["kernel"], kernel["constexprs"]["PAGE"] > 0))
+            seen.add((kernel["kernel"], kernel["constexprs"]["PAGE"] > 0, kernel["constexprs"]["PIECES"] > 0))
             assert _scalar_loads(kernel["loads"]) == 0, "element-wise loads in " + what
             assert _vector_loads(kernel["loads"]) > 0, "no vector loads in " + what
         elif kernel["kernel"] in RUN_READERS:
             seen.add((kernel["kernel"], kernel["constexprs"]["SPLIT"]))
             # a request's int32 length is one word; K and V elements are never read one at a time
             assert _scalar_loads(kernel["loads"]) <= 1, "element-wise loads in " + what
-    assert seen == {(k, paged) for k in READERS for paged in (False, True)} | \
+    assert seen == {(k, paged, pieces) for k in READERS for paged, pieces in ((False, False), (True, False),
+                                                                              (False, True))} | \
         {(k, split) for k in RUN_READERS for split in (False, True)}
 
 

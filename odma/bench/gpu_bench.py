@@ -206,8 +206,10 @@ def _caps(spec: str) -> dict[str, float]:
 
 
 def _kernel_case(device, dtype, ctx: int, batch: int, heads: int, kv_heads: int, dim: int, gen):
-    """Contiguous blocks (with gaps) and the same K/V on scattered 16-token pages, two layers per token as in an
-    engine arena (layer 1 is read)."""
+    """Contiguous blocks (with gaps), the same K/V on scattered 16-token pages, and the same K/V with each request's
+    first half (whole pages) in a block of another request's, read through a piece table (a shared prefix read in
+    place: each its own holder here, the case least kind to caches); two layers per token as in an engine arena
+    (layer 1 is read)."""
     import torch
     from types import SimpleNamespace
 
@@ -232,10 +234,21 @@ def _kernel_case(device, dtype, ctx: int, batch: int, heads: int, kv_heads: int,
         pview[ids] = blk.view(layers, 2, pages_per, page, kv_heads, dim).permute(2, 0, 1, 3, 4, 5)
     contiguous = [SimpleNamespace(kv=b, pages=None, start=ctx - 1, q_len=1) for b in blocks]
     paged = [SimpleNamespace(kv=pview, pages=t, start=ctx - 1, q_len=1) for t in tables]
+    shared = max(page, ctx // 2 // page * page)  # rows each request reads from its holder's block
+    pieced_arena = torch.zeros(batch * (cap + 2 * gap) * per_token, dtype=dtype, device=device)
+    pieced = []
+    for i, blk in enumerate(blocks):
+        at = i * (cap + 2 * gap)
+        holder = pieced_arena[at * per_token:(at + shared) * per_token].view(layers, 2, shared, kv_heads, dim)
+        at += shared + gap
+        own = pieced_arena[at * per_token:(at + cap - shared) * per_token].view(layers, 2, cap - shared, kv_heads, dim)
+        holder.copy_(blk[:, :, :shared])
+        own.copy_(blk[:, :, shared:])
+        pieced.append(SimpleNamespace(kv=own, pages=None, start=ctx - 1, q_len=1, pieces=[(holder, 0, shared)]))
     q = torch.randn(batch, heads, dim, generator=gen, device=device, dtype=dtype)
     k = torch.randn(batch, kv_heads, dim, generator=gen, device=device, dtype=dtype)
     v = torch.randn(batch, kv_heads, dim, generator=gen, device=device, dtype=dtype)
-    return contiguous, paged, q, k, v
+    return contiguous, paged, pieced, q, k, v
 
 
 def _sdpa_loop(slots, q, k, v, layer: int = 1):
@@ -296,8 +309,8 @@ def _sweep(out: dict, contexts, batches, cap: Cap, report: Report, device, measu
 
 def _kernel_row(att, device, dtype, ctx, batch, heads, kv_heads, dim, gen, elem, copy_gbps, rounds, iters,
                 tiny) -> dict:
-    contiguous, paged, q, k, v = _kernel_case(device, dtype, ctx, batch, heads, kv_heads, dim, gen)
-    steps = {"contiguous": att.plan_step(contiguous), "paged": att.plan_step(paged)}
+    contiguous, paged, pieced, q, k, v = _kernel_case(device, dtype, ctx, batch, heads, kv_heads, dim, gen)
+    steps = {"contiguous": att.plan_step(contiguous), "paged": att.plan_step(paged), "pieces": att.plan_step(pieced)}
     reference = _sdpa_loop(contiguous, q, k, v).float()
     scale = max(reference.abs().max().item(), 1e-30)
     kv_bytes = batch * ctx * 2 * kv_heads * dim * elem
@@ -313,6 +326,7 @@ def _kernel_row(att, device, dtype, ctx, batch, heads, kv_heads, dim, gen, elem,
             row[f"{name}_share_of_copy"] = round(kv_bytes / times[name] / 1e6 / copy_gbps, 3)
     row["plan_us"] = round(_median_ms(lambda: att.plan_step(contiguous), device, rounds, iters) * 1e3, 1)
     row["contiguous_vs_paged"] = round(times["paged"] / times["contiguous"], 3)
+    row["contiguous_vs_pieces"] = round(times["pieces"] / times["contiguous"], 3)  # what reading in place costs
     if batch <= 16 or tiny:
         loop = _median_ms(lambda: _sdpa_loop(contiguous, q, k, v), device, rounds, max(1, iters // 4))
         row["sdpa_loop_us"] = round(loop * 1e3, 1)
