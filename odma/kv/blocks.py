@@ -36,6 +36,14 @@ class KVHandle:
     capacity: int  # tokens the request may hold now
     block: Block | None = None  # the contiguous range (None for the paged model, which has no ranges)
     pages: list[int] | None = None  # the paged model's page ids, in token order (its holder reads them in place)
+    # a shared prompt prefix read in place (odma.kv.shared_rows): (the handle of a block that holds rows, the first
+    # row that block holds, the row after the piece), in row order; `block` then holds the rows after the last piece
+    pieces: list[tuple["KVHandle", int, int]] | None = None
+
+    @property
+    def first_row(self) -> int:
+        """The first row `block` holds: after the pieces read from other blocks (0 without)."""
+        return self.pieces[-1][2] if self.pieces else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from odma.kv.placement import DeviceLoad
 from odma.kv.policy import SizedRequest
 from odma.kv.pool import KVPool, PoolStats
 from odma.kv.reclaim import clear_for_growth, clear_window, slide_for_growth
+from odma.kv.shared_rows import SharedRows, Shifted
 
 
 class KVManager(ABC):
@@ -96,8 +97,14 @@ class ContiguousKV(KVManager):
     after each release (count-based in the replay, so it is deterministic) and the changes are recorded."""
 
     def __init__(self, pool: KVPool, *, name: str | None = None, elastic: ElasticKV | None = None,
-                 buckets: BucketManager | None = None, compact_growth: bool = False, slide_growth: bool = False) -> None:
+                 buckets: BucketManager | None = None, compact_growth: bool = False, slide_growth: bool = False,
+                 read_prefixes: bool = False) -> None:
         self.pool = pool
+        # a shared prompt prefix read where a running holder keeps it (odma.kv.shared_rows) instead of copied into
+        # each block: the scheduler maps it (`admit_sharing`) as it maps a paged pool's pages
+        self.shared = SharedRows() if read_prefixes else None
+        self.shares_pages = read_prefixes
+        self.parked = 0  # blocks of ended requests kept for readers of their rows
         # a block that cannot grow while the pool's free units could hold its growth (fragmentation) gets a range
         # by relocating the blocks in it (odma.kv.reclaim.clear_for_growth): copies instead of a preemption
         self.compact_growth = compact_growth
@@ -138,7 +145,26 @@ class ContiguousKV(KVManager):
     def can_admit(self, req: SizedRequest) -> bool:
         return self.pool.could_reserve(req)
 
+    def shareable_tokens(self, tokens: int) -> int:
+        """Of `tokens` shared at the front, those `admit_sharing` reads in place: all of them (rows, not pages)."""
+        return tokens
+
+    def admit_sharing(self, req: SizedRequest, holder_id: str | None, tokens: int) -> KVHandle | None:
+        """Admit `req` reading the first `tokens` rows where `holder_id`'s block (and the blocks it reads) keep
+        them: its own block holds the rest. None: no room now (nothing changes)."""
+        if self.shared is None or holder_id is None or not tokens:
+            return self.admit(req)
+        pieces = self.shared.pieces_for(self.pool.handle_of(holder_id), tokens)
+        if self.pool.reserve(Shifted(req, tokens)) is None:
+            return None
+        handle = self.pool.handle_of(req.request_id)
+        self.shared.add(handle, pieces)
+        return handle
+
     def grow(self, request_id: str, new_len: int, *, held: int | None = None) -> Growth | None:
+        if self.shared is not None:  # a reader's block holds its rows from its first
+            first = self.pool.handle_of(request_id).first_row
+            new_len, held = new_len - first, None if held is None else held - first
         pool = self.pool
         old = pool.extend(request_id, held) if held is not None else pool.block_of(request_id)
         length = pool.length_of(request_id)  # what a growth copies
@@ -154,14 +180,35 @@ class ContiguousKV(KVManager):
         return Growth(new.capacity, 0 if new is old else length, new.offset != old.offset)
 
     def release(self, request_id: str, realized_output: int) -> None:
-        self.pool.release(request_id, realized_output)
+        if not self._parked(request_id):
+            self.pool.release(request_id, realized_output)
+        else:
+            self.pool.policy.observe(realized_output)
         self._released += 1
         b = self.buckets
         if b is not None and b.refresh_due() and b.refresh():
             self.bucket_history.append((self._released, b.bounds))
 
     def evict(self, request_id: str) -> None:
-        self.pool.release(request_id, 0, observe=False)
+        if not self._parked(request_id):
+            self.pool.release(request_id, 0, observe=False)
+
+    def _parked(self, request_id: str) -> bool:
+        """Reading in place: a request that leaves while others read its rows keeps them (its block shrunk in place,
+        under an id of its own) and True; else its block goes (by the caller) and so do the parked blocks only it
+        still read."""
+        if self.shared is None:
+            return False
+        handle = self.pool.handle_of(request_id)
+        keep = self.shared.rows_to_keep(handle)
+        if keep is not None:
+            self.parked += 1
+            self.pool.keep_front(request_id, keep, as_id=f"{request_id}/read-{self.parked}")
+            self.shared.park(handle)
+            return True
+        for gone in self.shared.drop(handle):
+            self.pool.release(gone.request_id, 0, observe=False)
+        return False
 
     def observe(self, realized_output: int) -> None:
         self.pool.policy.observe(realized_output)

@@ -337,14 +337,17 @@ class KVPool:
                 self.on_release(r, realized_len, block)
         return block
 
-    def keep_front(self, req: SizedRequest | str, tokens: int) -> Block:
+    def keep_front(self, req: SizedRequest | str, tokens: int, *, as_id: str | None = None) -> Block:
         """The request has ended but others read its first `tokens` rows: its block shrinks in place to them (rounded
         up to the alignment; the tail goes back to the free extents, the rows are re-laid for the smaller capacity by
-        the mover) and stays live, holding those rows only, until `release(req, 0, observe=False)`. Its realized
-        length is the caller's to log (`policy.observe`)."""
+        the mover) and stays live, holding those rows only, until `release(as_id or req, 0, observe=False)`. With
+        `as_id` the rows live on under that id (the request itself may come back, after a preemption), its handle
+        renamed with them. Its realized length is the caller's to log (`policy.observe`)."""
         with self._lock:
             live = self._lookup(req)
             rid = live.request.request_id
+            if as_id is not None and as_id != rid and as_id in self._live:
+                raise DuplicateRequestError(f"request {as_id} already holds a block")
             if type(tokens) is not int or not 1 <= tokens <= live.length:
                 raise InvalidRequestError(f"request {rid}: rows to keep must be an integer in [1, {live.length}], "
                                           f"got {tokens!r}")
@@ -361,6 +364,9 @@ class KVPool:
                 self._reserved_units -= tail.capacity // self.align
             self._live_tokens -= live.length - tokens
             live.length = tokens
+            if as_id is not None and as_id != rid:
+                self._live[as_id] = self._live.pop(rid)
+                rid = live.handle.request_id = as_id
             live.request = KVRequest(rid, tokens, 0)
             return new
 
