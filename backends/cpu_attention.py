@@ -61,8 +61,8 @@ class DecodeAttention:
 
     def plan_step(self, slots) -> DecodeBatch | None:
         """`plan` for a model step's slots (each with `kv`, `start`, `q_len`; paged slots are not for this kernel)."""
-        if any(s.pages is not None for s in slots):
-            return None
+        if any(s.pages is not None or getattr(s, "pieces", None) for s in slots):
+            return None  # (rows read from other blocks: the model's own path reads them)
         return self.plan([s.kv for s in slots], [s.start for s in slots], [s.q_len for s in slots])
 
     def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int],
@@ -97,7 +97,8 @@ class DecodeAttention:
         chunk's rows share their request's block, each over its causal prefix (lens start + 1 .. start + q_len); the
         kernel writes every row's k and v before any row attends. None where a block is paged or unreadable, or a
         chunk would pass its block's capacity. Not for `__call__`, which takes one row per request."""
-        if any(s.pages is not None or not _readable(s.kv) or s.start + s.q_len > s.kv.shape[2] for s in slots):
+        if any(s.pages is not None or getattr(s, "pieces", None) or not _readable(s.kv)
+               or s.start + s.q_len > s.kv.shape[2] for s in slots):
             return None
         half = _half([s.kv for s in slots])
         lens = [n for s in slots for n in range(s.start + 1, s.start + s.q_len + 1)]

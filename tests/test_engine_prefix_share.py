@@ -180,3 +180,94 @@ def test_no_request_waits_behind_a_long_prefill_for_a_prefix(folder):
     assert engine.prefill_tokens == len(long_prompt) + len(_prompt(1))  # both prefilled in the first step
     _drain(engine)
     assert all(s.finished for s in seqs) and engine.pool.stats().live_blocks == 0
+
+
+# -- read in place (prefix_reads): the prefix stays where the holder keeps it ------------------------------------
+
+LONG = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def _reads(folder, **overrides):
+    return tiny_engine(folder, prefix_reads=True, **overrides)
+
+
+def test_a_shared_prefix_read_in_place_generates_the_same(folder):
+    """A later request reads the holder's first rows in its block (the model's own attention on a CPU) and a third
+    reads two pieces, the first from the holder's block after the holder ended (shrunk in place): the same tokens
+    and logprobs as alone, only the rest computed, the pool empty at the end."""
+    engine = _reads(folder)
+    kv = engine.workers[0].kv
+    first = engine.add_request(_prompt(0), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    engine.step()
+    second = engine.add_request(_prompt(0, n=20), GREEDY)  # the first's prompt and 8 more tokens
+    engine.step()
+    assert first.finished and kv.parked == 1
+    third = engine.add_request(_prompt(0, n=26), GREEDY)
+    before = engine.prefill_tokens
+    _drain(engine)
+    sched = engine.workers[0].scheduler
+    assert (sched.counters.prefix_maps, sched.counters.prefix_copies) == (2, 0)
+    assert engine.prefill_tokens - before == 26 - 20  # the rest only
+    for seq, n in ((second, 20), (third, 26)):
+        alone = _alone(folder, _prompt(0, n=n))
+        assert seq.output_ids == alone.output_ids
+        assert [e.logprob for e in seq.output_logprobs] == pytest.approx(
+            [e.logprob for e in alone.output_logprobs], abs=1e-4)
+    assert engine.pool.stats().live_blocks == 0 and len(kv.shared) == 0
+    engine.pool.check_invariants()
+
+
+def test_a_holder_preempted_while_read_keeps_its_rows_and_comes_back(folder):
+    engine = _reads(folder, preempt="recompute")
+    kv = engine.workers[0].kv
+    holder = engine.add_request(_prompt(0), LONG)
+    engine.step()
+    reader = engine.add_request(_prompt(1), GREEDY)
+    engine.step()
+    assert reader.kv.pieces[0][0] is holder.kv
+    engine.workers[0].scheduler._preempt(holder)  # its rows stay for the reader, under an id of their own
+    assert kv.parked == 1 and f"{holder.request_id}/read-1" in engine.pool
+    _drain(engine)  # the holder comes back under its own id and finishes
+    assert holder.output_ids == tiny_engine(folder, prefix_share_min_tokens=0).generate([_prompt(0)], LONG)[0].output_ids
+    assert reader.output_ids == _alone(folder, _prompt(1)).output_ids
+    assert engine.pool.stats().live_blocks == 0 and len(kv.shared) == 0
+    engine.pool.check_invariants()
+
+
+def test_a_reader_is_recomputed_not_swapped(folder):
+    """Its block holds only its later rows: a swap would keep too few, so its preemption recomputes it."""
+    engine = _reads(folder, preempt="swap")
+    engine.add_request(_prompt(0), LONG)
+    engine.step()
+    reader = engine.add_request(_prompt(1), GREEDY)
+    engine.step()
+    sched = engine.workers[0].scheduler
+    sched._preempt(reader)
+    assert sched.counters.swap_outs == 0 and reader.num_cached == 0
+    _drain(engine)
+    assert reader.output_ids == _alone(folder, _prompt(1)).output_ids
+    assert engine.pool.stats().live_blocks == 0
+    engine.pool.check_invariants()
+
+
+def test_samples_of_a_reader_copy_its_rows_from_every_piece(folder):
+    """n > 1: the first sample reads the shared prefix in place; the others copy its prompt's rows from where they
+    lie (the holder's block, then its own)."""
+    engine = _reads(folder)
+    engine.add_request(_prompt(0), LONG)
+    engine.step()
+    samples = engine.add_samples(_prompt(1), GREEDY, 3)
+    _drain(engine)
+    assert engine.forks.copied == 2 and engine.workers[0].scheduler.counters.prefix_maps == 1
+    alone = _alone(folder, _prompt(1))
+    assert all(s.output_ids == alone.output_ids for s in samples)
+    assert engine.pool.stats().live_blocks == 0
+
+
+def test_reading_in_place_needs_prefix_sharing_and_blocks_grown_by_copy(folder):
+    from odma.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="prefix_share_min_tokens"):
+        _reads(folder, prefix_share_min_tokens=0)
+    with pytest.raises(ConfigError, match="grown by copy"):
+        _reads(folder, kv_growth="map")

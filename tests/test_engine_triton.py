@@ -99,6 +99,37 @@ def test_the_paged_baseline_maps_a_shared_prefix_s_whole_pages(folder):
     assert kv.free_pages == kv.total_pages
 
 
+def test_a_shared_prefix_is_read_in_place_through_the_kernels(folder):
+    """prefix_reads: a request reads its first rows where the running holder keeps them; a third reads the first
+    holder's rows and the second's (two pieces) after the first has ended (its block shrunk in place to the rows
+    read). The same tokens as full prefills, only the rest computed, nothing left in the pool at the end."""
+    base = list(range(60, 80))
+    prompts = [base + [1], base + [1, 2, 3, 4, 5, 6, 7, 8], base + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    engine = tiny_engine(folder, kv_budget="1MiB", attention="triton", device=DEVICE, prefix_reads=True)
+    kv = engine.workers[0].kv
+    first = engine.add_request(prompts[0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    engine.step()  # its prompt is cached
+    second = engine.add_request(prompts[1], GREEDY)
+    engine.step()  # the second reads its 21 first rows from the first's block; the first ends
+    assert first.finished and kv.parked == 1 and second.kv.pieces[0][0].block is not None
+    before = engine.prefill_tokens
+    third = engine.add_request(prompts[2], GREEDY)
+    engine.step()
+    # rows 0..21 from the first's parked block, 21..28 from the second's: its own block holds the rest
+    assert [(h.request_id, first_row, end) for h, first_row, end in third.kv.pieces] == [
+        (f"{first.request_id}/read-1", 0, 21), (second.request_id, 21, 28)]
+    while engine.has_work():
+        engine.step()
+        kv.check()
+    counters = engine.scheduler.counters
+    assert (counters.prefix_maps, counters.prefix_copies) == (2, 0)
+    assert engine.prefill_tokens - before == len(prompts[2]) - len(prompts[1])  # the rest only
+    alone = tiny_engine(folder, kv_budget="1MiB").generate(prompts, GREEDY)
+    assert [s.output_ids for s in (second, third)] == [s.output_ids for s in alone[1:]]
+    stats = engine.pool.stats()
+    assert stats.live_blocks == 0 and stats.reserved_tokens == 0 and len(kv.shared) == 0
+
+
 def test_paged_baseline_recomputes_under_pressure(folder, reference):
     engine = tiny_engine(folder, kv_budget="32KiB", attention="triton", policy="paged", device=DEVICE)
     seqs = engine.generate(PROMPTS, GREEDY)

@@ -58,6 +58,7 @@ FLAGS = {
     "balloon_chunked_prefill": (["--no-balloon-chunked-prefill"], False),
     "clear_window": (["--no-clear-window"], False),
     "prefix_share_min_tokens": (["--prefix-share-min-tokens", "0"], 0),
+    "prefix_reads": (["--prefix-reads"], True),
     "packing": (["--no-packing"], False),
 }
 POOL_FLAGS = {

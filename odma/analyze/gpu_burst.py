@@ -150,7 +150,7 @@ class ModelledSwap:
 
     def swap_out(self, seq) -> bool:
         nbytes = seq.num_cached * self.bytes_per_token
-        if seq.block is None or nbytes > self.controller.free_bytes:
+        if seq.block is None or nbytes > self.controller.free_bytes or seq.kv.pieces:
             return False
         self.controller.record_offload(seq.request_id, nbytes)
         self.moved_tokens += seq.num_cached
@@ -255,6 +255,7 @@ class BurstEngine:
                           neighbour_growth=settings.neighbour_growth)
             self.copies = pool.mover = CopyCounter()
             self.kv = ContiguousKV(pool, compact_growth=settings.compact_growth,
+                                   read_prefixes=engine.prefix_reads and policy != "static",
                                    slide_growth=settings.compact_growth and settings.slide_growth)
             preempt = options.pop("preempt", engine.resolved_preempt)
             if preempt == "swap":

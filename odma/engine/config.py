@@ -180,6 +180,11 @@ class EngineConfig:
     # of computing them (odma.engine.prefix_share; the chat template's system prompt, a conversation's history;
     # the paged baseline maps their whole pages); 0: off
     prefix_share_min_tokens: int = 16
+    # such a prefix read where the running request keeps it instead of copied (odma.kv.shared_rows): the block holds
+    # only the rows after it, and a request that ends while others read its rows keeps them (its block shrunk) until
+    # they end. Contiguous blocks grown by copy; the Triton attention reads the pieces (a step with them is not a
+    # captured graph), on a CPU the model's own attention does (slower than its kernels)
+    prefix_reads: bool = False
     # odma's blocks kept packed under memory pressure (docs/results/gpu/replay_policy.md): growth by compaction that
     # slides blocks over the gaps between them when no range can be cleared otherwise, growth over the gaps beside a
     # block, growth by pool.growth_step tokens, admission within PACKED_THETA of the pool; a block that still finds
@@ -305,6 +310,10 @@ class EngineConfig:
             raise ConfigError(f"tag_timeout_s must be a positive number of seconds, got {self.tag_timeout_s!r}")
         if self.prefix_share_min_tokens < 0:
             raise ConfigError(f"prefix_share_min_tokens must be >= 0 (0: off), got {self.prefix_share_min_tokens}")
+        if self.prefix_reads and not self.prefix_share_min_tokens:
+            raise ConfigError("prefix_reads reads shared prefixes in place: it needs prefix_share_min_tokens > 0")
+        if self.prefix_reads and self.kv_growth == "map":
+            raise ConfigError("prefix_reads needs blocks grown by copy (kv_growth copy or auto), not by mapping")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
         try:

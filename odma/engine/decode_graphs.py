@@ -61,9 +61,10 @@ class DecodeGraphs:
 
     def eligible(self, work: Sequence) -> bool:
         """Every request decoding: feeding one generated token (prompt tokens, even one, take the eager path,
-        which also scores them where prompt logprobs are asked)."""
+        which also scores them where prompt logprobs are asked), from its own block only (a request reading a shared
+        prefix in place takes the eager path, whose plan has its pieces)."""
         return 0 < len(work) <= self.max_batch and all(
-            w.q_len == 1 and w.start >= len(w.seq.prompt_ids) for w in work)
+            w.q_len == 1 and w.start >= len(w.seq.prompt_ids) and not w.seq.kv.pieces for w in work)
 
     def run(self, work: Sequence) -> torch.Tensor:
         """The logits [len(work), vocab] (float32) of a decode-only step."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from odma.engine.scheduler import Work
 from odma.engine.sequence import Sequence, Status
+from odma.engine.prefix_share import copy_first_rows
 
 
 class Forks:
@@ -73,7 +74,7 @@ class Forks:
                 self.recomputed += 1
                 out.append(w)
                 continue
-            arena.copy(source.block, seq.block, keep)
+            copy_first_rows(arena, source.kv, seq.block, keep)
             seq.num_cached = keep
             self.copied += 1
             out.append(Work(seq, keep, 1))

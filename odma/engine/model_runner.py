@@ -120,7 +120,9 @@ class ModelRunner:
             if pages is not None:
                 slots.append(SeqSlot(pages, w.start, w.q_len, pages=w.seq.kv.pages))
             else:
-                slots.append(SeqSlot(self.arena.view(w.seq.block), w.start, w.q_len))
+                pieces = w.seq.kv.pieces
+                slots.append(SeqSlot(self.arena.view(w.seq.block), w.start, w.q_len, pieces=pieces and [
+                    (self.arena.view(h.block), first, end) for h, first, end in pieces]))
         capture = HiddenCapture(self.capture_layers) if self.capture_layers else None
         with prompt_logprobs(self.model, work):  # only for requests that ask (echo with logprobs)
             logits = self.model(

@@ -113,7 +113,22 @@ def copy_prefixes(work: list, arena) -> list:
         if source.block is None or source.num_cached < w.start or seq.block is None:
             out.append(Work(seq, 0, w.start + w.q_len))
             continue
-        arena.copy(source.block, seq.block, w.start)
+        copy_first_rows(arena, source.kv, seq.block, w.start)
         seq.num_cached = w.start
         out.append(w)
     return out
+
+
+def copy_first_rows(arena, source, dst, n: int) -> None:
+    """The first `n` rows of `source` (a KVHandle: its block, and the pieces it reads from other blocks where it
+    reads a shared prefix in place, odma.kv.shared_rows) into block `dst` from its row 0."""
+    if not source.pieces:
+        arena.copy(source.block, dst, n)
+        return
+    target = arena.view(dst)
+    previous = 0
+    for handle, first, end in [*source.pieces, (source, source.first_row, n)]:
+        end = min(end, n)
+        if end > previous:
+            target[:, :, previous:end] = arena.view(handle.block)[:, :, previous - first:end - first]
+        previous = end

@@ -23,8 +23,8 @@ class HostSwap:
     def swap_out(self, seq: Sequence) -> bool:
         n = seq.num_cached
         nbytes = n * self.runner.bytes_per_token
-        if seq.block is None or nbytes > self.controller.free_bytes:
-            return False
+        if seq.block is None or nbytes > self.controller.free_bytes or seq.kv.pieces:
+            return False  # (a request reading a shared prefix in place holds only its later rows: recomputed)
         self._host[seq.request_id] = self.backend.offload(self.runner.arena, seq.block, n)
         self.backend.synchronize()  # the block is released right after: the copy must be complete
         self.controller.record_offload(seq.request_id, nbytes)

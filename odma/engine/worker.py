@@ -57,7 +57,8 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         raise ConfigError(f"kv budget {config.kv_budget!r} holds {total_tokens} tokens of {bytes_per_token} B each")
     if config.policy == "paged":
         return _build_paged_worker(config, device, backend, model, kv_dtype, total_tokens, bytes_per_token)
-    wants_map = config.kv_growth == "map" or (config.kv_growth == "auto" and not config.balloon)
+    wants_map = config.kv_growth == "map" or (config.kv_growth == "auto" and not config.balloon
+                                              and not config.prefix_reads)
     mapped = _build_mapped(config, device, backend, model, policy, kv_dtype, budget) if wants_map else None
     if mapped is not None:
         runner, kv = mapped
@@ -72,7 +73,8 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
                       neighbour_growth=settings.neighbour_growth)
         kv = ContiguousKV(pool, elastic=_build_elastic(config, backend, runner, pool) if config.balloon else None,
                           compact_growth=settings.compact_growth,
-                          slide_growth=settings.compact_growth and settings.slide_growth)
+                          slide_growth=settings.compact_growth and settings.slide_growth,
+                          read_prefixes=config.prefix_reads and config.policy != "static")
     swap = None
     if config.resolved_preempt == "swap":
         from odma.engine.swap import HostSwap

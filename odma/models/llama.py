@@ -34,6 +34,14 @@ class SeqSlot:
     # paged KV (the baseline): the request's page ids in order, and `kv` is the whole arena viewed as pages
     # [pages, layers, 2, page_tokens, kv_heads, head_dim]; only the Triton attention reads pages
     pages: list[int] | None = None
+    # a shared prompt prefix read in place (odma.kv.shared_rows): (another block's view, the first row it holds, the
+    # row after the piece), in row order; `kv` then holds the rows after the last piece
+    pieces: list[tuple[torch.Tensor, int, int]] | None = None
+
+    @property
+    def first_row(self) -> int:
+        """The first row `kv` holds (0 without pieces)."""
+        return self.pieces[-1][2] if self.pieces else 0
 
 
 @dataclass(slots=True)
@@ -132,13 +140,26 @@ class Attention(nn.Module):
                 pos += s.q_len
                 continue
             end = s.start + s.q_len
+            first = s.first_row
             cache = s.kv[self.layer]  # [2, capacity, kv_heads, head_dim]
-            cache[0, s.start : end] = k[pos : pos + s.q_len]
-            cache[1, s.start : end] = v[pos : pos + s.q_len]
-            out[pos : pos + s.q_len] = _attend(q[pos : pos + s.q_len], cache[0, :end].to(kv_dtype),
-                                               cache[1, :end].to(kv_dtype), s.start)
+            cache[0, s.start - first : end - first] = k[pos : pos + s.q_len]
+            cache[1, s.start - first : end - first] = v[pos : pos + s.q_len]
+            rows = _rows(s, self.layer, cache[:, : end - first])
+            out[pos : pos + s.q_len] = _attend(q[pos : pos + s.q_len], rows[0].to(kv_dtype), rows[1].to(kv_dtype),
+                                               s.start)
             pos += s.q_len
         return self.o_proj(out.view(t, -1).to(x.dtype))
+
+
+def _rows(slot: SeqSlot, layer: int, own: torch.Tensor) -> torch.Tensor:
+    """[2, rows, kv_heads, head_dim] of `layer`: the slot's pieces read from other blocks, then `own` (its block's)."""
+    if not slot.pieces:
+        return own
+    parts, previous = [], 0
+    for view, first, end in slot.pieces:
+        parts.append(view[layer, :, previous - first : end - first])
+        previous = end
+    return torch.cat([*parts, own], dim=1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-share-min-tokens", type=int, default=d.prefix_share_min_tokens,
                    help="copy the K/V of a prompt prefix at least this long from a running request that has it "
                         "cached instead of computing it (0: off)")
+    p.add_argument("--prefix-reads", action=argparse.BooleanOptionalAction, default=d.prefix_reads,
+                   help="read such a prefix where the running request keeps it instead of copying it (a smaller "
+                        "block; the Triton attention reads the pieces, a CPU the model's own attention)")
     p.add_argument("--worst-case-prompt-share", type=float, default=d.pool.worst_case_prompt_share,
                    help="a request whose prompt exceeds this share of the pool reserves prompt + max_tokens up front")
     p.add_argument("--predictor", default=d.predictor, help="length predictor: the trained text encoder (default), sklearn, oracle, a folder, or median")
@@ -237,7 +240,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         length_log_backups=args.length_log_backups,
         balloon=args.balloon, balloon_segment_tokens=args.balloon_segment_tokens,
         balloon_chunked_prefill=args.balloon_chunked_prefill, clear_window=args.clear_window,
-        prefix_share_min_tokens=args.prefix_share_min_tokens,
+        prefix_share_min_tokens=args.prefix_share_min_tokens, prefix_reads=args.prefix_reads,
         pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale,
                      growth_hint=args.growth_hint, worst_case_prompt_share=args.worst_case_prompt_share,
                      compact_growth=args.compact_growth, slide_growth=args.slide_growth,
