@@ -6,16 +6,17 @@
 #   bench   odma-bench gpu, parts engine, http and peer (BENCH_PARTS; kernels, runs, vmm and step were measured
 #           before and stay available): random weights of the paper model's shape, every policy on one KV budget, on
 #             ShareGPT's first turns (their text: SmolLM2's chat template; 200 requests) under odma with the
-#               learned predictor, the running median and the oracle, paged and static, and odma with the learned
-#               predictor serving shortest predicted first (@sjf);
+#               learned predictor, the running median and the oracle, paged and static, odma with the learned
+#               predictor serving shortest predicted first (@sjf), and odma reading shared prefixes in place
+#               (odma-reads: --prefix-reads);
 #             Azure's conversation trace (lengths only; 400 requests) under odma and paged;
 #           then odma-serve over HTTP against the engine alone on one burst (64 running; its engine in a process of
 #           its own, the default on a GPU), a second server with the engine in its process (--no-engine-process) on
 #           the same burst (the CPU dry run, whose default is one process, runs --engine-process there), and
 #           transformers' continuous
-#           batching on ShareGPT's burst. At most CAP_BENCH seconds (395: 200 for the engine's bursts, shared in
+#           batching on ShareGPT's burst. At most CAP_BENCH seconds (420: 225 for the engine's bursts, shared in
 #           proportion to their tokens (they took ~155), 120 for http, 75 for the peer).
-# At most: env and wheels 15 s + tests 100 s + bench 395 s = 510 s; on an H200 it took 6 minutes (tests 70 s at
+# At most: env and wheels 15 s + tests 100 s + bench 420 s = 535 s; on an H200 it took 6 minutes (tests 70 s at
 # the old cap, which cut their summary line; bench 282 s).
 # A new part: append `part_NAME` below and its name to PARTS.
 # Everything lands in OUT (default runs/gpu_check): env.txt, tests.log, gpu_check.json (rewritten after every
@@ -95,7 +96,7 @@ PYEOF
 # what the engine part stands on: the CUDA backend, the engine through the Triton kernels, decode graphs (the
 # kernels' own tests, test_triton_attention/_runs and test_cuda_vmm, ran before and stay for a longer lease)
 TESTS=${GPU_TESTS:-tests/test_backends_conformance.py tests/test_engine_triton.py tests/test_decode_graphs.py}
-ENGINE_RUNS=(--engine-run "$SHAREGPT:$SHAREGPT_REQUESTS=odma:$LEARNED,odma:median,odma:oracle,paged,static,odma:$LEARNED@sjf"
+ENGINE_RUNS=(--engine-run "$SHAREGPT:$SHAREGPT_REQUESTS=odma:$LEARNED,odma:median,odma:oracle,paged,static,odma:$LEARNED@sjf,odma-reads:median"
              --engine-run "azure-conv:$AZURE_REQUESTS=odma,paged")
 if [ "$CPU" = 1 ]; then
   export TRITON_INTERPRET=1
@@ -108,9 +109,9 @@ if [ "$CPU" = 1 ]; then
   CAP_BENCH=${CAP_BENCH:-3000}
 else
   PICK=()
-  BENCH=(--caps engine=200,http=120,peer=75,step=20 "--http-also-flags=--no-engine-process")
+  BENCH=(--caps engine=225,http=120,peer=75,step=20 "--http-also-flags=--no-engine-process")
   CAP_TESTS=${CAP_TESTS:-100}
-  CAP_BENCH=${CAP_BENCH:-395}
+  CAP_BENCH=${CAP_BENCH:-420}
 fi
 
 part_tests() {

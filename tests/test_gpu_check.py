@@ -75,7 +75,7 @@ def test_the_dry_run_covers_every_part(dry_run):
     assert list(runs) == [sharegpt, azure]  # both traces, one model, results keyed by trace
     learned = f"odma:{staged}/predictor/default"  # the staged, self-contained learned predictor
     assert list(runs[sharegpt]["policies"]) == [learned, "odma:median", "odma:oracle", "paged", "static",
-                                                f"{learned}@sjf"]
+                                                f"{learned}@sjf", "odma-reads:median"]
     assert list(runs[azure]["policies"]) == ["odma", "paged"]
     assert runs[sharegpt]["work"]["texts"] == runs[sharegpt]["work"]["requests"] == 8  # ShareGPT carries text
     assert runs[azure]["work"]["texts"] == 0  # Azure's trace has lengths only
@@ -95,12 +95,13 @@ def test_the_dry_run_covers_every_part(dry_run):
     text = runs[sharegpt]["policies"]
     assert text[learned]["predictor"] == text[f"{learned}@sjf"]["predictor"] == "encoder:default"  # not its fallback
     assert text[f"{learned}@sjf"]["schedule"] == "sjf" and text[learned]["schedule"] == "fcfs"
+    assert text["odma-reads:median"]["prefix_reads"] and not text["odma:median"]["prefix_reads"]
     assert text[learned]["tagging_s"] > 0  # the encoder's host time, measured
     assert text["odma:median"]["predictor"] == "running-median"
     assert text["odma:oracle"]["prediction"]["median_abs_error"] == 0  # exact lengths, handed over upstream
     assert text["odma:oracle"]["prediction"]["under_share"] == 0
     assert text["odma:median"]["prediction"]["mean_predicted"] == TINY_MAX_TOKENS  # the prior 128, cut to max_tokens
-    for variant in (learned, "odma:median", "odma:oracle", f"{learned}@sjf"):  # every odma variant, both baselines
+    for variant in (learned, "odma:median", "odma:oracle", f"{learned}@sjf", "odma-reads:median"):  # both baselines
         assert runs[sharegpt][f"{variant}_vs_paged"] > 0 and runs[sharegpt][f"{variant}_vs_static"] > 0
     assert runs[azure]["odma_vs_paged"] > 0
     static, odma = text["static"], text["odma:median"]

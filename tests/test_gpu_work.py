@@ -94,16 +94,18 @@ def test_engine_runs_parse_traces_requests_and_a_predictor_and_order_per_policy(
     from odma.errors import ConfigError
 
     run = EngineRun.parse("alpaca-eval:gpt4:50=odma:default,odma-map:oracle,odma:.gpu/predictor/default,paged,"
-                          "odma:.gpu/predictor/default@sjf,odma@adaptive")
+                          "odma:.gpu/predictor/default@sjf,odma@adaptive,odma-reads:median")
     assert (run.trace, run.requests) == ("alpaca-eval:gpt4", 50)
     assert [(p.policy, p.mapped, p.predictor, p.schedule) for p in run.policies] == [
         ("odma", False, "default", "fcfs"), ("odma", True, "oracle", "fcfs"),
         ("odma", False, ".gpu/predictor/default", "fcfs"), ("paged", False, "median", "fcfs"),
-        ("odma", False, ".gpu/predictor/default", "sjf"), ("odma", False, "median", "adaptive")]
+        ("odma", False, ".gpu/predictor/default", "sjf"), ("odma", False, "median", "adaptive"),
+        ("odma", False, "median", "fcfs")]
+    assert [p.reads for p in run.policies] == [False] * 6 + [True]
     assert run.policies[4].label == "odma:.gpu/predictor/default@sjf"  # the key of its results
     assert EngineRun.parse("alpaca-eval:gpt4=static").requests is None
     for bad in ("azure-conv", "azure-conv=", "=odma", "azure-conv=vllm", "azure-conv:0=odma", "azure-conv=odma@ljf",
-                "azure-conv=odma:default@"):
+                "azure-conv=odma:default@", "azure-conv=paged-reads"):
         with pytest.raises(ConfigError):
             EngineRun.parse(bad)
 

@@ -679,16 +679,18 @@ def _counts(engine) -> dict:
 
 @dataclass(frozen=True)
 class PolicyRun:
-    """One engine policy of a run: `odma`, `paged`, `static`, NAME-map (growing by mapping), each optionally with
-    the length predictor it runs (`odma:default`, `odma:median`, `odma:oracle`, `odma:PATH`, as
-    `predictor.registry` takes specs); none named is the running median, as the engine part always ran. A suffix
-    `@ORDER` serves it in that order (`odma:default@sjf`: shortest predicted first; default fcfs)."""
+    """One engine policy of a run: `odma`, `paged`, `static`, NAME-map (growing by mapping), `odma-reads` (shared
+    prompt prefixes read in place, `--prefix-reads`), each optionally with the length predictor it runs
+    (`odma:default`, `odma:median`, `odma:oracle`, `odma:PATH`, as `predictor.registry` takes specs); none named is
+    the running median, as the engine part always ran. A suffix `@ORDER` serves it in that order
+    (`odma:default@sjf`: shortest predicted first; default fcfs)."""
 
     label: str  # as given: the key of its results
     policy: str
     mapped: bool
     predictor: str
     schedule: str = "fcfs"
+    reads: bool = False
 
     @classmethod
     def parse(cls, label: str) -> "PolicyRun":
@@ -699,11 +701,13 @@ class PolicyRun:
         if at and schedule not in ORDERS:
             raise ConfigError(f"engine policy {label!r}: the order after @ is one of {', '.join(ORDERS)}")
         name, _, predictor = spec.partition(":")
-        policy, mapped = (name[:-4], True) if name.endswith("-map") else (name, False)
+        reads = name == "odma-reads"
+        policy, mapped = (name[:-4], True) if name.endswith("-map") else ("odma" if reads else name, False)
         if policy not in ENGINE_POLICIES:
             raise ConfigError(f"engine policy {label!r}: the policy is one of {', '.join(ENGINE_POLICIES)} (NAME-map "
-                              "grows by mapping), optionally followed by :PREDICTOR and @ORDER")
-        return cls(label, policy, mapped, predictor or "median", schedule)
+                              "grows by mapping; odma-reads reads shared prefixes in place), optionally followed by "
+                              ":PREDICTOR and @ORDER")
+        return cls(label, policy, mapped, predictor or "median", schedule, reads)
 
 
 @dataclass(frozen=True)
@@ -879,6 +883,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     # warm-ups run under a throwaway median: the measured predictor (a running median learns) sees only the burst
     engine = _engine(args, device, dtype_name, model, policy=policy.policy,
                      kv_growth="map" if policy.mapped else "copy", tagging=args.tagging, schedule=policy.schedule,
+                     prefix_reads=policy.reads,
                      loaded=LoadedPredictor(RunningMedian(), RunningMedian.name, None), **memory)
     prompts = [list(p) for p in work.prompts]
     max_prompt, _ = burst_caps(args.max_prompt, args.max_tokens, args.tiny)
@@ -900,6 +905,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     result["predictor"] = engine.predictor.name
     result["predictor_fallback"] = engine.predictor.fallback_reason
     result["schedule"] = engine.config.schedule
+    result["prefix_reads"] = engine.config.prefix_reads
     result["preempt"] = engine.config.resolved_preempt
     result["compact_growth"] = engine.config.resolved_pool.compact_growth
     result["packing"] = engine.config.packing_resolved

@@ -87,6 +87,9 @@ VARIANTS = {
     "static-noprefix": ("static", {"prefix_share_min_tokens": 0}, "median"),
     "paged-noprefix": ("paged", {"prefix_share_min_tokens": 0}, "median"),  # the paged pool before it mapped prefixes
     "packed-noprefix": ("odma", {**odma_memory("packed"), "prefix_share_min_tokens": 0}, "median"),
+    # shared prefixes read in place (odma.kv.shared_rows) instead of copied
+    "packed+reads": ("odma", {**odma_memory("packed"), "prefix_reads": True}, "median"),
+    "L:packed+reads": ("odma", {**odma_memory("packed"), "prefix_reads": True}, "default"),
     # exact lengths instead of the running median's guess
     "oracle": ("oracle", {}, "median"),  # contiguous blocks of exactly the true length, never growing
     "O:packed": ("odma", odma_memory("packed"), "oracle"),
