@@ -64,6 +64,19 @@ def _piece_rows(r, t, layer, table_ptr, table_stride, mask, PIECES: tl.constexpr
 
 
 @triton.jit
+def _key_rows(r, t, layer, base_ptr, lstride_ptr, half, table_ptr, table_stride, page_elems, mask,
+              ROW: tl.constexpr, PAGE: tl.constexpr, ALIGN: tl.constexpr, PIECES: tl.constexpr):
+    """(element offsets of K rows `t` of requests `r` in `layer`, their K-to-V strides): through the piece tables
+    (PIECES > 0), else `_rows` with each request's `half`."""
+    if PIECES > 0:
+        rows, halves = _piece_rows(r, t, layer, table_ptr, table_stride, mask, PIECES, ROW, ALIGN)
+    else:
+        rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, mask, ROW, PAGE, ALIGN)
+        halves = half
+    return rows, halves
+
+
+@triton.jit
 def _fold(kv_ptr, rows, half, kvh, d, tmask, dmask, allowed, q, m, lsum, acc, qk_scale, D: tl.constexpr,
           UPCAST: tl.constexpr, ALIGN: tl.constexpr):
     """Fold one tile of keys (K rows at element offsets `rows`, V rows `half` further) into the running softmax of
@@ -170,11 +183,9 @@ def kv_write_kernel(kv_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, stride_q, stride_k, 
     r = tl.load(tok_req_ptr + j, mask=jmask, other=0)
     t = tl.load(tok_pos_ptr + j, mask=jmask, other=-1)
     live = jmask & (t >= 0)
-    if PIECES > 0:  # a token's row lies in its request's own block, the last piece
-        rows, half = _piece_rows(r, t, layer, table_ptr, table_stride, live, PIECES, ROW, ALIGN)
-    else:
-        rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, live, ROW, PAGE, ALIGN)
-        half = tl.load(half_ptr + r)
+    # (with pieces, a token's row lies in its request's own block, the last piece)
+    rows, half = _key_rows(r, t, layer, base_ptr, lstride_ptr, tl.load(half_ptr + r), table_ptr, table_stride,
+                           page_elems, live, ROW, PAGE, ALIGN, PIECES)
     vrows = tl.multiple_of(rows + half, ALIGN)
     e = tl.arange(0, BLOCK_R)
     mask = live[:, None] & (e < ROW)[None, :]
@@ -222,12 +233,8 @@ def decode_kernel(kv_ptr, q_ptr, out_ptr, part_acc_ptr, part_lse_ptr, stride_q, 
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         tmask = t < hi
-        if PIECES > 0:
-            rows, halves = _piece_rows(r, t, layer, table_ptr, table_stride, tmask, PIECES, ROW, ALIGN)
-        else:
-            rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE,
-                         ALIGN)
-            halves = half
+        rows, halves = _key_rows(r, t, layer, base_ptr, lstride_ptr, half, table_ptr, table_stride, page_elems, tmask,
+                                 ROW, PAGE, ALIGN, PIECES)
         m, lsum, acc = _fold(kv_ptr, rows, halves, kvh, d, tmask, dmask, tmask[None, :], q, m, lsum, acc, qk_scale,
                              D, UPCAST, ALIGN)
     _store_decode(out_ptr, part_acc_ptr, part_lse_ptr, row, stride_o, i, s, n_splits, heads, gmask, d, dmask, acc, m,
@@ -297,12 +304,8 @@ def prefill_kernel(kv_ptr, q_ptr, out_ptr, stride_q, stride_o, tile_req_ptr, til
     for kstart in range(0, end, BLOCK_N):
         t = kstart + tl.arange(0, BLOCK_N)
         tmask = t < end
-        if PIECES > 0:
-            rows, halves = _piece_rows(r, t, layer, table_ptr, table_stride, tmask, PIECES, ROW, ALIGN)
-        else:
-            rows = _rows(r, t, layer, base_ptr, lstride_ptr, table_ptr, table_stride, page_elems, tmask, ROW, PAGE,
-                         ALIGN)
-            halves = half
+        rows, halves = _key_rows(r, t, layer, base_ptr, lstride_ptr, half, table_ptr, table_stride, page_elems, tmask,
+                                 ROW, PAGE, ALIGN, PIECES)
         causal = (t[None, :] <= pos[:, None]) & tmask[None, :]
         m, lsum, acc = _fold(kv_ptr, rows, halves, kvh, d, tmask, dmask, causal, q, m, lsum, acc, qk_scale, D,
                              UPCAST, ALIGN)

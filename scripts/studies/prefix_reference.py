@@ -34,23 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from odma.analyze.gpu_burst import bench_prompts, odma_memory, run_burst  # noqa: E402
 from odma.analyze.gpu_profile import load_gpu_profile  # noqa: E402
+from odma.kv.shared_rows import Shifted  # noqa: E402
 from scripts.studies.gpu_policy import PROFILES, burst_config  # noqa: E402
 
 MODES = ("free", "trim", "trim1", "keep")
-
-
-class _Shifted:
-    """`req` as its own block sees it: `offset` fewer prompt rows (they are read from the holder's)."""
-
-    def __init__(self, req, offset: int) -> None:
-        self._req, self.offset = req, offset
-
-    def __getattr__(self, name):
-        return getattr(self._req, name)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self._req.prompt_tokens - self.offset
 
 
 class ReferencedPrefixes:
@@ -87,7 +74,7 @@ class ReferencedPrefixes:
         shared = 0
         if self.prefixes is not None and not getattr(req, "num_cached", 0):
             shared = self.shareable_tokens(self.prefixes.lookup(req)[1])
-        return self._kv.initial_tokens(_Shifted(req, shared) if shared else req)
+        return self._kv.initial_tokens(Shifted(req, shared) if shared else req)
 
     def admit_sharing(self, req, holder_id: str | None, tokens: int):
         if holder_id is None or not tokens:
@@ -99,7 +86,7 @@ class ReferencedPrefixes:
         if self.mode == "trim1":  # one block read in place; the rest of the prefix copied into the reader's block
             pieces = pieces[:1]
         read = pieces[-1][2]
-        handle = self._kv.admit(_Shifted(req, read))
+        handle = self._kv.admit(Shifted(req, read))
         if handle is not None:
             rid = req.request_id
             self.offset[rid], self.pieces[rid] = read, pieces
