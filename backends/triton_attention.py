@@ -226,9 +226,11 @@ class TritonAttention:
 
     def static_decode(self, max_batch: int, storage: torch.Tensor, kv_heads: int, head_dim: int, *,
                       page: int = 0, page_elems: int = 0, table_width: int = 1,
-                      rotary: torch.Tensor | None = None) -> StaticDecode:
-        """Decode steps of up to max_batch requests over buffers that never move (what a captured graph reads)."""
-        return StaticDecode(self, max_batch, storage, kv_heads, head_dim, page, page_elems, table_width, rotary)
+                      rotary: torch.Tensor | None = None, pieces: int = 0) -> StaticDecode:
+        """Decode steps of up to max_batch requests over buffers that never move (what a captured graph reads).
+        pieces: every request's piece table has this many entries (0: none; contiguous blocks only)."""
+        return StaticDecode(self, max_batch, storage, kv_heads, head_dim, page, page_elems, table_width, rotary,
+                            pieces)
 
 
 @dataclass(slots=True)
@@ -351,18 +353,25 @@ class StaticDecode:
     skips them, attention returns zeros for them), so a captured bucket serves any batch up to its size.
 
     Buffers, int64 [FIELDS, max_batch]: each request's base, layer stride, K-to-V stride, position of the token fed
-    (also its K/V row), context length after the step; the page table [max_batch, table_width] (paged only); the
-    token ids fed [max_batch]."""
+    (also its K/V row), context length after the step; the page table [max_batch, table_width] (paged only), or the
+    piece tables [max_batch, 4 * pieces] (`pieces`: requests reading a shared prefix in place); the token ids fed
+    [max_batch]."""
 
     def __init__(self, attention: TritonAttention, max_batch: int, storage: torch.Tensor, kv_heads: int,
-                 head_dim: int, page: int, page_elems: int, table_width: int, rotary: torch.Tensor | None) -> None:
+                 head_dim: int, page: int, page_elems: int, table_width: int, rotary: torch.Tensor | None,
+                 pieces: int = 0) -> None:
         if max_batch < 1:
             raise BackendError("a static decode batch needs room for at least one request")
+        if pieces and (page or pieces < 2):
+            raise BackendError("piece tables are for contiguous blocks, two entries or more")
         self.attention, self.max_batch, self.storage = attention, max_batch, storage
         self.kv_heads, self.head_dim, self.row = kv_heads, head_dim, kv_heads * head_dim
+        self.pieces = pieces
+        if pieces:
+            table_width = 4 * pieces
         self.page, self.page_elems, self.table_width, self.rotary = page, page_elems, max(1, table_width), rotary
         device = attention.device
-        b, width = max_batch, self.table_width if page else 0
+        b, width = max_batch, self.table_width if page or pieces else 0
         # one flat buffer on each side, one copy a step: fields [FIELDS, b], token ids [b], page table [b, width]
         size = (FIELDS + 1) * b + b * width
         pin = device.type == "cuda"
@@ -370,7 +379,7 @@ class StaticDecode:
         self._dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.fields = self._dev[:FIELDS * b].view(FIELDS, b)
         self.token_ids = self._dev[FIELDS * b:(FIELDS + 1) * b]
-        self.table = self._dev[(FIELDS + 1) * b:].view(b, width) if page else self._dev[:b].view(b, 1)
+        self.table = self._dev[(FIELDS + 1) * b:].view(b, width) if width else self._dev[:b].view(b, 1)
         self.rows = torch.arange(b, device=device)  # request i is packed row i, decoding
         self.ones = torch.ones(b, dtype=torch.int64, device=device)
         self._steps: dict[int, TritonStep] = {}
@@ -379,17 +388,29 @@ class StaticDecode:
         self.align = alignment(self.divisor, storage.element_size())
 
     def fill(self, token_ids: Sequence[int], addresses: Sequence[tuple[int, int, int]], positions: Sequence[int],
-             pages: Sequence[Sequence[int]] | None = None) -> int:
+             pages: Sequence[Sequence[int]] | None = None,
+             pieces: Sequence[Sequence[tuple[int, int, int, int]]] | None = None) -> int:
         """Write a step's requests (token fed, block address (base, layer stride, K-to-V stride) in elements of the
         storage, position of the token) into the buffers, one copy to the device; returns the batch size. Rows past
-        it become padding (none given: all of them, what a capture records)."""
+        it become padding (none given: all of them, what a capture records). With piece tables, `pieces` gives each
+        request's entries (the row after the piece, virtual base, layer stride, K-to-V stride), its own block last
+        (`piece_entries`)."""
         n, b = len(token_ids), self.max_batch
         if not 0 <= n <= b or len(addresses) != n or len(positions) != n:
             raise BackendError(f"a static decode step takes up to {b} requests with one address and position each, "
                                f"got {n}")
         cols = torch.tensor([(*a, p, p + 1, tok) for a, p, tok in zip(addresses, positions, token_ids)],
                             dtype=torch.int64).view(n, FIELDS + 1)
-        if math.gcd(self.divisor, *cols[:, :3].flatten().tolist()) % self.align:
+        table = None
+        if self.pieces:
+            if pieces is None and n == 0:
+                pieces = []
+            if pieces is None or len(pieces) != n or any(not 0 < len(e) <= self.pieces for e in pieces):
+                raise BackendError(f"a static decode step with piece tables needs every request's 1..{self.pieces} "
+                                   "entries")
+            table = [table_row(entries, self.pieces) for entries in pieces]
+        addresses_of = cols[:, :3].flatten().tolist() + [a for row in table or () for a in row[self.pieces:]]
+        if math.gcd(self.divisor, *addresses_of) % self.align:
             raise BackendError("a block is not aligned as the captured kernels assume")
         host = self._host
         fields = host[:FIELDS * b].view(FIELDS, b)
@@ -397,6 +418,11 @@ class StaticDecode:
         fields[3].fill_(-1)  # padding: no token to write, no context
         fields[:, :n] = cols[:, :FIELDS].t()
         host[FIELDS * b:FIELDS * b + n] = cols[:, FIELDS]
+        if table is not None:
+            rows = host[(FIELDS + 1) * b:].view(b, self.table_width)
+            rows.zero_()
+            if n:
+                rows[:n] = torch.tensor(table, dtype=torch.int64)
         if self.page:
             if pages is None and n == 0:  # a batch of padding (what a capture records) has no pages to give
                 pages = []
@@ -429,7 +455,7 @@ class StaticDecode:
             tok_pos=f[3, :bucket], n_tokens=bucket, dec_req=rows, dec_row=rows, n_decode=bucket, tile_req=rows[:0],
             tile_m=rows[:0], n_tiles=0, tuning=t, blocks=blocks,
             upcast=interpreting() and self.storage.dtype == torch.bfloat16, picked=frozenset(range(bucket)),
-            align=self.align, rotary=self.rotary, last=None)
+            align=self.align, rotary=self.rotary, last=None, pieces=self.pieces)
         # the splits are fixed per bucket (a graph replays its launches): enough programs to fill the device at
         # this batch; each request cuts its own context into them
         step.split_min = blocks[0]
@@ -466,6 +492,15 @@ def _own_first_row(slot) -> int:
     return pieces[-1][2] if pieces else 0
 
 
+def piece_entries(pieces: Sequence[tuple[tuple[int, int, int], int, int]], own: tuple[int, int, int], own_first: int,
+                  row: int) -> list[tuple[int, int, int, int]]:
+    """A request's piece table entries (the row after the piece, virtual base, layer stride, K-to-V stride), its own
+    block last, from each block's address (base, layer stride, K-to-V stride; elements of the storage), the first
+    row it holds and the row after the piece."""
+    return [(end, base - first * row, lstride, half) for (base, lstride, half), first, end in
+            [*pieces, (own, own_first, PAST_ANY_ROW)]]
+
+
 def _piece_table(slots: Sequence, storage: torch.Tensor, row: int) -> tuple[list[int], int]:
     """Every request's piece table (`triton_kernels`, PIECES): a request that reads its first rows from other blocks
     (`pieces`: (block view, the first row it holds, the row after the piece) in row order) has one entry per piece
@@ -473,10 +508,8 @@ def _piece_table(slots: Sequence, storage: torch.Tensor, row: int) -> tuple[list
     elem = storage.element_size()
     rows_of = []
     for s in slots:
-        own_first = _own_first_row(s)
-        entries = []
-        previous = 0
-        for view, first, end in [*(getattr(s, "pieces", None) or ()), (s.kv, own_first, PAST_ANY_ROW)]:
+        addressed, previous = [], 0
+        for view, first, end in [*(getattr(s, "pieces", None) or ()), (s.kv, _own_first_row(s), PAST_ANY_ROW)]:
             if view.dtype != storage.dtype or not _rows_contiguous(view) or not first <= previous < end:
                 raise BackendError(f"a piece of rows {previous}..{end} from a block that holds rows from {first}")
             if end != PAST_ANY_ROW and end - first > view.shape[2]:
@@ -484,15 +517,19 @@ def _piece_table(slots: Sequence, storage: torch.Tensor, row: int) -> tuple[list
             offset = view.data_ptr() - storage.data_ptr()
             if offset % elem:
                 raise BackendError("a block is not aligned to its elements")
-            entries.append((end, offset // elem - first * row, view.stride(0), view.stride(1)))
+            addressed.append(((offset // elem, view.stride(0), view.stride(1)), first, end))
             previous = end
-        rows_of.append(entries)
+        *pieces, (own, own_first, _) = addressed
+        rows_of.append(piece_entries(pieces, own, own_first, row))
     pieces = _pow2(max(len(e) for e in rows_of))
-    table: list[int] = []
-    for entries in rows_of:
-        entries += [entries[-1]] * (pieces - len(entries))  # past the own block: never chosen (its end is past all)
-        table += [e[0] for e in entries] + [e[1] for e in entries] + [e[2] for e in entries] + [e[3] for e in entries]
-    return table, pieces
+    return [x for entries in rows_of for x in table_row(entries, pieces)], pieces
+
+
+def table_row(entries: Sequence[tuple[int, int, int, int]], pieces: int) -> list[int]:
+    """One request's piece table row: its entries padded with its own block's to `pieces` (past the own block, never
+    chosen: its end is past every row), field-major: ends, virtual bases, layer strides, K-to-V strides."""
+    entries = list(entries) + [entries[-1]] * (pieces - len(entries))
+    return [e[i] for i in range(4) for e in entries]
 
 
 def _paged_fields(slots: Sequence, layers: int, row: int):

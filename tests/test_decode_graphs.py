@@ -54,6 +54,29 @@ def test_static_batches_give_the_eager_paths_tokens(folder, reference, policy):
     assert set(graphs._replays) <= set(buckets(8)) and 8 in graphs._replays  # 5 requests padded to 8
 
 
+def test_requests_reading_a_shared_prefix_in_place_decode_through_the_batches(folder):
+    """prefix_reads: every batch reads piece tables; a request reading its first rows from a holder's block (the
+    holder ended: shrunk in place) decodes through them, beside one that reads only its own block."""
+    base = list(range(60, 80))
+    prompts = [base + [1], base + [1, 2, 3, 4, 5, 6, 7, 8], [5, 6, 7]]
+    engine = tiny_engine(folder, kv_budget="1MiB", attention="triton", decode_graphs="static", device=DEVICE,
+                         max_num_seqs=8, prefix_reads=True)
+    graphs = engine.workers[0].runner.graphs
+    assert graphs.pieces == 8
+    first = engine.add_request(prompts[0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    engine.step()
+    later = [engine.add_request(p, GREEDY) for p in prompts[1:]]
+    engine.step()  # the reader's prompt is mapped from the first, which ends
+    assert first.finished and later[0].kv.pieces and not later[1].kv.pieces
+    replayed = graphs.replayed
+    while engine.has_work():
+        engine.step()
+    assert graphs.replayed - replayed >= GREEDY.max_tokens - 2  # the reader's decode steps went through batches
+    alone = tiny_engine(folder, kv_budget="1MiB").generate(prompts[1:], GREEDY)
+    assert [s.output_ids for s in later] == [s.output_ids for s in alone]
+    assert engine.pool.stats().live_blocks == 0
+
+
 def test_blocks_that_move_and_swap_are_refilled_every_step(folder, reference):
     engine = tiny_engine(folder, kv_budget="32KiB", attention="triton", policy="s3", s3_buckets=16, predicted=1,
                          preempt="swap", align=4, decode_graphs="static", device=DEVICE)

@@ -118,6 +118,12 @@ def _record_launches() -> list[dict]:
             slots = [SimpleNamespace(kv=view[1], pages=None, start=4200, q_len=1, pieces=[(view[0], 0, 4000)]),
                      SimpleNamespace(kv=view[2], pages=None, start=4000, q_len=300, pieces=[(view[0], 0, 4000)])]
             att.plan_step(slots, rotary=rotary).attend(1, *_qkv(301, heads, kv_heads, dim, dtype))
+            # and a captured batch's (a fixed table of 8 entries, prefix_reads)
+            static = att.static_decode(16, arena, kv_heads, dim, rotary=rotary, pieces=8)
+            row = kv_heads * dim
+            entries = [(4000, 0, 2 * 4096 * row, 4096 * row), (1 << 40, (4096 - 4000) * row, 2 * 512 * row, 512 * row)]
+            static.fill([1], [(4096 * row, 2 * 512 * row, 512 * row)], [4200], pieces=[entries])
+            static.step(16).attend(0, *_qkv(16, heads, kv_heads, dim, dtype))
         # a captured decode batch's static plan
         static = att.static_decode(16, arena, kv_heads, dim, rotary=rotary)
         static.fill([1] * 3, [(0, 2 * 64 * kv_heads * dim, 64 * kv_heads * dim)] * 3, [5, 6, 7])

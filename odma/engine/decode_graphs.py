@@ -6,7 +6,8 @@ token ids, block addresses and positions into buffers that never move (`TritonAt
 the device) and replays the model's whole forward, every norm, GEMM and kernel of every layer, in one call. With
 "capture" every bucket is recorded at start (`capture_all`, on a batch of padding, the largest first); a bucket not
 yet recorded is recorded the first time a batch needs it (its first step then runs eagerly twice while capturing,
-which rewrites the same K/V rows). Prefill chunks, captured hidden states and ballooned arenas take the eager path.
+which rewrites the same K/V rows). Prefill chunks, captured hidden states and ballooned arenas take the eager path. Where shared prefixes are read in
+place (`EngineConfig.prefix_reads`) every batch reads piece tables (`GRAPH_PIECES` entries each).
 
 Modes (EngineConfig.decode_graphs): "capture" records CUDA graphs (the backend's `capture_graph`); "static" runs the
 same static batches eagerly, which is what a failed capture falls back to, and how the path is tested on CPU
@@ -21,11 +22,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from backends.triton_attention import TritonAttention
+from backends.triton_attention import TritonAttention, piece_entries
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "capture", "static", "off")
+GRAPH_PIECES = 8  # piece table entries of a captured batch (a request reading more pieces runs eagerly)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -38,7 +40,9 @@ class DecodeGraphs:
     """The static decode batches of one model runner."""
 
     def __init__(self, model: Any, backend: Any, attention: TritonAttention, arena: Any, max_batch: int,
-                 max_positions: int, mode: str, page_tokens: int | None = None) -> None:
+                 max_positions: int, mode: str, page_tokens: int | None = None, pieces: int = 0) -> None:
+        """pieces: the batches read piece tables of this many entries (requests reading a shared prefix in place,
+        odma.kv.shared_rows; a request with more pieces takes the eager path); 0: none."""
         if mode not in ("capture", "static"):
             raise ValueError(f"decode graphs run as 'capture' or 'static', got {mode!r}")
         c = model.config
@@ -46,11 +50,12 @@ class DecodeGraphs:
         self.page_tokens = page_tokens
         self.buckets = buckets(max_batch)
         self.max_batch = max_batch
-        row = c.num_kv_heads * c.head_dim
-        kw: dict = {}
+        row = self.row = c.num_kv_heads * c.head_dim
+        self.pieces = 0 if page_tokens else pieces
+        kw: dict = {"pieces": self.pieces}
         if page_tokens:
-            kw = dict(page=page_tokens, page_elems=page_tokens * c.num_layers * 2 * row,
-                      table_width=-(-max_positions // page_tokens))
+            kw |= dict(page=page_tokens, page_elems=page_tokens * c.num_layers * 2 * row,
+                       table_width=-(-max_positions // page_tokens))
             self._page_strides = (0, 2 * page_tokens * row, page_tokens * row)
         self.static = attention.static_decode(max_batch, arena.storage, c.num_kv_heads, c.head_dim,
                                               rotary=model.rotary.table(max_positions), **kw)
@@ -61,10 +66,11 @@ class DecodeGraphs:
 
     def eligible(self, work: Sequence) -> bool:
         """Every request decoding: feeding one generated token (prompt tokens, even one, take the eager path,
-        which also scores them where prompt logprobs are asked), from its own block only (a request reading a shared
-        prefix in place takes the eager path, whose plan has its pieces)."""
+        which also scores them where prompt logprobs are asked); a request reading a shared prefix in place only where
+        the batches have piece tables of room for its pieces."""
         return 0 < len(work) <= self.max_batch and all(
-            w.q_len == 1 and w.start >= len(w.seq.prompt_ids) and not w.seq.kv.pieces for w in work)
+            w.q_len == 1 and w.start >= len(w.seq.prompt_ids)
+            and (not w.seq.kv.pieces or len(w.seq.kv.pieces) < self.pieces) for w in work)
 
     def run(self, work: Sequence) -> torch.Tensor:
         """The logits [len(work), vocab] (float32) of a decode-only step."""
@@ -74,6 +80,12 @@ class DecodeGraphs:
         if self.page_tokens:
             pages = [w.seq.kv.pages for w in work]
             self.static.fill(ids, [self._page_strides] * n, positions, pages)
+        elif self.pieces:
+            address = self.arena.kv_address
+            kv = [w.seq.kv for w in work]
+            self.static.fill(ids, [address(h.block) for h in kv], positions, pieces=[piece_entries(
+                [(address(p.block), first, end) for p, first, end in h.pieces or ()], address(h.block), h.first_row,
+                self.row) for h in kv])
         else:
             self.static.fill(ids, [self.arena.kv_address(w.seq.block) for w in work], positions)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]

@@ -35,7 +35,8 @@ class StepTime:
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: Backend, total_tokens: int, kv_dtype: torch.dtype | None = None,
                  attention: str = "auto", page_tokens: int | None = None, arena: Arena | None = None,
-                 max_positions: int | None = None, decode_graphs: str = "off", max_batch: int = 128) -> None:
+                 max_positions: int | None = None, decode_graphs: str = "off", max_batch: int = 128,
+                 graph_pieces: int = 0) -> None:
         """attention: auto | triton | sdpa (Backend.attention). page_tokens: the arena holds pages of this many
         tokens that requests address through page tables (the paged baseline; Triton attention only). arena: one
         made by the caller (a virtual arena for growth by mapping); by default one of total_tokens. max_positions:
@@ -69,7 +70,7 @@ class ModelRunner:
             mode = _graph_mode(decode_graphs, backend)
             if mode != "off" and hasattr(self.arena, "kv_address"):  # not over ballooned segments
                 self.graphs = DecodeGraphs(model, backend, self.attention, self.arena, max_batch, positions, mode,
-                                           page_tokens)
+                                           page_tokens, pieces=graph_pieces)
                 if mode == "capture":
                     self.graphs.capture_all()
         self.time_steps = False  # record `last_step` (device events on accelerators)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from odma.engine.config import PAGE_TOKENS, EngineConfig, parse_kv_budget
+from odma.engine.decode_graphs import GRAPH_PIECES
 from odma.engine.model_runner import ModelRunner
 from odma.engine.scheduler import Scheduler
 from odma.errors import ConfigError
@@ -104,7 +105,8 @@ def _runner(config: EngineConfig, model: CausalLM, backend: Any, total_tokens: i
     try:
         return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=config.attention,
                            page_tokens=page_tokens, arena=arena, max_positions=config.max_model_len,
-                           decode_graphs=config.decode_graphs, max_batch=config.max_num_seqs)
+                           decode_graphs=config.decode_graphs, max_batch=config.max_num_seqs,
+                           graph_pieces=GRAPH_PIECES if config.prefix_reads else 0)
     except BackendError as exc:
         raise ConfigError(str(exc)) from None
 
