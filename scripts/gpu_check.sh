@@ -25,7 +25,8 @@
 # Needs python3 with torch, triton and pytest (the GPU machines' image has them). A machine without our data and
 # model packages gets them from `.gpu/`, and odma-serve's packages as wheels from `.whl/` (scripts/gpu_wheels.sh;
 # installed into /tmp/site, no network); both are git-ignored and travel with the tree (`carry`):
-#   scripts/gpu_check.sh --stage [DIR]   stage into DIR (default .gpu) the Azure CSV, ShareGPT's records as JSONL,
+#   scripts/gpu_check.sh --stage [DIR]   stage into DIR (default .gpu) the Azure CSV, ShareGPT's records as JSONL
+#                                        (first turns, and chat turns for a round of sharegpt-chat.jsonl),
 #                                        SmolLM2's tokenizer (odma's cache) and the default learned predictor as a
 #                                        self-contained folder, check that they load without those packages, print
 #                                        the size
@@ -42,7 +43,9 @@ PY=${PYTHON:-python3}
 
 stage() {  # stage DIR RECORDS: fill DIR, then load it back as a GPU machine would
   local dir=$1 records=$2
-  "$PY_LOCAL" -m odma.bench.gpu_stage "$dir" --trace "sharegpt=$records" || return 1
+  # ShareGPT's first turns, and its chat turns (each sent with its conversation's earlier turns) for a later round
+  "$PY_LOCAL" -m odma.bench.gpu_stage "$dir" --trace "sharegpt=$records" --trace "sharegpt-chat=$((2 * records))" \
+    || return 1
   env -u ODMA_DATA_DIR -u ODMA_CACHE_DIR "$PY_LOCAL" -m odma.bench.gpu_stage --verify "$dir" || return 1
   echo "staged in $dir: $(du -sh "$dir" | cut -f1)"
 }
