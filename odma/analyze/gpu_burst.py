@@ -93,6 +93,16 @@ class BurstConfig:
         return self.kv_budget_bytes // self.model.kv_bytes_per_token
 
 
+def study_config(spec: str, gib: float) -> BurstConfig:
+    """The burst a replay study names: NAME[:REQUESTS][:bench] at `gib` GiB of KV. By default prompts have each
+    record's recorded length (random ids: a conversation's history counted); `bench`: the prompts odma-bench gpu
+    sends (a text trace's texts, tokenized, as the GPU runs had them). REQUESTS defaults to 400."""
+    name, *rest = spec.split(":")
+    requests = int(rest[0]) if rest and rest[0] else 400
+    bench = len(rest) > 1 and rest[1] == "bench"
+    return BurstConfig(trace=name, requests=requests, kv_budget_bytes=int(gib * GIB), recorded_lengths=not bench)
+
+
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """What one engine step did, as a step-time model needs it."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from odma.analyze.gpu_burst import GIB, BurstConfig, bench_prompts, odma_memory, run_burst  # noqa: E402
+from odma.analyze.gpu_burst import bench_prompts, odma_memory, run_burst, study_config  # noqa: E402
 from odma.analyze.gpu_profile import load_gpu_profile  # noqa: E402
 from odma.config import PoolConfig  # noqa: E402
 from odma.engine.config import PACKED_THETA  # noqa: E402
@@ -111,23 +111,9 @@ VARIANTS = {
 }
 
 
-def parse_trace(spec: str) -> tuple[str, int, bool]:
-    """NAME[:REQUESTS][:bench] → (trace, requests, recorded lengths). By default prompts have each record's recorded
-    length (random ids: a conversation's history counted, as the earlier tables); `bench`: the prompts odma-bench gpu
-    sends (a text trace's texts, tokenized: ShareGPT first turns as the GPU runs had them)."""
-    name, *rest = spec.split(":")
-    requests = int(rest[0]) if rest and rest[0] else 400
-    return name, requests, not (len(rest) > 1 and rest[1] == "bench")
-
-
-def burst_config(trace: str, gib: float) -> BurstConfig:
-    name, requests, recorded = parse_trace(trace)
-    return BurstConfig(trace=name, requests=requests, kv_budget_bytes=int(gib * GIB), recorded_lengths=recorded)
-
-
 def run(name: str, trace: str, gib: float, prompts) -> dict:
     policy, overrides, lengths = VARIANTS[name]
-    config = burst_config(trace, gib)
+    config = study_config(trace, gib)
     burst = run_burst(config, policy, engine_overrides=overrides, oracle=lengths == "oracle", prompts=prompts,
                       predictor=None if lengths in ("median", "oracle") else lengths)
     row = {"variant": name, "trace": trace, "kv_gib": gib, **burst.summary()}
@@ -176,7 +162,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--traces", default="azure-conv,sharegpt-chat,sharegpt:200:bench",
-                   help="NAME[:REQUESTS][:bench] each (parse_trace; default: %(default)s)")
+                   help="NAME[:REQUESTS][:bench] each (odma.analyze.gpu_burst.study_config; default: %(default)s)")
     p.add_argument("--kv-gib", default="4,16")
     p.add_argument("--json", help="write every row here")
     args = p.parse_args()
@@ -187,7 +173,7 @@ def main() -> int:
     rows = []
     for trace in args.traces.split(","):
         for gib in (float(g) for g in args.kv_gib.split(",")):
-            prompts = bench_prompts(burst_config(trace, gib))
+            prompts = bench_prompts(study_config(trace, gib))
             for name in dict.fromkeys(["paged", "static", *names]):
                 if VARIANTS[name][2] == "default" and trace.startswith("azure"):
                     continue  # Azure's trace has no texts for the learned predictor

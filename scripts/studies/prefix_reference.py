@@ -32,12 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from odma.analyze.gpu_burst import bench_prompts, odma_memory, run_burst  # noqa: E402
+from odma.analyze.gpu_burst import bench_prompts, odma_memory, run_burst, study_config  # noqa: E402
 from odma.analyze.gpu_profile import load_gpu_profile  # noqa: E402
 from odma.kv.shared_rows import Shifted  # noqa: E402
-from scripts.studies.gpu_policy import PROFILES, burst_config  # noqa: E402
 
 MODES = ("free", "trim", "trim1", "keep")
+PROFILES = ("h200-7b", "h100-7b")  # the shipped profiles (odma/analyze/gpu_profiles)
 
 
 class ReferencedPrefixes:
@@ -146,7 +146,7 @@ def run(trace: str, gib: float, mode: str | None, prompts) -> dict:
         layers.append(ReferencedPrefixes(kv, mode, scheduler.prefixes))
         return layers[-1]
 
-    burst = run_burst(burst_config(trace, gib), "odma", engine_overrides=odma_memory("packed"), prompts=prompts,
+    burst = run_burst(study_config(trace, gib), "odma", engine_overrides=odma_memory("packed"), prompts=prompts,
                       wrap_kv=None if mode is None else wrap)
     row = {"variant": f"packed, read in place ({mode})" if mode else "packed", "trace": trace, "kv_gib": gib,
            **burst.summary()}
@@ -180,8 +180,8 @@ def main() -> int:
     rows = []
     for trace in args.traces.split(","):
         for gib in (float(g) for g in args.kv_gib.split(",")):
-            prompts = bench_prompts(burst_config(trace, gib))
-            burst = run_burst(burst_config(trace, gib), "paged", prompts=prompts)
+            prompts = bench_prompts(study_config(trace, gib))
+            burst = run_burst(study_config(trace, gib), "paged", prompts=prompts)
             paged = _priced({"variant": "paged", "trace": trace, "kv_gib": gib}, burst)
             # the ceiling: paged's own schedule (every token held once, nothing copied) at the contiguous step's cost
             ceiling = {q: _seconds(q, burst, True) / _seconds(q, burst, False) for q in PROFILES}
