@@ -188,7 +188,7 @@ class _EngineCollector:
         yield counter("odma_prefix_copies", "Admissions that copied a shared prompt prefix's K/V from a running request",
                       sched("prefix_copies"))
         yield counter("odma_prefix_maps", "Admissions that mapped a running request's pages of a shared prompt prefix "
-                      "(policy paged)", sched("prefix_maps"))
+                      "(policy paged) or read its rows in place (--prefix-reads)", sched("prefix_maps"))
         yield counter("odma_prefix_copied_tokens", "Prompt tokens not computed thanks to those copies or maps",
                       sched("prefix_tokens"))
         yield counter("odma_prefix_holds", "Admissions put off one step to copy a prefix prefilled in that step",
