@@ -64,10 +64,23 @@ class Served:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
-        left = [pid for pid in children if Path(f"/proc/{pid}").exists()
-                and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+        seconds = time.monotonic() - start
+        # a child may still be on its way out when the server is gone (multiprocessing's resource tracker ends when
+        # its pipe from the server closes): give them a moment, not forever
+        deadline = time.monotonic() + 10
+        while (left := [pid for pid in children if _running(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert left == [], f"child processes left running: {left}"
-        return time.monotonic() - start, self.proc.stderr.read()
+        return seconds, self.proc.stderr.read()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie, or one being torn down, has)."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+    return not any(s in state for s in ("zombie", "dead", "Z", "X"))
 
 
 # the engine in process, and in a process of its own (which the stop ends too, leaving no process behind)
