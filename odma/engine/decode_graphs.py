@@ -6,8 +6,9 @@ token ids, block addresses and positions into buffers that never move (`TritonAt
 the device) and replays the model's whole forward, every norm, GEMM and kernel of every layer, in one call. With
 "capture" every bucket is recorded at start (`capture_all`, on a batch of padding, the largest first); a bucket not
 yet recorded is recorded the first time a batch needs it (its first step then runs eagerly twice while capturing,
-which rewrites the same K/V rows). Prefill chunks, captured hidden states and ballooned arenas take the eager path. Where shared prefixes are read in
-place (`EngineConfig.prefix_reads`) every batch reads piece tables (`GRAPH_PIECES` entries each).
+which rewrites the same K/V rows). Prefill chunks, captured hidden states and ballooned arenas take the eager path.
+Where shared prefixes are read in place (`EngineConfig.prefix_reads`) every batch reads piece tables (`GRAPH_PIECES`
+entries each).
 
 Modes (EngineConfig.decode_graphs): "capture" records CUDA graphs (the backend's `capture_graph`); "static" runs the
 same static batches eagerly, which is what a failed capture falls back to, and how the path is tested on CPU
@@ -83,9 +84,10 @@ class DecodeGraphs:
         elif self.pieces:
             address = self.arena.kv_address
             kv = [w.seq.kv for w in work]
-            self.static.fill(ids, [address(h.block) for h in kv], positions, pieces=[piece_entries(
-                [(address(p.block), first, end) for p, first, end in h.pieces or ()], address(h.block), h.first_row,
-                self.row) for h in kv])
+            own = [address(h.block) for h in kv]  # each block's address once: the fields and the table's last entry
+            self.static.fill(ids, own, positions, pieces=[piece_entries(
+                [(address(p.block), first, end) for p, first, end in h.pieces or ()], at, h.first_row, self.row)
+                for h, at in zip(kv, own)])
         else:
             self.static.fill(ids, [self.arena.kv_address(w.seq.block) for w in work], positions)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
