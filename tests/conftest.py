@@ -24,6 +24,9 @@ def early_jobs(request, tmp_path_factory):
     """The selected modules' slow subprocess checks, started now in the background (tests/early_jobs.py)."""
     from early_jobs import EarlyJobs
 
+    # fixed here, before the jobs' thread: pytest creates its base folder on first use without a lock, and two
+    # threads creating it at once each get their own (mktemp then refuses a path outside the one it now holds)
+    tmp_path_factory.getbasetemp()
     jobs = EarlyJobs()
     wanted: dict[str, set[str]] = {}  # module name → fixtures its selected tests use
     modules = {}
