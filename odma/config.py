@@ -142,6 +142,10 @@ class PoolConfig:
     # a block that cannot grow in place grows over the free units before it too (gaps too small for anything else):
     # one overlapping copy instead of a migration elsewhere
     neighbour_growth: bool = False
+    # a block that cannot grow where it lies goes on in a new block and its rows so far are read where they are (a
+    # piece, as prefix reads are: the Triton attention reads tables of pieces) instead of being copied or slid for;
+    # off until a GPU has timed the pieces (docs/results/gpu/replay_policy.md)
+    continue_growth: bool = False
     # a request whose prompt exceeds this share of the pool's largest range reserves its worst case up front:
     # growing its block by migration would need a second range at least that large
     worst_case_prompt_share: float = 0.5

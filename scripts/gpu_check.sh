@@ -9,7 +9,8 @@
 #               learned predictor, the running median and the oracle, paged and static, odma with the learned
 #               predictor serving shortest predicted first (@sjf), and odma reading shared prefixes in place
 #               (odma-reads: --prefix-reads);
-#             Azure's conversation trace (lengths only; 400 requests) under odma and paged;
+#             Azure's conversation trace (lengths only; 400 requests) under odma, paged and odma continuing blocks
+#               that cannot grow in new ones (odma-continue: --continue-growth);
 #           then odma-serve over HTTP against the engine alone on one burst (64 running; its engine in a process of
 #           its own, the default on a GPU), a second server with the engine in its process (--no-engine-process) on
 #           the same burst (the CPU dry run, whose default is one process, runs --engine-process there), and
@@ -100,7 +101,7 @@ PYEOF
 # kernels' own tests, test_triton_attention/_runs and test_cuda_vmm, ran before and stay for a longer lease)
 TESTS=${GPU_TESTS:-tests/test_backends_conformance.py tests/test_engine_triton.py tests/test_decode_graphs.py}
 ENGINE_RUNS=(--engine-run "$SHAREGPT:$SHAREGPT_REQUESTS=odma:$LEARNED,odma:median,odma:oracle,paged,static,odma:$LEARNED@sjf,odma-reads:median"
-             --engine-run "azure-conv:$AZURE_REQUESTS=odma,paged")
+             --engine-run "azure-conv:$AZURE_REQUESTS=odma,paged,odma-continue")
 if [ "$CPU" = 1 ]; then
   export TRITON_INTERPRET=1
   # the same plan, one quick test per file: the orchestration is what the dry run checks

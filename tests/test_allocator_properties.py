@@ -41,6 +41,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.arena = None
         self.lengths: dict[str, int] = {}  # tokens written per live request (the model of the truth)
         self.kept: set[str] = set()  # requests that ended keeping their first rows for others (keep_front)
+        # continue_elsewhere: the first row a block holds, whose values it holds (the rows a request left behind
+        # live on under ids of their own), and the ids of the rows each request left behind
+        self.first: dict[str, int] = {}
+        self.owner: dict[str, str] = {}
+        self.left: dict[str, list[str]] = {}
         self.next_id = 0
 
     @precondition(lambda self: self.pool is None)
@@ -56,11 +61,12 @@ class PoolMachine(RuleBasedStateMachine):
         self.arena = CPUBackend().create_arena(self.pool.total_tokens, LAYOUT)
         self.pool.mover = self.arena
 
-    @staticmethod
-    def _values(rid: str, start: int, end: int) -> torch.Tensor:
-        # distinct per request and position, never 0 (the arena's initial state)
-        base = float(int(rid[1:]) * 1000)
-        return torch.arange(start, end, dtype=LAYOUT.dtype) + base + 1.0
+    def _values(self, rid: str, start: int, end: int) -> torch.Tensor:
+        """The values of `rid`'s block's rows start..end (counted from its first row): distinct per request and
+        position, never 0 (the arena's initial state)."""
+        first = self.first.get(rid, 0)
+        base = float(int(self.owner.get(rid, rid)[1:]) * 1000)
+        return torch.arange(first + start, first + end, dtype=LAYOUT.dtype) + base + 1.0
 
     def _write(self, rid: str, start: int, end: int) -> None:
         view = self.arena.view(self.pool.block_of(rid))
@@ -118,6 +124,10 @@ class PoolMachine(RuleBasedStateMachine):
         if rid not in self.lengths:
             return
         self._verify(rid)
+        for gone in self.left.pop(rid, ()):  # the rows it left behind, untouched where they lie
+            self._verify(gone)
+            self.pool.release(gone, 0, observe=False)
+            del self.lengths[gone]
         if rid in self.kept:  # its length was logged when it ended
             self.pool.release(rid, 0, observe=False)
             self.kept.discard(rid)
@@ -140,6 +150,30 @@ class PoolMachine(RuleBasedStateMachine):
         self.kept.add(rid)
         SEEN["kept"] = SEEN.get("kept", 0) + (block.capacity < before.capacity)  # a tail freed: the copy ran
         self._verify(rid)  # its first rows re-laid intact in the smaller block
+
+    @precondition(lambda self: self.pool is not None)
+    @rule(rid=requests, grow=st.integers(1, 90))
+    def continue_elsewhere(self, rid, grow):
+        if rid not in self.lengths or rid in self.kept:
+            return
+        rows = self.lengths[rid]
+        new_len = min(rows + grow, self.pool._live[rid].request.prompt_tokens + MAX_NEW)
+        if new_len <= rows:
+            return
+        before = self.pool.block_of(rid)
+        as_id = f"{rid}/rows-{len(self.left.get(rid, ())) + 1}"
+        block = self.pool.continue_elsewhere(rid, new_len, as_id=as_id)
+        if block is None:  # no room: nothing changed
+            assert self.pool.block_of(rid) == before and as_id not in self.pool
+            return
+        assert self.pool.block_of(as_id) == before and block.capacity >= new_len - rows
+        self.lengths[as_id], self.first[as_id], self.owner[as_id] = rows, self.first.get(rid, 0), rid
+        self.left.setdefault(rid, []).append(as_id)
+        self._verify(as_id)  # the rows it leaves behind stay where they were (nothing copied)
+        self.first[rid] = self.first.get(rid, 0) + rows
+        self.lengths[rid] = new_len - rows
+        self._write(rid, 0, new_len - rows)
+        SEEN["continued"] = SEEN.get("continued", 0) + 1
 
     @precondition(lambda self: self.pool is not None and isinstance(self.pool.policy, BucketPolicy))
     @rule(lengths=st.lists(st.integers(1, MAX_NEW), min_size=4, max_size=12))
@@ -185,12 +219,11 @@ TestPoolProperties = PoolMachine.TestCase
 
 
 def test_sequences_exercised_every_path():
-    """The property run above must have reached migrations, refusals, flushes, free-list reuse and blocks shrunk in
-    place;
-    otherwise it proved less than it claims."""
+    """The property run above must have reached migrations, refusals, flushes, free-list reuse, blocks shrunk in
+    place and blocks continued elsewhere; otherwise it proved less than it claims."""
     if not SEEN:
         import pytest
 
         pytest.skip("run together with TestPoolProperties")
-    for key in ("migrations", "refusals", "migration_refusals", "flushes", "free_list_hits", "kept"):
+    for key in ("migrations", "refusals", "migration_refusals", "flushes", "free_list_hits", "kept", "continued"):
         assert SEEN.get(key, 0) > 0, f"no {key} in the random sequences: {SEEN}"

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from backends import triton_attention  # noqa: E402
+from odma.config import PoolConfig  # noqa: E402
 from odma.engine import SamplingParams  # noqa: E402
 from odma.engine.testing import tiny_engine  # noqa: E402
 from odma.errors import ConfigError  # noqa: E402
@@ -97,6 +98,21 @@ def test_the_paged_baseline_maps_a_shared_prefix_s_whole_pages(folder):
     alone = tiny_engine(folder, kv_budget="1MiB").generate(shared[1:], GREEDY)
     assert [s.output_ids for s in later] == [s.output_ids for s in alone]
     assert kv.free_pages == kv.total_pages
+
+
+def test_blocks_continued_elsewhere_are_read_through_the_kernels(folder, reference):
+    """pool.continue_growth: 16-token blocks that must grow, in a pool too small to migrate them all, go on in new
+    blocks; the kernels read each request's earlier rows where they were left (pieces) and write its new rows into
+    its new block. The same tokens as the CPU path with room for all; nothing left in the pool."""
+    engine = tiny_engine(folder, kv_budget="32KiB", attention="triton", policy="s3", s3_buckets=16, predicted=1,
+                         preempt="recompute", device=DEVICE, pool=PoolConfig(align=4, continue_growth=True))
+    seqs = engine.generate(PROMPTS, GREEDY)
+    kv = engine.workers[0].kv
+    assert kv.continued > 0
+    assert [s.output_ids for s in seqs] == reference
+    stats = engine.pool.stats()
+    assert stats.live_blocks == 0 and stats.reserved_tokens == 0 and len(kv.shared) == 0
+    engine.pool.check_invariants()
 
 
 def test_a_shared_prefix_is_read_in_place_through_the_kernels(folder):

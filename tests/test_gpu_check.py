@@ -76,7 +76,7 @@ def test_the_dry_run_covers_every_part(dry_run):
     learned = f"odma:{staged}/predictor/default"  # the staged, self-contained learned predictor
     assert list(runs[sharegpt]["policies"]) == [learned, "odma:median", "odma:oracle", "paged", "static",
                                                 f"{learned}@sjf", "odma-reads:median"]
-    assert list(runs[azure]["policies"]) == ["odma", "paged"]
+    assert list(runs[azure]["policies"]) == ["odma", "paged", "odma-continue"]
     assert runs[sharegpt]["work"]["texts"] == runs[sharegpt]["work"]["requests"] == 8  # ShareGPT carries text
     assert runs[azure]["work"]["texts"] == 0  # Azure's trace has lengths only
     for run in runs.values():
@@ -103,7 +103,9 @@ def test_the_dry_run_covers_every_part(dry_run):
     assert text["odma:median"]["prediction"]["mean_predicted"] == TINY_MAX_TOKENS  # the prior 128, cut to max_tokens
     for variant in (learned, "odma:median", "odma:oracle", f"{learned}@sjf", "odma-reads:median"):  # both baselines
         assert runs[sharegpt][f"{variant}_vs_paged"] > 0 and runs[sharegpt][f"{variant}_vs_static"] > 0
-    assert runs[azure]["odma_vs_paged"] > 0
+    assert runs[azure]["odma_vs_paged"] > 0 and runs[azure]["odma-continue_vs_paged"] > 0
+    assert runs[azure]["policies"]["odma-continue"]["continue_growth"]
+    assert not runs[azure]["policies"]["odma"]["continue_growth"]
     static, odma = text["static"], text["odma:median"]
     assert static["peak_running"] <= static["worst_case_fit"]  # static holds every request's worst case
     assert odma["peak_running"] >= static["peak_running"]

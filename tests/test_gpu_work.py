@@ -94,18 +94,20 @@ def test_engine_runs_parse_traces_requests_and_a_predictor_and_order_per_policy(
     from odma.errors import ConfigError
 
     run = EngineRun.parse("alpaca-eval:gpt4:50=odma:default,odma-map:oracle,odma:.gpu/predictor/default,paged,"
-                          "odma:.gpu/predictor/default@sjf,odma@adaptive,odma-reads:median")
+                          "odma:.gpu/predictor/default@sjf,odma@adaptive,odma-reads:median,odma-continue,"
+                          "odma-pieces:default")
     assert (run.trace, run.requests) == ("alpaca-eval:gpt4", 50)
     assert [(p.policy, p.mapped, p.predictor, p.schedule) for p in run.policies] == [
         ("odma", False, "default", "fcfs"), ("odma", True, "oracle", "fcfs"),
         ("odma", False, ".gpu/predictor/default", "fcfs"), ("paged", False, "median", "fcfs"),
         ("odma", False, ".gpu/predictor/default", "sjf"), ("odma", False, "median", "adaptive"),
-        ("odma", False, "median", "fcfs")]
-    assert [p.reads for p in run.policies] == [False] * 6 + [True]
+        ("odma", False, "median", "fcfs"), ("odma", False, "median", "fcfs"), ("odma", False, "default", "fcfs")]
+    assert [(p.reads, p.continues) for p in run.policies] == [(False, False)] * 6 + [
+        (True, False), (False, True), (True, True)]
     assert run.policies[4].label == "odma:.gpu/predictor/default@sjf"  # the key of its results
     assert EngineRun.parse("alpaca-eval:gpt4=static").requests is None
     for bad in ("azure-conv", "azure-conv=", "=odma", "azure-conv=vllm", "azure-conv:0=odma", "azure-conv=odma@ljf",
-                "azure-conv=odma:default@", "azure-conv=paged-reads"):
+                "azure-conv=odma:default@", "azure-conv=paged-reads", "azure-conv=paged-continue"):
         with pytest.raises(ConfigError):
             EngineRun.parse(bad)
 
@@ -174,8 +176,9 @@ def test_every_odma_variant_is_divided_by_paged_and_static():
 
     runs = {name: {"tokens_per_s": tps, "cut_at_cap": name == "odma:oracle"} for name, tps in (
         ("odma", 120.0), ("odma:default@sjf", 130.0), ("odma@adaptive", 110.0), ("odma-reads:median", 150.0),
-        ("odma:oracle", 90.0), ("paged", 100.0), ("static", 50.0))}
+        ("odma-continue", 140.0), ("odma:oracle", 90.0), ("paged", 100.0), ("static", 50.0))}
     out = _ratios(runs)
     assert out["odma_vs_paged"] == 1.2 and out["odma-reads:median_vs_paged"] == 1.5
+    assert out["odma-continue_vs_static"] == 2.8
     assert out["odma:default@sjf_vs_static"] == 2.6 and out["odma@adaptive_vs_paged"] == 1.1
     assert not any(k.startswith("odma:oracle") for k in out)  # cut at its cap: no ratio

@@ -70,6 +70,7 @@ POOL_FLAGS = {
     "compact_growth": (["--compact-growth"], True),
     "slide_growth": (["--slide-growth"], True),
     "neighbour_growth": (["--neighbour-growth"], True),
+    "continue_growth": (["--continue-growth"], True),
     "growth_step": (["--growth-step", "32"], 32),
 }
 CONFIG_ONLY = {"pool.align"} | {f"buckets.{f.name}" for f in dataclasses.fields(EngineConfig().buckets)} - {

@@ -266,6 +266,7 @@ class BurstEngine:
             self.copies = pool.mover = CopyCounter()
             self.kv = ContiguousKV(pool, compact_growth=settings.compact_growth,
                                    read_prefixes=engine.prefix_reads and policy != "static",
+                                   continue_growth=settings.continue_growth and policy != "static",
                                    slide_growth=settings.compact_growth and settings.slide_growth)
             preempt = options.pop("preempt", engine.resolved_preempt)
             if preempt == "swap":

@@ -50,7 +50,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from odma.bench import gpu_http
@@ -673,6 +673,7 @@ def _counts(engine) -> dict:
             # packing's moves: blocks relocated or slid out of a growth's way, and the tokens that moved twice
             "relocated_tokens": stats.relocated_tokens, "overlapped_tokens": stats.overlapped_tokens,
             "slides": getattr(kv, "slides", 0),  # only odma's contiguous KV slides blocks
+            "continued": getattr(kv, "continued", 0),  # and continues them elsewhere (--continue-growth)
             # shared prompt prefixes: copied into a contiguous block, or mapped as whole pages (paged)
             "prefix_copies": c.prefix_copies, "prefix_maps": c.prefix_maps, "prefix_tokens": c.prefix_tokens}
 
@@ -680,7 +681,8 @@ def _counts(engine) -> dict:
 @dataclass(frozen=True)
 class PolicyRun:
     """One engine policy of a run: `odma`, `paged`, `static`, NAME-map (growing by mapping), `odma-reads` (shared
-    prompt prefixes read in place, `--prefix-reads`), each optionally with the length predictor it runs
+    prompt prefixes read in place, `--prefix-reads`), `odma-continue` (a block that cannot grow goes on in a new one,
+    `--continue-growth`), `odma-pieces` (both), each optionally with the length predictor it runs
     (`odma:default`, `odma:median`, `odma:oracle`, `odma:PATH`, as `predictor.registry` takes specs); none named is
     the running median, as the engine part always ran. A suffix `@ORDER` serves it in that order
     (`odma:default@sjf`: shortest predicted first; default fcfs)."""
@@ -691,6 +693,7 @@ class PolicyRun:
     predictor: str
     schedule: str = "fcfs"
     reads: bool = False
+    continues: bool = False
 
     @classmethod
     def parse(cls, label: str) -> "PolicyRun":
@@ -701,13 +704,14 @@ class PolicyRun:
         if at and schedule not in ORDERS:
             raise ConfigError(f"engine policy {label!r}: the order after @ is one of {', '.join(ORDERS)}")
         name, _, predictor = spec.partition(":")
-        reads = name == "odma-reads"
-        policy, mapped = (name[:-4], True) if name.endswith("-map") else ("odma" if reads else name, False)
+        reads, continues = name in ("odma-reads", "odma-pieces"), name in ("odma-continue", "odma-pieces")
+        pieces = reads or continues
+        policy, mapped = (name[:-4], True) if name.endswith("-map") else ("odma" if pieces else name, False)
         if policy not in ENGINE_POLICIES:
             raise ConfigError(f"engine policy {label!r}: the policy is one of {', '.join(ENGINE_POLICIES)} (NAME-map "
-                              "grows by mapping; odma-reads reads shared prefixes in place), optionally followed by "
-                              ":PREDICTOR and @ORDER")
-        return cls(label, policy, mapped, predictor or "median", schedule, reads)
+                              "grows by mapping; odma-reads reads shared prefixes in place, odma-continue continues "
+                              "blocks elsewhere, odma-pieces both), optionally followed by :PREDICTOR and @ORDER")
+        return cls(label, policy, mapped, predictor or "median", schedule, reads, continues)
 
 
 @dataclass(frozen=True)
@@ -880,6 +884,11 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     from predictor.running_median import RunningMedian
 
     memory = _odma_memory(args) if policy.policy == "odma" else {}
+    if policy.continues:
+        from odma.config import PoolConfig
+
+        pool = memory.get("pool", PoolConfig(align=4 if args.tiny else 16))
+        memory["pool"] = replace(pool, continue_growth=True)
     # warm-ups run under a throwaway median: the measured predictor (a running median learns) sees only the burst
     engine = _engine(args, device, dtype_name, model, policy=policy.policy,
                      kv_growth="map" if policy.mapped else "copy", tagging=args.tagging, schedule=policy.schedule,
@@ -906,6 +915,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     result["predictor_fallback"] = engine.predictor.fallback_reason
     result["schedule"] = engine.config.schedule
     result["prefix_reads"] = engine.config.prefix_reads
+    result["continue_growth"] = engine.config.pool.continue_growth
     result["preempt"] = engine.config.resolved_preempt
     result["compact_growth"] = engine.config.resolved_pool.compact_growth
     result["packing"] = engine.config.packing_resolved
@@ -924,7 +934,7 @@ def _ratios(policies: dict) -> dict:
     tps = {p: r["tokens_per_s"] for p, r in policies.items() if "tokens_per_s" in r and not r["cut_at_cap"]}
     out = {}
     for a in tps:
-        if a.split(":")[0].split("@")[0] in ("odma", "odma-reads"):
+        if a.split(":")[0].split("@")[0] in ("odma", "odma-reads", "odma-continue", "odma-pieces"):
             for b in ("paged", "static"):
                 if b in tps:
                     out[f"{a}_vs_{b}"] = round(tps[a] / tps[b], 3)

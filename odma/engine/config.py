@@ -1,6 +1,7 @@
 """The serving engine's configuration (frozen). `odma-serve` flags map onto these fields one to one (`--x-y` sets
 `x_y`; `--slo-ttft`/`--slo-tpot` set `slo_*_s`; `--growth`, `--growth-step`, `--reserve-scale`, `--large-share`,
-`--worst-case-prompt-share`, `--compact-growth`, `--slide-growth` and `--neighbour-growth` set `pool.*`; `--max-tokens-cap` also sets `buckets.large_bound`). Config-only, on
+`--worst-case-prompt-share`, `--compact-growth`, `--slide-growth`, `--neighbour-growth` and `--continue-growth` set
+`pool.*`; `--max-tokens-cap` also sets `buckets.large_bound`). Config-only, on
 purpose: `pool.align` (the unit every block and bucket bound is a multiple of) and the bucket manager's window,
 refresh and method (`buckets.*`): the replays chose them (docs/analyze.md) and a wrong value silently wastes
 memory, so they are set in code or through `odma-analyze` experiments, not per start."""
@@ -221,6 +222,13 @@ class EngineConfig:
         return self.packing if self.packing is not None else self.capabilities.cheap_block_copies
 
     @property
+    def reads_pieces(self) -> bool:
+        """Whether a request may read its rows from several contiguous blocks (shared prefixes read in place, blocks
+        continued elsewhere): the attention then reads tables of pieces. Never for static blocks (they do not grow and
+        read nothing elsewhere) or the paged pool (its pages are its table)."""
+        return self.policy not in ("static", "paged") and (self.prefix_reads or self.pool.continue_growth)
+
+    @property
     def resolved_pool(self) -> PoolConfig:
         """The pool settings in force: `pool`, with packing's growth when it is on."""
         if not self.packing_resolved:
@@ -314,6 +322,9 @@ class EngineConfig:
             raise ConfigError("prefix_reads reads shared prefixes in place: it needs prefix_share_min_tokens > 0")
         if self.prefix_reads and self.kv_growth == "map":
             raise ConfigError("prefix_reads needs blocks grown by copy (kv_growth copy or auto), not by mapping")
+        if self.pool.continue_growth and self.kv_growth == "map":
+            raise ConfigError("pool.continue_growth continues blocks that cannot grow by copy: it needs kv_growth "
+                              "copy or auto, not map")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError("default_max_tokens must not exceed max_tokens_cap")
         try:

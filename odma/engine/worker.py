@@ -59,7 +59,7 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
     if config.policy == "paged":
         return _build_paged_worker(config, device, backend, model, kv_dtype, total_tokens, bytes_per_token)
     wants_map = config.kv_growth == "map" or (config.kv_growth == "auto" and not config.balloon
-                                              and not config.prefix_reads)
+                                              and not config.reads_pieces)
     mapped = _build_mapped(config, device, backend, model, policy, kv_dtype, budget) if wants_map else None
     if mapped is not None:
         runner, kv = mapped
@@ -75,7 +75,8 @@ def build_worker(config: EngineConfig, device: str, backend: Any, model: CausalL
         kv = ContiguousKV(pool, elastic=_build_elastic(config, backend, runner, pool) if config.balloon else None,
                           compact_growth=settings.compact_growth,
                           slide_growth=settings.compact_growth and settings.slide_growth,
-                          read_prefixes=config.prefix_reads and config.policy != "static")
+                          read_prefixes=config.prefix_reads and config.policy != "static",
+                          continue_growth=settings.continue_growth and config.policy != "static")
     swap = None
     if config.resolved_preempt == "swap":
         from odma.engine.swap import HostSwap
@@ -106,7 +107,7 @@ def _runner(config: EngineConfig, model: CausalLM, backend: Any, total_tokens: i
         return ModelRunner(model, backend, total_tokens, kv_dtype=kv_dtype, attention=config.attention,
                            page_tokens=page_tokens, arena=arena, max_positions=config.max_model_len,
                            decode_graphs=config.decode_graphs, max_batch=config.max_num_seqs,
-                           graph_pieces=GRAPH_PIECES if config.prefix_reads else 0)
+                           graph_pieces=GRAPH_PIECES if config.reads_pieces else 0)
     except BackendError as exc:
         raise ConfigError(str(exc)) from None
 

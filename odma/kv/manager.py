@@ -20,6 +20,10 @@ from odma.kv.pool import KVPool, PoolStats
 from odma.kv.reclaim import clear_for_growth, clear_window, slide_for_growth
 from odma.kv.shared_rows import SharedRows, Shifted
 
+# pieces a request may read its rows from before its block stops continuing elsewhere (it compacts or slides then):
+# with a shared prefix's pieces, well within the 8-entry tables captured decode batches read (GRAPH_PIECES)
+CONTINUED_PIECES = 4
+
 
 class KVManager(ABC):
     """Memory under one policy; all sizes in tokens. A request is anything with `SizedRequest`'s fields."""
@@ -98,11 +102,11 @@ class ContiguousKV(KVManager):
 
     def __init__(self, pool: KVPool, *, name: str | None = None, elastic: ElasticKV | None = None,
                  buckets: BucketManager | None = None, compact_growth: bool = False, slide_growth: bool = False,
-                 read_prefixes: bool = False) -> None:
+                 read_prefixes: bool = False, continue_growth: bool = False) -> None:
         self.pool = pool
         # a shared prompt prefix read where a running holder keeps it (odma.kv.shared_rows) instead of copied into
         # each block: the scheduler maps it (`admit_sharing`) as it maps a paged pool's pages
-        self.shared = SharedRows() if read_prefixes else None
+        self.shared = SharedRows() if read_prefixes or continue_growth else None
         self.shares_pages = read_prefixes
         self.parked = 0  # blocks of ended requests kept for readers of their rows
         # a block that cannot grow while the pool's free units could hold its growth (fragmentation) gets a range
@@ -111,6 +115,10 @@ class ContiguousKV(KVManager):
         # when no window can be cleared (its blocks have nowhere else to go), blocks slide over the gaps between them
         # (odma.kv.reclaim.slide_for_growth): room is found whenever the free units hold the growth
         self.slide_growth = slide_growth
+        # a block that cannot grow where it lies goes on in a new block, its rows so far read where they are (a piece,
+        # as a shared prefix read in place is): nothing copied, no slide; tried before compaction and sliding
+        self.continue_growth = continue_growth
+        self.continued = 0  # blocks continued that way (their rows live on under "{request id}/rows-{n}")
         self.slides = 0  # growths that found room only after blocks slid for them
         self.compactions = 0  # growths that found room only after blocks were relocated for them
         self.name = name or pool.policy.name
@@ -169,6 +177,10 @@ class ContiguousKV(KVManager):
         old = pool.extend(request_id, held) if held is not None else pool.block_of(request_id)
         length = pool.length_of(request_id)  # what a growth copies
         new = pool.extend(request_id, new_len)
+        if new is None and self.continue_growth:
+            growth = self._continue(request_id, new_len)
+            if growth is not None:
+                return growth
         if new is None and self.compact_growth and clear_for_growth(pool, request_id, new_len)[1]:
             new = pool.extend(request_id, new_len)
             self.compactions += new is not None
@@ -178,6 +190,21 @@ class ContiguousKV(KVManager):
         if new is None:
             return None
         return Growth(new.capacity, 0 if new is old else length, new.offset != old.offset)
+
+    def _continue(self, request_id: str, new_len: int) -> Growth | None:
+        """The block goes on in a new one where it cannot grow (`KVPool.continue_elsewhere`): its rows so far are read
+        where they lie, as a piece. None: the request reads CONTINUED_PIECES pieces already, or no room."""
+        handle = self.pool.handle_of(request_id)
+        if len(handle.pieces or ()) >= CONTINUED_PIECES:
+            return None
+        rows = self.pool.length_of(request_id)
+        as_id = f"{request_id}/rows-{self.continued + 1}"
+        new = self.pool.continue_elsewhere(request_id, new_len, as_id=as_id)
+        if new is None:
+            return None
+        self.continued += 1
+        self.shared.continued(handle, self.pool.handle_of(as_id), rows)
+        return Growth(new.capacity, 0)
 
     def release(self, request_id: str, realized_output: int) -> None:
         if not self._parked(request_id):
@@ -246,6 +273,7 @@ class ContiguousKV(KVManager):
             "relocated_tokens": s.relocated_tokens,
             "compactions": self.compactions,
             "slides": self.slides,
+            "continued": self.continued,
             "free_list_hits": s.free_list_hits,
             "flushes": s.flushes,
         }

@@ -42,6 +42,7 @@ from odma.kv.buckets import LARGE
 from odma.kv.extents import ExtentMap
 from odma.kv.policy import KVRequest, Reservation, ReservationPolicy, SizedRequest, validate_request
 from odma.kv.segments import SegmentMap
+from odma.kv.shared_rows import Shifted
 
 _DEFAULTS = PoolConfig()  # one default per setting: the config dataclass's
 
@@ -74,6 +75,7 @@ class PoolCounters:
     overlapped_tokens: int = 0
     free_list_hits: int = 0
     flushes: int = 0
+    continued: int = 0  # blocks that could not grow and were continued in a new one (`continue_elsewhere`)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -368,6 +370,44 @@ class KVPool:
                 self._live[as_id] = self._live.pop(rid)
                 rid = live.handle.request_id = as_id
             live.request = KVRequest(rid, tokens, 0)
+            return new
+
+    def continue_elsewhere(self, req: SizedRequest | str, new_len: int, *, as_id: str) -> Block | None:
+        """The request's block cannot grow where it lies: the rows it holds stay there, under `as_id` (a block of
+        their own with a handle of its own, as `keep_front` leaves them), and the request goes on in a new block that
+        holds its rows from there on: as many as the grown block would have held beyond them, else (no such room) as
+        many as `new_len` needs. Nothing is copied.
+        The request's handle stays its own, now on the new block; the rows left behind are the caller's to have read
+        (`KVHandle.pieces`) and to release. None: no room for the new block (nothing changes)."""
+        with self._lock:
+            live = self._lookup(req)
+            r = live.request
+            if as_id in self._live:
+                raise DuplicateRequestError(f"request {as_id} already holds a block")
+            rows, limit = live.length, r.prompt_tokens + r.max_new_tokens
+            if type(new_len) is not int or not rows < new_len <= limit:
+                raise InvalidRequestError(f"request {r.request_id}: new length must be an integer in "
+                                          f"({rows}, {limit}], got {new_len!r}")
+            res, units = self._growth_target(live, new_len)
+            new = None
+            # the growth the policy wants beyond the rows left behind, else only what `new_len` needs
+            for units in dict.fromkeys((self._units_for(units * self.align - rows), self._units_for(new_len - rows))):
+                new = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=True)
+                if new is not None:
+                    break
+            if new is None:
+                self._n.migration_refusals += 1
+                return None
+            old = live.block
+            self._live[as_id] = _Live(KVRequest(as_id, rows, 0), old, live.reservation, rows,
+                                      KVHandle(as_id, old.capacity, old))
+            live.request = Shifted(r, rows)
+            live.reservation = res
+            live.length = new_len - rows
+            self._move(live, new)
+            self._reserved_units += units
+            self._live_tokens += new_len - rows
+            self._n.continued += 1
             return new
 
     def block_of(self, req: SizedRequest | str) -> Block:

@@ -12,6 +12,11 @@ A holder that ends while others read its rows is parked: its block shrinks in pl
 (`KVPool.keep_front`, under an id of its own) until its last reader is gone. The replay measured the design before it
 was built (docs/results/gpu/replay_policy.md, "A shared prefix read in place": chat turns at 4 GiB 0.964 → 1.089× the
 paged pool with prefix maps).
+
+The same pieces serve a block that cannot grow where it lies (`PoolConfig.continue_growth`): its rows so far stay
+where they are, under an id of their own (`KVPool.continue_elsewhere`), the request goes on in a new block and reads
+them as a piece, and so does everyone who read them in its old block (`continued`); they are parked at once, freed
+with their last reader (docs/results/gpu/replay_policy.md, "Blocks continued elsewhere").
 """
 
 from __future__ import annotations
@@ -63,6 +68,18 @@ class SharedRows:
         reader.pieces = pieces
         for owner, _, end in pieces:
             self.readers.setdefault(owner, {})[reader] = end
+
+    def continued(self, handle: KVHandle, left: KVHandle, rows: int) -> None:
+        """`handle`'s request went on in a new block and left its rows so far in `left`'s (`KVPool.continue_elsewhere`):
+        it reads them there from now on, as does everyone who read them in its old block; `left` is parked (freed
+        with its last reader)."""
+        first = handle.first_row
+        readers = self.readers.pop(handle, {})
+        for reader in readers:
+            reader.pieces = [(left if owner is handle else owner, a, b) for owner, a, b in reader.pieces]
+        self.add(handle, [*(handle.pieces or ()), (left, first, first + rows)])
+        self.readers[left].update(readers)
+        self.park(left)
 
     def rows_to_keep(self, handle: KVHandle) -> int | None:
         """Rows of `handle`'s block others still read (from its first), None when nobody does."""

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--neighbour-growth", action=argparse.BooleanOptionalAction, default=d.pool.neighbour_growth,
                    help="a block that cannot grow in place grows over the free units before it too (one overlapping "
                         "copy) before it migrates")
+    p.add_argument("--continue-growth", action=argparse.BooleanOptionalAction, default=d.pool.continue_growth,
+                   help="a block that cannot grow where it lies goes on in a new block, its rows so far read where "
+                        "they are (no copy, no slide; the Triton attention reads the pieces, a CPU the model's own "
+                        "attention)")
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=d.packing,
                    help="keep odma's blocks packed under pressure: --compact-growth --slide-growth --neighbour-growth "
                         "--growth step, admission within θ 0.97, and a block that finds no room waits (--preempt swap "
@@ -244,7 +248,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         pool=replace(PoolConfig(), growth=args.growth, large_share=args.large_share, reserve_scale=args.reserve_scale,
                      growth_hint=args.growth_hint, worst_case_prompt_share=args.worst_case_prompt_share,
                      compact_growth=args.compact_growth, slide_growth=args.slide_growth,
-                     neighbour_growth=args.neighbour_growth, growth_step=args.growth_step),
+                     neighbour_growth=args.neighbour_growth, growth_step=args.growth_step,
+                     continue_growth=args.continue_growth),
         packing=args.packing,
         buckets=replace(BucketConfig(), large_bound=args.max_tokens_cap),
     )

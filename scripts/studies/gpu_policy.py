@@ -48,6 +48,12 @@ def _packed_scaled(scale: float, **engine) -> dict:
     return {**packed, "pool": replace(packed["pool"], reserve_scale=scale), **engine}
 
 
+def _packed_continuing(**engine) -> dict:
+    """Packing as the engine sets it, with blocks that cannot grow continued in new ones (PoolConfig.continue_growth)."""
+    packed = odma_memory("packed")
+    return {**packed, "pool": replace(packed["pool"], continue_growth=True), **engine}
+
+
 # name -> (base policy, EngineConfig overrides, lengths: "median" (the bench's running median), "oracle" (every
 # request tagged with its true length) or "default" (the learned predictor, from the trace's texts: ShareGPT only))
 VARIANTS = {
@@ -90,6 +96,12 @@ VARIANTS = {
     # shared prefixes read in place (odma.kv.shared_rows) instead of copied
     "packed+reads": ("odma", {**odma_memory("packed"), "prefix_reads": True}, "median"),
     "L:packed+reads": ("odma", {**odma_memory("packed"), "prefix_reads": True}, "default"),
+    # a block that cannot grow goes on in a new block, its rows so far read where they are (PoolConfig.continue_growth)
+    "packed+continue": ("odma", _packed_continuing(), "median"),
+    "packed+reads+continue": ("odma", _packed_continuing(prefix_reads=True), "median"),
+    "L:packed+reads+continue": ("odma", _packed_continuing(prefix_reads=True), "default"),
+    "L:packed+continue": ("odma", _packed_continuing(), "default"),
+    "O:packed+continue": ("odma", _packed_continuing(), "oracle"),
     # exact lengths instead of the running median's guess
     "oracle": ("oracle", {}, "median"),  # contiguous blocks of exactly the true length, never growing
     "O:packed": ("odma", odma_memory("packed"), "oracle"),
