@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kv_packing import RecordingMover
 
 from odma.config import PoolConfig
 from odma.engine import SamplingParams
@@ -18,14 +19,6 @@ from odma.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
 UNIT = 16
-
-
-class RecordingMover:
-    def __init__(self) -> None:
-        self.copies = []
-
-    def copy(self, src, dst, n_tokens) -> None:
-        self.copies.append((src, dst, n_tokens))
 
 
 def _pool(units: int, mover=None) -> KVPool:
