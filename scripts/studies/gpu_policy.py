@@ -102,6 +102,11 @@ VARIANTS = {
     "L:packed+reads+continue": ("odma", _packed_continuing(prefix_reads=True), "default"),
     "L:packed+continue": ("odma", _packed_continuing(), "default"),
     "O:packed+continue": ("odma", _packed_continuing(), "oracle"),
+    # with both, the learned encoder's reservations and order (the running median's say nothing: one guess for all)
+    **{f"L:packed+reads+continue+{order}+scale{s:g}": (
+        "odma", {**_packed_continuing(prefix_reads=True, schedule=order),
+                 "pool": replace(odma_memory("packed")["pool"], continue_growth=True, reserve_scale=s)}, "default")
+       for order in ("fcfs", "sjf", "adaptive") for s in (0.125, 0.25)},
     # exact lengths instead of the running median's guess
     "oracle": ("oracle", {}, "median"),  # contiguous blocks of exactly the true length, never growing
     "O:packed": ("odma", odma_memory("packed"), "oracle"),
