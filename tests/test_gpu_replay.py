@@ -339,3 +339,37 @@ def test_a_shipped_profile_is_checked_against_runs_outside_its_fit(capsys, tmp_p
     assert "| gpu_rerun_h100 (H100) | odma/paged |" in capsys.readouterr().out
     assert main(["fit-gpu", "--profile", "h200-7b", str(RAW / "gpu_rerun_h100.json")]) == 2
     assert "no H200 run" in capsys.readouterr().err
+
+
+def test_a_run_of_odma_continuing_blocks_is_replayed_and_compared_but_not_fitted():
+    """odma-continue (--continue-growth) reads pieces, whose cost no profile models: fit-gpu checks its counts and
+    compares its tok/s (and its ratio to paged) but fits nothing on it."""
+    from odma.analyze.gpu_fit import compare, replay_runs
+
+    _needs_trace()
+    config = replace(SMALL, kv_budget_bytes=64 << 20)
+    profile = load_gpu_profile("h200-7b")
+    continuing = {**odma_memory("packed")}
+    continuing["pool"] = replace(continuing["pool"], continue_growth=True)
+    prompts = bench_prompts(config)
+    measured = {}
+    for policy, overrides in (("odma", odma_memory("packed")), ("paged", None), ("static", None),
+                              ("odma-continue", continuing)):
+        b = run_burst(config, "odma" if policy == "odma-continue" else policy, prompts=prompts,
+                      engine_overrides=overrides)
+        seconds = profile.breakdown(b.steps, b.paged)["seconds"]
+        measured[policy] = {**b.summary(), "seconds": seconds, "tokens_per_s": b.output_tokens / seconds}
+    assert measured["odma-continue"]["slides"] < measured["odma"]["slides"]  # it continued where odma slid
+    run = RawRun("synthetic.json", "H200", config, measured, None, 0, 1.3, "packed", paged_prefixes=True)
+    bursts = replay_runs([run])  # the counts checked: equal
+    rows = {r["policy"]: r for r in compare(profile, [run], bursts)}
+    assert rows["odma-continue"]["error"] == pytest.approx(0, abs=1e-9)
+    assert rows["odma-continue/paged"]["measured_tps"] > rows["odma/paged"]["measured_tps"]
+    ran = measured["odma-continue"]
+    with pytest.raises(ConfigError, match="odma-continue"):  # a count the replay does not give is an error
+        replay_runs([replace(run, policies={**measured, "odma-continue": {**ran, "steps": ran["steps"] + 1}})])
+    slow = {**measured, "odma-continue": {**ran, "seconds": 1e6}}  # the fit ignores it: the other three decide
+    fitted = fit_profile([replace(run, policies=slow)], bursts, "fitted", copy_ms_per_gib=1.3)
+    alone = fit_profile([replace(run, policies={k: v for k, v in measured.items() if k != "odma-continue"})],
+                        bursts, "fitted", copy_ms_per_gib=1.3)
+    assert fitted.step_ms == pytest.approx(alone.step_ms)
