@@ -359,6 +359,7 @@ def test_a_run_of_odma_continuing_blocks_is_replayed_and_compared_but_not_fitted
                       engine_overrides=overrides)
         seconds = profile.breakdown(b.steps, b.paged)["seconds"]
         measured[policy] = {**b.summary(), "seconds": seconds, "tokens_per_s": b.output_tokens / seconds}
+    assert measured["odma-continue"]["continued"] > 0 and measured["odma"]["continued"] == 0
     assert measured["odma-continue"]["slides"] < measured["odma"]["slides"]  # it continued where odma slid
     run = RawRun("synthetic.json", "H200", config, measured, None, 0, 1.3, "packed", paged_prefixes=True)
     bursts = replay_runs([run])  # the counts checked: equal

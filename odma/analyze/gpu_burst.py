@@ -426,5 +426,6 @@ def _counts(engine: BurstEngine) -> dict:
     return {"preemptions": c.preemptions, "swap_outs": c.swap_outs, "migrations": stats.migrations,
             "migrated_tokens": stats.migrated_tokens, "grown_in_place": stats.grown_in_place,
             "relocated_tokens": stats.relocated_tokens, "compactions": getattr(engine.kv, "compactions", 0),
-            "slides": getattr(engine.kv, "slides", 0), "overlapped_tokens": getattr(stats, "overlapped_tokens", 0),
+            "slides": getattr(engine.kv, "slides", 0), "continued": getattr(engine.kv, "continued", 0),
+            "overlapped_tokens": getattr(stats, "overlapped_tokens", 0),
             "prefix_copies": c.prefix_copies, "prefix_maps": c.prefix_maps, "prefix_tokens": c.prefix_tokens}

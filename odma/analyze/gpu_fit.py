@@ -32,8 +32,8 @@ POLICIES = (*FIT_POLICIES, "odma-continue")
 FITTED = ("step_ms", "ms_per_1k_context", "paged_read_factor", "ms_per_1k_prefill", "host_ms", "swap_gbps",
           "ms_per_slide")
 CHECKED_COUNTS = ("steps", "preemptions", "swap_outs", "migrations", "migrated_tokens", "mean_running",
-                  "grown_in_place", "relocated_tokens", "overlapped_tokens", "slides", "prefix_copies", "prefix_maps",
-                  "prefix_tokens")
+                  "grown_in_place", "relocated_tokens", "overlapped_tokens", "slides", "continued", "prefix_copies",
+                  "prefix_maps", "prefix_tokens")
 
 
 @dataclass(frozen=True)
