@@ -395,10 +395,9 @@ class KVPool:
                 new = self._carve(units, res.bucket, prefer_large=res.bucket == LARGE, allow_large=True)
                 if new is not None:
                     break
-            if new is None:
-                self._n.migration_refusals += 1
+            if new is None:  # the refusal was counted by the `extend` that could not grow the block
                 return None
-            old = live.block
+            old = live.block  # whole: rows past `rows` it never held stay unused until it is freed (no re-layout)
             self._live[as_id] = _Live(KVRequest(as_id, rows, 0), old, live.reservation, rows,
                                       KVHandle(as_id, old.capacity, old))
             live.request = Shifted(r, rows)
