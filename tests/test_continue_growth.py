@@ -159,7 +159,7 @@ def test_continued_requests_generate_the_same_tokens_and_logprobs(folder):
     engine = _continuing(folder)
     seqs = engine.generate(PROMPTS, GREEDY)
     kv = engine.workers[0].kv
-    assert kv.continued > 0
+    assert kv.continued > 0 and engine.stats().pool_counter("continued") == kv.continued  # what /metrics reports
     assert [s.output_ids for s in seqs] == [s.output_ids for s in reference]
     for seq, ref in zip(seqs, reference):
         assert [e.logprob for e in seq.output_logprobs] == pytest.approx(

@@ -176,6 +176,8 @@ class _EngineCollector:
         yield counter("odma_grown_in_place", "Growths where the block lies: over the free units after it (counted in "
                       "migrations too) or, with --kv-growth map, by mapping memory behind it (nothing copied)",
                       pool("grown_in_place"))
+        yield counter("odma_continued_blocks", "Growths that went on in a new block, the rows so far read where they "
+                      "lie (--continue-growth)", pool("continued"))
         yield counter("odma_reservation_refusals", "Reservations refused for lack of room (request waited)",
                       pool("refusals"))
         yield counter("odma_theta_refusals", "Admissions deferred to keep reservations within theta (eLLM Alg. 1)",
