@@ -357,6 +357,9 @@ def test_a_run_of_odma_continuing_blocks_is_replayed_and_compared_but_not_fitted
                               ("odma-continue", continuing)):
         b = run_burst(config, "odma" if policy == "odma-continue" else policy, prompts=prompts,
                       engine_overrides=overrides)
+        # the decode context read through pieces: only where blocks went on elsewhere
+        assert (sum(s.piece_context for s in b.steps) > 0) == (policy == "odma-continue"), policy
+        assert all(s.piece_context <= s.context for s in b.steps)
         seconds = profile.breakdown(b.steps, b.paged)["seconds"]
         measured[policy] = {**b.summary(), "seconds": seconds, "tokens_per_s": b.output_tokens / seconds}
     assert measured["odma-continue"]["continued"] > 0 and measured["odma"]["continued"] == 0

@@ -115,6 +115,9 @@ class StepRecord:
     swaps: int  # swap copies (each one a synchronised transfer)
     running: int  # requests running after the step (what the bench averages)
     slides: int = 0  # growths that found room only by sliding blocks over the gaps (`ContiguousKV.slides`)
+    # of `context`, the tokens of requests that read their rows from several blocks (pieces: prefixes read in place,
+    # blocks continued elsewhere); the profiles charge them as contiguous reads, a study may bound them otherwise
+    piece_context: int = 0
 
 
 @dataclass(slots=True)
@@ -287,6 +290,7 @@ class BurstEngine:
                 raise ConfigError(f"length predictor {predictor!r} did not load: {loaded.fallback_reason}")
         self.tagger = LengthTagger(loaded, self.policy, "paper-7b", _NoMetrics())
         self._ids = 0
+        self.piece_context = 0  # the last step's decode context read through pieces (StepRecord.piece_context)
         self._inbox: list = []
         self._aborts: list = []
         self._known: dict[str, int] = {}
@@ -337,6 +341,7 @@ class BurstEngine:
                 self.scheduler.add(seq)
             self._inbox = []
         work = self.scheduler.schedule()
+        self.piece_context = sum(w.start for w in work if w.q_len == 1 and w.seq.kv is not None and w.seq.kv.pieces)
         for w in work:
             seq = w.seq
             seq.num_cached = w.start + w.q_len
@@ -400,7 +405,7 @@ def run_burst(config: BurstConfig, policy: str, *, engine_overrides: dict | None
         steps.append(StepRecord(len(decode), sum(w.start for w in decode),
                                 tuple((w.start, w.q_len) for w in work if w.q_len > 1),
                                 engine.copied_tokens - copied, moved - swapped, copies - swaps,
-                                len(engine.scheduler.running), _slides(engine) - slides))
+                                len(engine.scheduler.running), _slides(engine) - slides, engine.piece_context))
         copied, slides, swapped, swaps = engine.copied_tokens, _slides(engine), moved, copies
         for s in seqs:
             if s.request_id not in stopped and not s.finished and s.num_generated >= target[s.request_id]:
