@@ -40,11 +40,12 @@ ODMA_MEMORY = ("packed", "packed-swap", "headroom", "compact", "swap", "wait", "
 HEADROOM_THETA = 0.9  # reservations at most this share of the pool (eLLM's θ); 0.85-0.93 replayed within 2 %
 
 
-def odma_memory(name: str, align: int = 16) -> dict:
+def odma_memory(name: str, align: int = 16, continue_growth: bool = False) -> dict:
     """EngineConfig fields that `name` (one of ODMA_MEMORY) sets for odma's policy; the bench and this replay both
     read them here. Every preset says whether it packs (the engine packs by default on an accelerator), and
     "packed" spells out the pool fields, θ and the waiting that packing sets, so a run's config records them;
-    "packed-swap" sets the same fields without `packing` (which would turn its swap into a wait)."""
+    "packed-swap" sets the same fields without `packing` (which would turn its swap into a wait). `continue_growth`:
+    blocks that cannot grow go on in new ones too (`PoolConfig.continue_growth`, the bench's odma-continue)."""
     from odma.config import PoolConfig
     from odma.engine.config import PACKED_THETA
 
@@ -61,6 +62,8 @@ def odma_memory(name: str, align: int = 16) -> dict:
         out["admission_theta"] = HEADROOM_THETA
     if name in ("compact-wait", "compact", "headroom"):
         pool = replace(pool, compact_growth=True)
+    if continue_growth:
+        pool = replace(pool, continue_growth=True)
     if pool != PoolConfig():
         out["pool"] = pool
     return out

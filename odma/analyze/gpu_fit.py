@@ -20,7 +20,6 @@ from pathlib import Path
 
 from odma.analyze.gpu_burst import GIB, ODMA_MEMORY, BurstConfig, BurstResult, bench_prompts, odma_memory, run_burst
 from odma.analyze.gpu_profile import GpuProfile
-from odma.config import PoolConfig
 from odma.engine.prefill_cost import PrefillCost
 from odma.engine.config import parse_bytes
 from odma.errors import ConfigError
@@ -169,9 +168,8 @@ def replay_runs(runs: list[RawRun], check: bool = True) -> Bursts:
     for run in runs:
         if run.config not in prompts:
             prompts[run.config] = bench_prompts(run.config)
-        odma = odma_memory(run.odma_memory)
-        continuing = {**odma, "pool": replace(odma.get("pool", PoolConfig()), continue_growth=True)}
-        overrides = {"odma": odma, "odma-continue": continuing,
+        overrides = {"odma": odma_memory(run.odma_memory),
+                     "odma-continue": odma_memory(run.odma_memory, continue_growth=True),
                      "paged": None if run.paged_prefixes else {"prefix_share_min_tokens": 0}}
         bursts = out.setdefault(run.burst_key, {})
         for p in dict.fromkeys([*FIT_POLICIES, *run.policies]):  # a policy another run of this burst ran: once

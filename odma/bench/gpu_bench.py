@@ -50,7 +50,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from odma.bench import gpu_http
@@ -525,11 +525,12 @@ def _engine(args, device, dtype_name: str, model, loaded=None, **overrides):
     return LLMEngine(EngineConfig(**(base | overrides)), model=model, predictor=loaded)
 
 
-def _odma_memory(args) -> dict:
+def _odma_memory(args, continue_growth: bool = False) -> dict:
     """EngineConfig fields of odma's policy for --odma-memory (the replay of this part sets the same)."""
     from odma.analyze.gpu_burst import odma_memory
 
-    return odma_memory(getattr(args, "odma_memory", "swap"), align=4 if args.tiny else 16)
+    return odma_memory(getattr(args, "odma_memory", "swap"), align=4 if args.tiny else 16,
+                       continue_growth=continue_growth)
 
 
 def _step_times(times: list) -> dict:
@@ -883,12 +884,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     from odma.engine.length_predictor import LoadedPredictor
     from predictor.running_median import RunningMedian
 
-    memory = _odma_memory(args) if policy.policy == "odma" else {}
-    if policy.continues:
-        from odma.config import PoolConfig
-
-        pool = memory.get("pool", PoolConfig(align=4 if args.tiny else 16))
-        memory["pool"] = replace(pool, continue_growth=True)
+    memory = _odma_memory(args, continue_growth=policy.continues) if policy.policy == "odma" else {}
     # warm-ups run under a throwaway median: the measured predictor (a running median learns) sees only the burst
     engine = _engine(args, device, dtype_name, model, policy=policy.policy,
                      kv_growth="map" if policy.mapped else "copy", tagging=args.tagging, schedule=policy.schedule,

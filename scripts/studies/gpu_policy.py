@@ -50,8 +50,7 @@ def _packed_scaled(scale: float, **engine) -> dict:
 
 def _packed_continuing(**engine) -> dict:
     """Packing as the engine sets it, with blocks that cannot grow continued in new ones (PoolConfig.continue_growth)."""
-    packed = odma_memory("packed")
-    return {**packed, "pool": replace(packed["pool"], continue_growth=True), **engine}
+    return {**odma_memory("packed", continue_growth=True), **engine}
 
 
 # name -> (base policy, EngineConfig overrides, lengths: "median" (the bench's running median), "oracle" (every
@@ -105,7 +104,7 @@ VARIANTS = {
     # with both, the learned encoder's reservations and order (the running median's say nothing: one guess for all)
     **{f"L:packed+reads+continue+{order}+scale{s:g}": (
         "odma", {**_packed_continuing(prefix_reads=True, schedule=order),
-                 "pool": replace(odma_memory("packed")["pool"], continue_growth=True, reserve_scale=s)}, "default")
+                 "pool": replace(odma_memory("packed", continue_growth=True)["pool"], reserve_scale=s)}, "default")
        for order in ("fcfs", "sjf", "adaptive") for s in (0.125, 0.25)},
     # exact lengths instead of the running median's guess
     "oracle": ("oracle", {}, "median"),  # contiguous blocks of exactly the true length, never growing
@@ -140,11 +139,11 @@ def run(name: str, trace: str, gib: float, prompts) -> dict:
         # bounds for what the replay does not charge, reading rows through pieces: the decode context of requests
         # that read pieces at the paged pool's cost (pieces are a few long runs, not pages: this over-charges), and
         # every context token of every step at that cost (the coarser bound first quoted)
-        extra = profile.ms_per_1k_context * (profile.paged_read_factor - 1) / 1e6
-        pieces = parts["seconds"] + extra * sum(s.piece_context for s in burst.steps)
+        piece_context = sum(s.piece_context for s in burst.steps)
+        pieces = parts["seconds"] + profile.ms_per_1k_context * (profile.paged_read_factor - 1) * piece_context / 1e6
         as_pages = parts["seconds"] - parts["device_s"] + sum(profile.device_ms(s, True) for s in burst.steps) / 1e3
         row[p] = {"tokens_per_s": burst.output_tokens / parts["seconds"], **parts,
-                  "piece_context": sum(s.piece_context for s in burst.steps),
+                  "piece_context": piece_context,
                   "tokens_per_s_pieces_as_pages": burst.output_tokens / pieces,
                   "tokens_per_s_read_as_pages": burst.output_tokens / as_pages}
     return row
