@@ -3,22 +3,25 @@
 # order (GPU_CHECK_PARTS picks them), each under its own time cap, each saving what it measured as it goes:
 #   tests   the GPU tests that matter most (CUDA conformance, the engine through the Triton kernels, decode
 #           graphs; GPU_TESTS names others), 8 processes, at most CAP_TESTS seconds (100; they took 76 on an H200)
-#   bench   odma-bench gpu, parts engine, http and peer (BENCH_PARTS; kernels, runs, vmm and step were measured
-#           before and stay available): random weights of the paper model's shape, every policy on one KV budget, on
+#   bench   odma-bench gpu, parts kernels, engine, http and peer (BENCH_PARTS; runs, vmm and step were measured
+#           before and stay available): first the decode kernels at 4K context, 16 and 64 requests (25 s): one
+#           contiguous block, 16-token pages and a block read as two pieces (what --prefix-reads and
+#           --continue-growth cost, which the replay charges as contiguous); then random weights of the paper
+#           model's shape, every policy on one KV budget, on
 #             ShareGPT's first turns (their text: SmolLM2's chat template; 200 requests) under odma with the
-#               learned predictor, the running median and the oracle, paged and static, odma with the learned
-#               predictor serving shortest predicted first (@sjf), and odma reading shared prefixes in place
-#               (odma-reads: --prefix-reads);
+#               learned predictor, the running median and the oracle, paged and static, and odma reading shared
+#               prefixes in place and continuing blocks that cannot grow in new ones (odma-pieces: --prefix-reads
+#               --continue-growth);
 #             Azure's conversation trace (lengths only; 400 requests) under odma, paged and odma continuing blocks
 #               that cannot grow in new ones (odma-continue: --continue-growth);
 #           then odma-serve over HTTP against the engine alone on one burst (64 running; its engine in a process of
 #           its own, the default on a GPU), a second server with the engine in its process (--no-engine-process) on
 #           the same burst (the CPU dry run, whose default is one process, runs --engine-process there), and
 #           transformers' continuous
-#           batching on ShareGPT's burst. At most CAP_BENCH seconds (420: 225 for the engine's bursts, shared in
-#           proportion to their tokens (they took ~155), 120 for http, 75 for the peer).
-# At most: env and wheels 15 s + tests 100 s + bench 420 s = 535 s; on an H200 it took 6 minutes (tests 70 s at
-# the old cap, which cut their summary line; bench 282 s).
+#           batching on ShareGPT's burst. At most CAP_BENCH seconds (445: 25 for the kernels, 225 for the engine's
+#           bursts, shared in proportion to their tokens (seven of them took ~155), 120 for http, 75 for the peer).
+# At most: env and wheels 15 s + tests 100 s + bench 445 s = 560 s; on an H200 it took 6 minutes (tests 70 s at
+# the old cap, which cut their summary line; bench 282 s without the kernels).
 # A new part: append `part_NAME` below and its name to PARTS.
 # Everything lands in OUT (default runs/gpu_check): env.txt, tests.log, gpu_check.json (rewritten after every
 # measurement, so a run cut short keeps what it measured), parts.txt (seconds each part took).
@@ -100,7 +103,7 @@ PYEOF
 # what the engine part stands on: the CUDA backend, the engine through the Triton kernels, decode graphs (the
 # kernels' own tests, test_triton_attention/_runs and test_cuda_vmm, ran before and stay for a longer lease)
 TESTS=${GPU_TESTS:-tests/test_backends_conformance.py tests/test_engine_triton.py tests/test_decode_graphs.py}
-ENGINE_RUNS=(--engine-run "$SHAREGPT:$SHAREGPT_REQUESTS=odma:$LEARNED,odma:median,odma:oracle,paged,static,odma:$LEARNED@sjf,odma-reads:median"
+ENGINE_RUNS=(--engine-run "$SHAREGPT:$SHAREGPT_REQUESTS=odma:$LEARNED,odma:median,odma:oracle,paged,static,odma-pieces:median"
              --engine-run "azure-conv:$AZURE_REQUESTS=odma,paged,odma-continue")
 if [ "$CPU" = 1 ]; then
   export TRITON_INTERPRET=1
@@ -113,9 +116,10 @@ if [ "$CPU" = 1 ]; then
   CAP_BENCH=${CAP_BENCH:-3000}
 else
   PICK=()
-  BENCH=(--caps engine=225,http=120,peer=75,step=20 "--http-also-flags=--no-engine-process")
+  BENCH=(--caps kernels=25,engine=225,http=120,peer=75,step=20 --contexts 4096 --batches 16,64
+         "--http-also-flags=--no-engine-process")
   CAP_TESTS=${CAP_TESTS:-100}
-  CAP_BENCH=${CAP_BENCH:-420}
+  CAP_BENCH=${CAP_BENCH:-445}
 fi
 
 part_tests() {
@@ -129,7 +133,7 @@ part_tests() {
 part_bench() {
   local rc
   # shellcheck disable=SC2086
-  timeout "$CAP_BENCH" "$PY" -m odma.bench.gpu_bench "${BENCH[@]}" --parts "${BENCH_PARTS:-engine,http,peer}" \
+  timeout "$CAP_BENCH" "$PY" -m odma.bench.gpu_bench "${BENCH[@]}" --parts "${BENCH_PARTS:-kernels,engine,http,peer}" \
     "${ENGINE_RUNS[@]}" ${GPU_BENCH_ARGS:-} --tests-log "$OUT/tests.log" --json --out "$OUT/gpu_check.json" >/dev/null
   rc=$?
   "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1)[:8000])" \

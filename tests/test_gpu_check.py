@@ -75,7 +75,7 @@ def test_the_dry_run_covers_every_part(dry_run):
     assert list(runs) == [sharegpt, azure]  # both traces, one model, results keyed by trace
     learned = f"odma:{staged}/predictor/default"  # the staged, self-contained learned predictor
     assert list(runs[sharegpt]["policies"]) == [learned, "odma:median", "odma:oracle", "paged", "static",
-                                                f"{learned}@sjf", "odma-reads:median"]
+                                                "odma-pieces:median"]
     assert list(runs[azure]["policies"]) == ["odma", "paged", "odma-continue"]
     assert runs[sharegpt]["work"]["texts"] == runs[sharegpt]["work"]["requests"] == 8  # ShareGPT carries text
     assert runs[azure]["work"]["texts"] == 0  # Azure's trace has lengths only
@@ -93,15 +93,16 @@ def test_the_dry_run_covers_every_part(dry_run):
             assert r["tagging"] == "ahead" and r["tag_timeouts"] == 0 and r["tagging_s"] >= 0, policy
             assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"], policy
     text = runs[sharegpt]["policies"]
-    assert text[learned]["predictor"] == text[f"{learned}@sjf"]["predictor"] == "encoder:default"  # not its fallback
-    assert text[f"{learned}@sjf"]["schedule"] == "sjf" and text[learned]["schedule"] == "fcfs"
-    assert text["odma-reads:median"]["prefix_reads"] and not text["odma:median"]["prefix_reads"]
+    assert text[learned]["predictor"] == "encoder:default" and text[learned]["schedule"] == "fcfs"  # not its fallback
+    pieces = text["odma-pieces:median"]  # shared prefixes read in place, blocks continued elsewhere
+    assert pieces["prefix_reads"] and pieces["continue_growth"]
+    assert not text["odma:median"]["prefix_reads"] and not text["odma:median"]["continue_growth"]
     assert text[learned]["tagging_s"] > 0  # the encoder's host time, measured
     assert text["odma:median"]["predictor"] == "running-median"
     assert text["odma:oracle"]["prediction"]["median_abs_error"] == 0  # exact lengths, handed over upstream
     assert text["odma:oracle"]["prediction"]["under_share"] == 0
     assert text["odma:median"]["prediction"]["mean_predicted"] == TINY_MAX_TOKENS  # the prior 128, cut to max_tokens
-    for variant in (learned, "odma:median", "odma:oracle", f"{learned}@sjf", "odma-reads:median"):  # both baselines
+    for variant in (learned, "odma:median", "odma:oracle", "odma-pieces:median"):  # both baselines
         assert runs[sharegpt][f"{variant}_vs_paged"] > 0 and runs[sharegpt][f"{variant}_vs_static"] > 0
     assert runs[azure]["odma_vs_paged"] > 0 and runs[azure]["odma-continue_vs_paged"] > 0
     assert runs[azure]["policies"]["odma-continue"]["continue_growth"]
