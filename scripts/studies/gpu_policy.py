@@ -99,12 +99,15 @@ VARIANTS = {
     "packed+continue": ("odma", _packed_continuing(), "median"),
     "packed+reads+continue": ("odma", _packed_continuing(prefix_reads=True), "median"),
     "L:packed+reads+continue": ("odma", _packed_continuing(prefix_reads=True), "default"),
+    "O:packed+reads+continue": ("odma", _packed_continuing(prefix_reads=True), "oracle"),
     "L:packed+continue": ("odma", _packed_continuing(), "default"),
     "O:packed+continue": ("odma", _packed_continuing(), "oracle"),
-    # with both, the learned encoder's reservations and order (the running median's say nothing: one guess for all)
-    **{f"L:packed+reads+continue+{order}+scale{s:g}": (
+    # with both, the learned encoder's reservations and order (the running median's say nothing: one guess for all),
+    # and exact lengths' (what any predictor could buy there)
+    **{f"{tag}packed+reads+continue+{order}+scale{s:g}": (
         "odma", {**_packed_continuing(prefix_reads=True, schedule=order),
-                 "pool": replace(odma_memory("packed", continue_growth=True)["pool"], reserve_scale=s)}, "default")
+                 "pool": replace(odma_memory("packed", continue_growth=True)["pool"], reserve_scale=s)}, lengths)
+       for tag, lengths in (("L:", "default"), ("O:", "oracle"))
        for order in ("fcfs", "sjf", "adaptive") for s in (0.125, 0.25)},
     # exact lengths instead of the running median's guess
     "oracle": ("oracle", {}, "median"),  # contiguous blocks of exactly the true length, never growing
