@@ -24,7 +24,8 @@
 # the old cap, which cut their summary line; bench 282 s without the kernels).
 # A new part: append `part_NAME` below and its name to PARTS.
 # Everything lands in OUT (default runs/gpu_check): env.txt, tests.log, gpu_check.json (rewritten after every
-# measurement, so a run cut short keeps what it measured), parts.txt (seconds each part took).
+# measurement, so a run cut short keeps what it measured), summary.txt (what it says, in a few lines:
+# odma.bench.gpu_summary, printed too), parts.txt (seconds each part took).
 #
 # Needs python3 with torch, triton and pytest (the GPU machines' image has them). A machine without our data and
 # model packages gets them from `.gpu/`, and odma-serve's packages as wheels from `.whl/` (scripts/gpu_wheels.sh;
@@ -136,8 +137,9 @@ part_bench() {
   timeout "$CAP_BENCH" "$PY" -m odma.bench.gpu_bench "${BENCH[@]}" --parts "${BENCH_PARTS:-kernels,engine,http,peer}" \
     "${ENGINE_RUNS[@]}" ${GPU_BENCH_ARGS:-} --tests-log "$OUT/tests.log" --json --out "$OUT/gpu_check.json" >/dev/null
   rc=$?
-  "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r, indent=1)[:8000])" \
-    "$OUT/gpu_check.json" || return 1
+  # what the JSON says, in a few lines (also OUT/summary.txt)
+  "$PY" -m odma.bench.gpu_summary "$OUT/gpu_check.json" | tee "$OUT/summary.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || return 1
   return $rc
 }
 

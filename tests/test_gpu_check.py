@@ -110,7 +110,15 @@ def test_the_dry_run_covers_every_part(dry_run):
     static, odma = text["static"], text["odma:median"]
     assert static["peak_running"] <= static["worst_case_fit"]  # static holds every request's worst case
     assert odma["peak_running"] >= static["peak_running"]
-    assert "staged in" in result["_stdout"] and '"encoder:default"' in result["_stdout"]  # the staged files loaded
+    assert "staged in" in result["_stdout"]
+    # the summary printed after the bench: every burst of both traces, with its ratio to paged
+    summary = (result["_out"] / "summary.txt").read_text()
+    assert summary in result["_stdout"] and f"engine {sharegpt} (8 requests):" in summary
+    ratios = {p: runs[sharegpt][f"{p}_vs_paged"] for p in runs[sharegpt]["policies"] if f"{p}_vs_paged" in runs[sharegpt]}
+    assert len(ratios) == 4  # every odma variant
+    for policy, ratio in [*ratios.items(), ("paged", 1.0)]:
+        line = next(x for x in summary.splitlines() if x.split() and x.split()[0] == policy)
+        assert line.split()[2] == f"{ratio:.3f}", line
     # the kernels' warm-up before any burst: a number of seconds, not an error
     assert isinstance(result["engine"]["kernels_warmed_s"], float), result["engine"]["kernels_warmed_s"]
     http = result["http"]  # odma-serve on the CPU (the tiny random model) against the engine alone, one burst
