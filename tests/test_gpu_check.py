@@ -192,9 +192,9 @@ def test_a_part_at_its_cap_says_what_it_skipped_and_the_next_part_runs(tmp_path)
 
 
 def test_a_part_that_fails_midway_keeps_its_measured_rows(tmp_path, monkeypatch):
-    from odma.bench import gpu_bench
+    from odma.bench import gpu_bench, gpu_kernels
 
-    real = gpu_bench._kernel_row
+    real = gpu_kernels._kernel_row
     calls = []
 
     def second_row_breaks_the_part(*a, **kw):
@@ -203,7 +203,7 @@ def test_a_part_that_fails_midway_keeps_its_measured_rows(tmp_path, monkeypatch)
             raise MemoryError("injected")
         return real(*a, **kw)
 
-    monkeypatch.setattr(gpu_bench, "_kernel_row", second_row_breaks_the_part)
+    monkeypatch.setattr(gpu_kernels, "_kernel_row", second_row_breaks_the_part)
     result = gpu_bench.run(_args(tmp_path, parts="kernels", contexts="64", batches="1,2,4"))
     rows = result["kernels"]["rows"]
     assert "contiguous_us" in rows[0]["result"] and rows[1]["result"] == {"error": "MemoryError: injected"}

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from odma.bench import gpu_bench, gpu_peer
+from odma.bench import gpu_bench, gpu_peer, gpu_report
 
 pytest.importorskip("transformers")
 if gpu_peer.unavailable() is not None:
@@ -34,8 +34,8 @@ def _args(tmp_path, *extra: str) -> argparse.Namespace:
 
 def test_the_peer_generates_every_forced_token_on_the_budget(tmp_path):
     args = _args(tmp_path)
-    report = gpu_bench.Report({}, args.out)
-    out = gpu_peer.bench_peer(args, "cpu", "float32", report, gpu_bench.Cap(120),
+    report = gpu_report.Report({}, args.out)
+    out = gpu_peer.bench_peer(args, "cpu", "float32", report, gpu_report.Cap(120),
                               lambda vocab: gpu_bench.peer_work(args, vocab))
     assert "error" not in out and "skipped" not in out, out
     work = gpu_bench.peer_work(args, 256)
@@ -51,7 +51,7 @@ def test_the_peer_generates_every_forced_token_on_the_budget(tmp_path):
 
 def test_a_burst_past_its_cap_is_reported_cut_not_complete(tmp_path):
     args = _args(tmp_path)
-    out = gpu_peer.bench_peer(args, "cpu", "float32", gpu_bench.Report({}, None), gpu_bench.Cap(0),
+    out = gpu_peer.bench_peer(args, "cpu", "float32", gpu_report.Report({}, None), gpu_report.Cap(0),
                               lambda vocab: gpu_bench.peer_work(args, vocab))
     assert out.get("cut_at_cap") is True and not out.get("all_forced"), out
 

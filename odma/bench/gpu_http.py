@@ -349,7 +349,7 @@ def _measure(out: dict, key: str, fn, report) -> dict:
 
 
 def bench_http(args, device, dtype_name: str, report, cap) -> dict:
-    """The part (see the module's doc). `report`: gpu_bench's Report (`result`, `save()`); `cap`: its Cap
+    """The part (see the module's doc). `report`: gpu_report's Report (`result`, `save()`); `cap`: its Cap
     (`left()`)."""
     work = burst_work(args)
     flags = server_flags(args, work, str(device), dtype_name)
