@@ -152,6 +152,15 @@ def run(name: str, trace: str, gib: float, prompts) -> dict:
     return row
 
 
+def _break_even(r: dict, base: dict | None, profile: str) -> float:
+    """The piece-read cost (× a contiguous read) at which `r` takes as long as `base`: the replay charges a piece's
+    context at a contiguous read's ms per 1K tokens, so each further unit of cost adds that much again."""
+    if base is None:
+        return float("nan")
+    per_unit = load_gpu_profile(profile).ms_per_1k_context * r[profile]["piece_context"] / 1e6
+    return 1 + (base[profile]["seconds"] - r[profile]["seconds"]) / per_unit
+
+
 def _ratio(r: dict, base: dict, profile: str) -> float:
     return r[profile]["tokens_per_s"] / base[profile]["tokens_per_s"]
 
@@ -221,6 +230,13 @@ def main() -> int:
             h200, paged = r["h200-7b"], base["h200-7b"]["tokens_per_s"]
             print(f"  {r['variant']} {r['trace']} {r['kv_gib']:g} GiB: "
                   f"{h200['tokens_per_s_pieces_as_pages'] / paged:.3f}, {h200['tokens_per_s_read_as_pages'] / paged:.3f}")
+    print("\nBreak-even: how many times a contiguous read a piece read may cost before the variant falls to packing "
+          "(the default), then to paged, H200 / H100:")
+    for r in rows:
+        if r["variant"] not in ("paged", "static") and r["h200-7b"]["piece_context"]:
+            cells = [" / ".join(f"{_break_even(r, at.get((base, r['trace'], r['kv_gib'])), p):.2f}" for p in PROFILES)
+                     for base in ("packed", "paged")]
+            print(f"  {r['variant']} {r['trace']} {r['kv_gib']:g} GiB: {cells[0]}; {cells[1]}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
