@@ -3,7 +3,9 @@
 Why: torch's SDPA costs ~60 us of fixed overhead per call and, for one query token, reads a request's K/V
 several times over, so a decode step of 32 requests x 30 layers spent more time in 960 SDPA calls than in
 the weights. The kernel handles all decoding requests of a layer in one call and streams each block's K and
-V once, in order (`odma-bench step` compares). Prefill chunks still use SDPA. With several torch threads the
+V once, in order (`odma-bench step` compares). A request that reads its first rows from other blocks (a prefix read
+in place, a block continued elsewhere: `PieceTables`) is read piece by piece, each streamed in place, with the same
+sums as one block holding those rows. Prefill chunks still use SDPA. With several torch threads the
 requests are split into that many shares of about equal context, run from a thread pool (ctypes releases the
 GIL), so the kernel uses the cores the GEMMs use.
 
@@ -41,6 +43,8 @@ class DecodeBatch:
     lens: torch.Tensor  # int64 [B]: context length including this step's token
     shares: list[tuple[int, int]]  # [lo, hi) ranges of the B requests, one per worker thread
     half: bool = False  # the blocks hold fp16 K/V (else fp32)
+    # requests that read their first rows from other blocks (`SeqSlot.pieces`); None: none does
+    pieces: PieceTables | None = None
 
     rotates = False  # the model rotates q and k before the kernel sees them
     kv_dtype = torch.float32  # what q, k, v are handed in as: the kernel's arithmetic is fp32 for either cache dtype
@@ -49,29 +53,71 @@ class DecodeBatch:
         return self.kernel(self, layer, q, k, v)
 
 
+@dataclass(slots=True)
+class PieceTables:
+    """The pieces each planned request reads before its own block, as the kernel takes them: request b's are entries
+    start[b]:start[b + 1] of the other tensors (int64), in row order; its own block holds rows from own_first[b]."""
+
+    start: torch.Tensor  # [B + 1]
+    blocks: torch.Tensor  # address of each piece's block
+    layer_stride: torch.Tensor
+    half_stride: torch.Tensor
+    first: torch.Tensor  # the first row each piece's block holds
+    end: torch.Tensor  # the row after the piece
+    own_first: torch.Tensor  # [B]
+
+    @classmethod
+    def of(cls, pieces: list) -> PieceTables | None:
+        """Each request's pieces (a list of (block view, first row, row after), or None); None when none has any."""
+        if not any(pieces):
+            return None
+        start, rows = [0], []
+        for own in pieces:
+            rows += [(view.data_ptr(), view.stride(0), view.stride(1), first, end) for view, first, end in own or ()]
+            start.append(len(rows))
+        columns = list(zip(*rows))
+        return cls(*(torch.tensor(x, dtype=torch.long) for x in (start, *columns, [_own_first(p) for p in pieces])))
+
+    def pointers(self, lo: int) -> tuple[int, ...]:
+        """The kernel's piece arguments for the requests from `lo` on (their entries stay where they are)."""
+        i64 = 8
+        return (self.start.data_ptr() + lo * i64, self.blocks.data_ptr(), self.layer_stride.data_ptr(),
+                self.half_stride.data_ptr(), self.first.data_ptr(), self.end.data_ptr(),
+                self.own_first.data_ptr() + lo * i64)
+
+
+NO_PIECES = (None,) * 7
+
+
 class DecodeAttention:
     """Decode attention straight from contiguous fp32 or fp16 blocks; see the module docstring."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.odma_decode_attention
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _I]
+        self._fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _I] + [_P] * 7
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
     def plan_step(self, slots) -> DecodeBatch | None:
-        """`plan` for a model step's slots (each with `kv`, `start`, `q_len`; paged slots are not for this kernel)."""
-        if any(s.pages is not None or getattr(s, "pieces", None) for s in slots):
-            return None  # (rows read from other blocks: the model's own path reads them)
-        return self.plan([s.kv for s in slots], [s.start for s in slots], [s.q_len for s in slots])
+        """`plan` for a model step's slots (each with `kv`, `start`, `q_len`, and `pieces` where it reads rows from
+        other blocks; paged slots are not for this kernel)."""
+        if any(s.pages is not None for s in slots):
+            return None
+        pieces = [getattr(s, "pieces", None) for s in slots] if any(getattr(s, "pieces", None) for s in slots) else None
+        return self.plan([s.kv for s in slots], [s.start for s in slots], [s.q_len for s in slots], pieces=pieces)
 
     def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int],
-             workers: int | None = None) -> DecodeBatch | None:
+             workers: int | None = None, pieces: list | None = None) -> DecodeBatch | None:
         """The requests with q_len 1 whose blocks the kernel can read (fp32 or fp16, rows contiguous); None if none.
-        workers: threads to split them over (default: torch's thread count)."""
+        workers: threads to split them over (default: torch's thread count). pieces: each request's pieces (a list
+        of (block view, first row, row after), or None), read before its own block, which then holds rows from the
+        last piece's end."""
+        pieces = pieces or [None] * len(blocks)
         # start < capacity: the kernel writes row `start` of the block, and must never write past it
-        picked = [i for i, (kv, start, n) in enumerate(zip(blocks, starts, q_lens))
-                  if n == 1 and _readable(kv) and start < kv.shape[2]]
+        picked = [i for i, (kv, start, n, own) in enumerate(zip(blocks, starts, q_lens, pieces))
+                  if n == 1 and _readable(kv) and start - _own_first(own) < kv.shape[2]
+                  and all(_readable(view) for view, _, _ in own or ())]
         if not picked:
             return None
         rows = None
@@ -80,7 +126,7 @@ class DecodeAttention:
             for n in q_lens:
                 offsets.append(offsets[-1] + n)
             rows = torch.tensor([offsets[i] for i in picked], dtype=torch.long)
-        half = _half([blocks[i] for i in picked])
+        half = _half([blocks[i] for i in picked] + [view for i in picked for view, _, _ in pieces[i] or ()])
         lens = [starts[i] + 1 for i in picked]
         return DecodeBatch(
             kernel=self, picked=frozenset(picked), rows=rows,
@@ -90,6 +136,7 @@ class DecodeAttention:
             lens=torch.tensor(lens, dtype=torch.long),
             shares=_shares(lens, workers or torch.get_num_threads()),
             half=half,
+            pieces=PieceTables.of([pieces[i] for i in picked]),
         )
 
     def plan_tokens(self, slots) -> DecodeBatch | None:
@@ -127,7 +174,8 @@ class DecodeAttention:
                             batch.half_stride.data_ptr() + lo * i64, layer, batch.lens.data_ptr() + lo * i64,
                             q.data_ptr() + lo * heads * dim * f32, k.data_ptr() + lo * kv_heads * dim * f32,
                             v.data_ptr() + lo * kv_heads * dim * f32, out.data_ptr() + lo * heads * dim * f32,
-                            hi - lo, heads, kv_heads, dim, scale, int(batch.half))
+                            hi - lo, heads, kv_heads, dim, scale, int(batch.half),
+                            *(batch.pieces.pointers(lo) if batch.pieces is not None else NO_PIECES))
 
         if len(batch.shares) == 1:
             codes = [run(0, b)]
@@ -154,6 +202,11 @@ def _shares(lens: list[int], workers: int) -> list[tuple[int, int]]:
         cuts.add(min(range(len(prefix)), key=lambda i: abs(prefix[i] - target)))
     bounds = sorted(cuts)
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _own_first(pieces) -> int:
+    """The first row a request's own block holds: the end of the last piece it reads (0 without)."""
+    return pieces[-1][2] if pieces else 0
 
 
 def _half(blocks: list[torch.Tensor]) -> bool:

@@ -159,3 +159,79 @@ def test_one_step_takes_one_cache_dtype(kernel):
     with pytest.raises(ValueError, match="several dtypes"):
         kernel.plan(blocks, [0, 0], [1, 1])
     assert kernel.plan(blocks[:1], [0], [1]).half is False
+
+
+def _split(block: torch.Tensor, cuts: list[int], g: torch.Generator):
+    """The rows of `block` [layers, 2, cap, kvh, d] cut at `cuts` into pieces, each in a block of its own that holds
+    its rows from a row of its own choosing (as a continued block's, or a holder's that itself reads pieces), with
+    other rows around them; then the own block holding the rows from the last cut. Returns (pieces, own)."""
+    pieces, lo = [], 0
+    for end in cuts:
+        first = max(0, lo - int(torch.randint(0, 3, (1,), generator=g)))  # the piece's block may hold earlier rows
+        view = torch.randn(block.shape[0], 2, end - first + 5, *block.shape[3:], generator=g).to(block.dtype)
+        view[:, :, lo - first:end - first] = block[:, :, lo:end]
+        pieces.append((view, first, end))
+        lo = end
+    own = torch.randn(block.shape[0], 2, block.shape[2] - lo, *block.shape[3:], generator=g).to(block.dtype)
+    own[:, :, :] = block[:, :, lo:]
+    return pieces, own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 64), (9, 3, 12)])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_rows_read_through_pieces_give_the_contiguous_blocks_result(kernel, heads, kv_heads, head_dim, dtype, workers):
+    g = torch.Generator().manual_seed(11)
+    lens = [1, 9, 12, 17, 33, 40]  # a request without pieces, one piece, several, a last piece ending at the new row
+    cuts = [[], [4], [3, 6, 10], [16], [1, 8, 9, 20], [16, 32]]
+    cap = 48
+    contiguous = [torch.randn(2, 2, cap, kv_heads, head_dim, generator=g).to(dtype) for _ in lens]
+    split = [_split(b, c, g) for b, c in zip(contiguous, cuts)]
+    untouched = [[view.clone() for view, _, _ in pieces] for pieces, _ in split]
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    k, v = (torch.randn(len(lens), kv_heads, head_dim, generator=g) for _ in range(2))
+    plain = kernel.plan(contiguous, [n - 1 for n in lens], [1] * len(lens), workers=workers)
+    pieced = kernel.plan([own for _, own in split], [n - 1 for n in lens], [1] * len(lens), workers=workers,
+                         pieces=[pieces or None for pieces, _ in split])
+    assert plain.pieces is None and pieced.pieces.start.tolist() == [0, 0, 1, 4, 5, 9, 11]
+    for layer in (0, 1):
+        torch.testing.assert_close(pieced.attend(layer, q, k, v), plain.attend(layer, q, k, v), atol=1e-6, rtol=1e-6)
+    for i, ((pieces, own), n) in enumerate(zip(split, lens)):
+        first = pieces[-1][2] if pieces else 0
+        assert torch.equal(own[:, :, n - 1 - first], contiguous[i][:, :, n - 1])  # the new row, in its own block
+        assert all(torch.equal(view, before) for (view, _, _), before in zip(pieces, untouched[i]))  # read only
+
+
+def test_a_step_with_pieces_runs_the_kernel_and_equals_the_models_own_path(tiny, kernel):
+    """The model's decode through the kernel with pieces: the logits of its own path (torch.cat of the pieces and
+    SDPA), and the fused decoder-layer kernel (native weights) does not take such a step."""
+    from odma.models.native_step import NativeLayers
+
+    ours, _ = tiny
+    g = torch.Generator().manual_seed(13)
+    starts = [20, 9]
+    blocks = _blocks(ours, [32, 16])
+    ids = torch.randint(3, 250, (2,), generator=g)
+    fast_slots, plain_slots = [], []
+    for kv, start, cuts in zip(blocks, starts, ([6, 14], [])):
+        pieces, own = _split(kv, cuts, g)
+        for slots in (fast_slots, plain_slots):
+            copies = [(view.clone(), first, end) for view, first, end in pieces]
+            slots.append(SeqSlot(own.clone(), start, 1, pieces=copies or None))
+    decode = kernel.plan_step(fast_slots)
+    assert decode is not None and decode.rows is None and decode.pieces is not None
+    assert not NativeLayers.serves(None, decode)
+    fast = ours(ids, torch.tensor(starts), fast_slots, kernel)
+    plain = ours(ids, torch.tensor(starts), plain_slots)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    for a, b in zip(fast_slots, plain_slots):
+        torch.testing.assert_close(a.kv, b.kv, atol=1e-6, rtol=0)
+
+
+def test_pieces_that_do_not_meet_the_own_block_are_refused(kernel):
+    views = [torch.zeros(1, 2, 8, 1, 16) for _ in range(2)]
+    own = torch.zeros(1, 2, 8, 1, 16)
+    batch = kernel.plan([own], [9], [1], pieces=[[(views[0], 0, 4)]])
+    batch.pieces.end[0] = 3  # the own block says it holds rows from 4 on: a gap in the rows
+    with pytest.raises(RuntimeError, match="codes"):
+        batch.attend(0, torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))

@@ -38,6 +38,22 @@ def test_the_kernel_is_not_timed_on_a_cache_it_cannot_read(tmp_path):
         step_bench.run(_args(model=str(folder), attention="flash"))
 
 
+def test_requests_reading_their_first_rows_from_other_blocks(tmp_path, monkeypatch):
+    """--pieces: each request's first rows in a block of its own; the kernel variant reads them in place (its plan
+    has piece tables), and a count past the context is refused."""
+    from backends.cpu_attention import DecodeAttention
+
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    plans = []
+    real = DecodeAttention.plan_step
+    monkeypatch.setattr(DecodeAttention, "plan_step", lambda self, slots: plans.append(real(self, slots)) or plans[-1])
+    out = step_bench.run(_args(model=str(folder), batch=3, context=20, pieces=12, rounds=1, mixes="float32/float32"))
+    assert out["pieces"] == 12 and list(out["mixes"]) == ["float32/float32 sdpa", "float32/float32 kernel"]
+    assert plans and all(p.pieces is not None and p.pieces.own_first.tolist() == [12] * 3 for p in plans)
+    with pytest.raises(ConfigError, match="--pieces"):
+        step_bench.run(_args(model=str(folder), context=20, pieces=21))
+
+
 def test_a_malformed_mix_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="WEIGHTS/KV"):
         step_bench.run(_args(model=str(tmp_path), mixes="float32"))

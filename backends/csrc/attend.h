@@ -59,6 +59,48 @@ ALWAYS_INLINE void prefetch_row(const void *K, const void *V, int64_t t, int64_t
     for (int64_t c = 0; c < bytes; c += 64) PREFETCH(ahead + c); /* a prefetch never faults */
 }
 
+/* The steps of `attend_pieces` (`attend` keeps its loops written out: the contiguous path's code as measured). Row
+ * t's scores (all KV heads of K row kr) against every query head: scores[h * n + t]. */
+ALWAYS_INLINE void score_row(const float *kr, const float *qb, float *scores, int64_t n, int64_t t, int64_t kv_heads,
+                             float scale, const int64_t G, const int64_t D) {
+    for (int64_t g = 0; g < kv_heads; g++) {
+        const float *kh = kr + g * D;
+        for (int64_t j = 0; j < G; j++) {
+            const float *qh = qb + (g * G + j) * D;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
+            scores[(g * G + j) * n + t] = dot * scale;
+        }
+    }
+}
+
+/* Each head's n scores to softmax weights, in place. */
+ALWAYS_INLINE void softmax_rows(float *scores, int64_t heads, int64_t n) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * n, m = s[0], sum = 0.f;
+        for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < n; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; t++) s[t] *= inv;
+    }
+}
+
+/* V row vr (all KV heads), weighted by row t's weights, added to every query head's output. */
+ALWAYS_INLINE void add_row(const float *vr, const float *scores, float *outb, int64_t n, int64_t t, int64_t kv_heads,
+                           const int64_t G, const int64_t D) {
+    for (int64_t g = 0; g < kv_heads; g++) {
+        const float *vh = vr + g * D;
+        for (int64_t j = 0; j < G; j++) {
+            const float p = scores[(g * G + j) * n + t];
+            float *a = outb + (g * G + j) * D;
+            for (int64_t d = 0; d < D; d++) a[d] += p * vh[d];
+        }
+    }
+}
+
 /* One request, one layer; scores holds heads * n floats, wide kv_heads * D (an fp16 row widened). G (query heads
  * per KV head), D (head_dim) and HALF (fp16 K/V) are compile-time constants for the common shapes (the dispatch
  * below), so the inner loops unroll fully. */
@@ -109,29 +151,82 @@ ALWAYS_INLINE void attend(const void *Kc, const void *Vc, int64_t n, int64_t kv_
     }
 }
 
-#define ATTEND_SHAPES(HALF)                                                                                  \
-    if (group == 3 && head_dim == 64) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, 3, 64, HALF);       \
-    else if (group == 4 && head_dim == 64) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, 4, 64, HALF);  \
-    else if (group == 4 && head_dim == 128) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, 4, 128, HALF); \
-    else if (group == 8 && head_dim == 128) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, 8, 128, HALF); \
-    else attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim, HALF);
+/* `attend` over rows that lie in several blocks (a shared prefix read in place, a block continued elsewhere):
+ * piece s holds positions [ends[s - 1], ends[s]) (from 0), position t at row t - firsts[s] of its K (Ks[s]) and V
+ * (Vs[s]); the last piece ends at n. The same products, softmax and sums in the same order as `attend` over one block
+ * holding those rows; each piece streams K, then V, sequentially. */
+ALWAYS_INLINE void attend_pieces(const void *const *Ks, const void *const *Vs, const int64_t *firsts,
+                                 const int64_t *ends, int64_t pieces, int64_t n, int64_t kv_heads, const float *qb,
+                                 float *outb, float *scores, float *wide, float scale, const int64_t G,
+                                 const int64_t D, const int HALF) {
+    const int64_t row = kv_heads * D, heads = kv_heads * G;
+    for (int64_t s = 0, lo = 0; s < pieces; lo = ends[s++]) {
+        const int64_t first = firsts[s], rows = ends[s] - first;
+        for (int64_t t = lo; t < ends[s]; t++) {
+            prefetch_row(Ks[s], Vs[s], t - first, rows, row, HALF);
+            const float *kr = (const float *)Ks[s] + (t - first) * row;
+            if (HALF) halves_to_floats((const uint16_t *)Ks[s] + (t - first) * row, wide, row), kr = wide;
+            score_row(kr, qb, scores, n, t, kv_heads, scale, G, D);
+        }
+    }
+    softmax_rows(scores, heads, n);
+    for (int64_t i = 0; i < heads * D; i++) outb[i] = 0.f;
+    for (int64_t s = 0, lo = 0; s < pieces; lo = ends[s++]) {
+        const int64_t first = firsts[s], rows = ends[s] - first;
+        for (int64_t t = lo; t < ends[s]; t++) {
+            if (t - first + PREFETCH_ROWS < rows) prefetch_row(Vs[s], Vs[s], t - first, rows, row, HALF);
+            const float *vr = (const float *)Vs[s] + (t - first) * row;
+            if (HALF) halves_to_floats((const uint16_t *)Vs[s] + (t - first) * row, wide, row), vr = wide;
+            add_row(vr, scores, outb, n, t, kv_heads, G, D);
+        }
+    }
+}
+
+/* the shapes with constants (SmolLM2-135M/360M 3/64, Llama-3.2-1B 4/64, Llama-3-8B 4/128, Llama-3-70B 8/128), generic
+ * loops otherwise: CALL(G, D) for the shape of `group` and `head_dim` */
+#define ATTEND_SHAPES(CALL)                                                 \
+    if (group == 3 && head_dim == 64) CALL(3, 64);                          \
+    else if (group == 4 && head_dim == 64) CALL(4, 64);                     \
+    else if (group == 4 && head_dim == 128) CALL(4, 128);                   \
+    else if (group == 8 && head_dim == 128) CALL(8, 128);                   \
+    else CALL(group, head_dim);
+
+#define ATTEND_ONE(G, D) attend(K, V, n, kv_heads, qb, outb, scores, wide, scale, G, D, half)
+#define ATTEND_PIECES(G, D) attend_pieces(Ks, Vs, firsts, ends, pieces, n, kv_heads, qb, outb, scores, wide, scale, G, D, half)
 
 /* one function per cache dtype: each optimized (unrolled) as if it were the only one */
-#define ATTEND_DTYPE(NAME, HALF)                                                                                    \
+#define ATTEND_DTYPE(NAME, PIECES_NAME, HALF)                                                                       \
     static __attribute__((noinline)) void NAME(const void *K, const void *V, int64_t n, int64_t kv_heads,           \
                                                const float *qb, float *outb, float *scores, float *wide, float scale, \
                                                int64_t group, int64_t head_dim) {                                   \
-        ATTEND_SHAPES(HALF)                                                                                         \
+        const int half = HALF;                                                                                      \
+        ATTEND_SHAPES(ATTEND_ONE)                                                                                   \
+    }                                                                                                               \
+    static __attribute__((noinline)) void PIECES_NAME(const void *const *Ks, const void *const *Vs,                 \
+                                                      const int64_t *firsts, const int64_t *ends, int64_t pieces,   \
+                                                      int64_t n, int64_t kv_heads, const float *qb, float *outb,    \
+                                                      float *scores, float *wide, float scale, int64_t group,      \
+                                                      int64_t head_dim) {                                           \
+        const int half = HALF;                                                                                      \
+        ATTEND_SHAPES(ATTEND_PIECES)                                                                                \
     }
-ATTEND_DTYPE(attend_kv32, 0)
-ATTEND_DTYPE(attend_kv16, 1)
+ATTEND_DTYPE(attend_kv32, attend_pieces_kv32, 0)
+ATTEND_DTYPE(attend_kv16, attend_pieces_kv16, 1)
 
-/* `attend` with the group size and head_dim as constants for the common shapes: SmolLM2-135M/360M (3/64),
- * Llama-3.2-1B (4/64), Llama-3-8B (4/128), Llama-3-70B (8/128); generic loops otherwise. half: K/V in fp16. */
+/* `attend` with the group size and head_dim as constants for the common shapes; half: K/V in fp16. */
 static inline void attend_any(const void *K, const void *V, int64_t n, int64_t kv_heads, const float *qb, float *outb,
                               float *scores, float *wide, float scale, int64_t group, int64_t head_dim, int half) {
     if (half) attend_kv16(K, V, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim);
     else attend_kv32(K, V, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim);
+}
+
+/* `attend_pieces` likewise. */
+static inline void attend_pieces_any(const void *const *Ks, const void *const *Vs, const int64_t *firsts,
+                                     const int64_t *ends, int64_t pieces, int64_t n, int64_t kv_heads, const float *qb,
+                                     float *outb, float *scores, float *wide, float scale, int64_t group,
+                                     int64_t head_dim, int half) {
+    if (half) attend_pieces_kv16(Ks, Vs, firsts, ends, pieces, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim);
+    else attend_pieces_kv32(Ks, Vs, firsts, ends, pieces, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim);
 }
 
 #endif

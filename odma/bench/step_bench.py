@@ -4,7 +4,8 @@ Every request's K/V sits in its own contiguous block (as in the engine) and the 
 forward. The mixes (weights dtype / KV dtype), each with torch's SDPA per request and with the CPU backend's
 decode-attention kernel (fp32 caches only), are timed interleaved, round by round, so that a shared machine's
 noise falls on all of them alike. This is what chose bf16 weights over an fp32 cache on CPU, and measures
-what the kernel is worth. `--linear native`: the model's GGUF blocks as the engine serves them (`--weights native`,
+what the kernel is worth. `--pieces N`: every request reads its first N rows from another block, as a prefix read in
+place does (the kernel reads them in place; SDPA's path joins them first). `--linear native`: the model's GGUF blocks as the engine serves them (`--weights native`,
 float32 mixes), once per --activations mode of the quantized kernel (ODMA_QUANT_ACTIVATIONS: f32, int8, auto).
 """
 
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'torch,onednn,odma' times three")
     p.add_argument("--activations", default="f32,int8",
                    help="with --linear native: the quantized kernel's activations to time (f32, int8, auto)")
+    p.add_argument("--pieces", type=int, default=0,
+                   help="every request reads its first PIECES cached rows from a block of its own (a prefix read in "
+                        "place, a block continued elsewhere), the rest from its block (default 0: one block each)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8, help="timed steps per mix (interleaved)")
 
@@ -59,6 +63,8 @@ def run(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     mixes = _parse_mixes(args.mixes)
+    if not 0 <= args.pieces <= args.context:
+        raise ConfigError(f"--pieces must be between 0 and --context ({args.context}), got {args.pieces}")
     variants = [a.strip() for a in args.attention.split(",") if a.strip()]
     if not variants or set(variants) - {"sdpa", "kernel"}:
         raise ConfigError(f"--attention takes sdpa and/or kernel, got {args.attention!r}")
@@ -103,6 +109,10 @@ def run(args: argparse.Namespace) -> dict:
         # one arena for the batch, each request a contiguous block of it (filled with plausible values)
         arena = torch.randn(args.batch, c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim, generator=gen).to(DTYPES[kv])
         seqs = [SeqSlot(arena[b], args.context, 1) for b in range(args.batch)]
+        if args.pieces:  # the first rows in blocks of their own, the rest in the request's block
+            first = arena[:, :, :, : args.pieces].clone()
+            seqs = [SeqSlot(arena[b, :, :, args.pieces:], args.context, 1, pieces=[(first[b], 0, args.pieces)])
+                    for b in range(args.batch)]
         for linear in linears:
             model = models.get(weights) if linear == "torch" else packed.get((linear, weights))
             if model is None:
@@ -134,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         quant.activations = before
     base = statistics.median(times[next(iter(times))])
     return {
-        "model": args.model, "batch": args.batch, "context": args.context, "threads": args.threads,
+        "model": args.model, "batch": args.batch, "context": args.context, "pieces": args.pieces, "threads": args.threads,
         "rounds": args.rounds,
         "mixes": {name: {"step_ms": round(statistics.median(ts) * 1e3, 2),
                          "tokens_per_s": round(args.batch / statistics.median(ts), 1),

@@ -184,7 +184,7 @@ class EngineConfig:
     # such a prefix read where the running request keeps it instead of copied (odma.kv.shared_rows): the block holds
     # only the rows after it, and a request that ends while others read its rows keeps them (its block shrunk) until
     # they end. Contiguous blocks grown by copy; the Triton attention reads the pieces (the captured decode batches
-    # through tables of GRAPH_PIECES entries), on a CPU the model's own attention does (slower than its kernels)
+    # through tables of GRAPH_PIECES entries), on a CPU the C decode kernel does (prefill chunks: the model's own path)
     prefix_reads: bool = False
     # odma's blocks kept packed under memory pressure (docs/results/gpu/replay_policy.md): growth by compaction that
     # slides blocks over the gaps between them when no range can be cleared otherwise, growth over the gaps beside a

@@ -74,8 +74,9 @@ class NativeLayers:
 
     def serves(self, decode: object) -> bool:
         """Whether a step planned as `decode` is one the kernel runs: the CPU's decode attention took every row
-        (`DecodeAttention.plan_step` where each request feeds one token, `plan_tokens` for prefill rows)."""
-        return isinstance(decode, DecodeBatch) and decode.rows is None
+        (`DecodeAttention.plan_step` where each request feeds one token, `plan_tokens` for prefill rows), and no
+        request reads rows from other blocks (the layers' kernel reads each request's own block only)."""
+        return isinstance(decode, DecodeBatch) and decode.rows is None and decode.pieces is None
 
     def run(self, x: torch.Tensor, decode: DecodeBatch, rotary: torch.Tensor, first: int = 0,
             count: int | None = None) -> torch.Tensor:
