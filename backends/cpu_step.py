@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from backends import ckernels
+from backends.cpu_attention import PieceTables
 from backends.errors import BackendError
 
 SOURCE = ckernels.CSRC / "decode_step.c"
@@ -95,7 +96,9 @@ class _Shape(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("batch", _I64), ("threads", _I64), ("blocks", _P), ("layer_stride", _P), ("half_stride", _P),
-                ("lens", _P), ("rotary", _P), ("half", _I64)]
+                ("lens", _P), ("rotary", _P), ("half", _I64), ("piece_start", _P), ("piece_block", _P),
+                ("piece_layer_stride", _P), ("piece_half_stride", _P), ("piece_first", _P), ("piece_end", _P),
+                ("own_first", _P)]
 
 
 class PreparedLayers:
@@ -170,11 +173,12 @@ class DecodeStepKernel:
 
     def __call__(self, layers: PreparedLayers, x: torch.Tensor, blocks: torch.Tensor, layer_stride: torch.Tensor,
                  half_stride: torch.Tensor, lens: torch.Tensor, rotary: torch.Tensor, first: int = 0,
-                 count: int | None = None, half: bool = False) -> None:
+                 count: int | None = None, half: bool = False, pieces: PieceTables | None = None) -> None:
         """Layers [first, first + count) over x [B, hidden] (fp32, contiguous) in place. Request b's block is at
         address blocks[b] (int64 tensors: decode_attention's layout, fp16 K/V where `half`, else fp32); lens[b] its
-        context with this step's token, whose K and V the kernel writes at row lens[b] - 1; rotary: [> max(lens) - 1,
-        head_dim] fp32 (cos | sin)."""
+        context with this step's token, whose K and V the kernel writes at row lens[b] - 1 (of its block: less the
+        rows its pieces hold); rotary: [> max(lens) - 1, head_dim] fp32 (cos | sin). pieces: the rows requests read
+        from other blocks (`cpu_attention.PieceTables`; decode rows only)."""
         count = len(layers) - first if count is None else count
         b = x.shape[0]
         if not (0 <= first and first + count <= len(layers)) or x.dtype != torch.float32 or not x.is_contiguous():
@@ -184,7 +188,7 @@ class DecodeStepKernel:
         if rotary.dtype != torch.float32 or not rotary.is_contiguous() or rotary.shape[0] < int(lens.max()):
             raise ValueError(f"rotary table {tuple(rotary.shape)} does not cover position {int(lens.max()) - 1}")
         step = _Step(b, torch.get_num_threads(), blocks.data_ptr(), layer_stride.data_ptr(), half_stride.data_ptr(),
-                     lens.data_ptr(), rotary.data_ptr(), int(half))
+                     lens.data_ptr(), rotary.data_ptr(), int(half), *(pieces.pointers(0) if pieces else (None,) * 7))
         code = self._fn(ctypes.byref(layers.shape), layers.layers, first, count, ctypes.byref(step), x.data_ptr())
         if code:
             raise RuntimeError(f"decode-step kernel failed (code {code}) on {b} requests, layers "

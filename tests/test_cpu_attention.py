@@ -204,9 +204,7 @@ def test_rows_read_through_pieces_give_the_contiguous_blocks_result(kernel, head
 
 def test_a_step_with_pieces_runs_the_kernel_and_equals_the_models_own_path(tiny, kernel):
     """The model's decode through the kernel with pieces: the logits of its own path (torch.cat of the pieces and
-    SDPA), and the fused decoder-layer kernel (native weights) does not take such a step."""
-    from odma.models.native_step import NativeLayers
-
+    SDPA)."""
     ours, _ = tiny
     g = torch.Generator().manual_seed(13)
     starts = [20, 9]
@@ -220,7 +218,6 @@ def test_a_step_with_pieces_runs_the_kernel_and_equals_the_models_own_path(tiny,
             slots.append(SeqSlot(own.clone(), start, 1, pieces=copies or None))
     decode = kernel.plan_step(fast_slots)
     assert decode is not None and decode.rows is None and decode.pieces is not None
-    assert not NativeLayers.serves(None, decode)
     fast = ours(ids, torch.tensor(starts), fast_slots, kernel)
     plain = ours(ids, torch.tensor(starts), plain_slots)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)

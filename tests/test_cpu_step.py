@@ -120,6 +120,45 @@ def test_a_native_decode_step_computes_what_the_python_layers_compute(case, kern
             torch.testing.assert_close(step[layer], ref[layer], **tol)
 
 
+@pytest.mark.parametrize("case", ["fp32", "llama-Q4_1"])
+def test_decode_steps_reading_pieces_compute_what_one_block_each_computes(case, kernel, tmp_path, monkeypatch):
+    """Requests whose first rows lie in other blocks (a prefix read in place, a block continued elsewhere) decode
+    through the native step (not the Python layers), with the logits and K/V rows of the same requests held in one
+    block each; the new rows land in their own blocks, the pieces are only read."""
+    model = build(case, next(iter(KERNELS.values())), tmp_path)
+    attention = cpu_attention.load()
+    model.native_layers = NativeLayers.build(model, kernel)
+    runs = []
+    real_run = NativeLayers.run
+    monkeypatch.setattr(NativeLayers, "run", lambda self, x, decode, *a, **kw: runs.append(decode.pieces is not None)
+                        or real_run(self, x, decode, *a, **kw))
+    _, blocks, _ = run_steps(model, attention, decode_steps=0)
+    runs.clear()  # (the prefill's)
+    cuts = [[10, 30], [2], []]  # a request reading two pieces, one reading one, one its own block only
+    pieced, lens = [], [len(p) for p in PROMPTS]
+    for block, at in zip(blocks, cuts):
+        pieces, lo = [], 0
+        for end in at:
+            view = torch.zeros_like(block[:, :, : end - lo + 3])  # holding its rows from lo - 3 (a block's own rows)
+            view[:, :, 3:] = block[:, :, lo:end]
+            pieces.append((view, lo - 3, end))
+            lo = end
+        pieced.append((pieces or None, block[:, :, lo:].clone()))
+    before = [[v.clone() for v, _, _ in pieces or ()] for pieces, _ in pieced]
+    ids = torch.tensor([7, 8, 9])
+    for _ in range(3):
+        plain = model(ids, torch.tensor(lens), [SeqSlot(b, n, 1) for b, n in zip(blocks, lens)], attention)
+        read = model(ids, torch.tensor(lens), [SeqSlot(own, n, 1, pieces=p) for (p, own), n in zip(pieced, lens)],
+                     attention)
+        torch.testing.assert_close(read, plain, rtol=1e-5, atol=1e-5)
+        ids, lens = plain.argmax(-1), [n + 1 for n in lens]
+    assert runs == [False, True] * 3  # both through the native step
+    for (pieces, own), block, at, was in zip(pieced, blocks, cuts, before):
+        first = at[-1] if at else 0
+        torch.testing.assert_close(own[:, :, : lens[0] - first], block[:, :, first: lens[0]], rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(v, w) for (v, _, _), w in zip(pieces or (), was))
+
+
 @pytest.mark.parametrize("case", ["fp32", "llama-Q4_1", "qwen2-Q4_K-Q6_K-bias"])
 def test_a_step_mixing_decodes_and_prefill_chunks_after_cached_rows(case, kernel, tmp_path, monkeypatch):
     """One step: a request decoding, one prefilling a chunk after 20 cached rows, one prefilling from its start. The

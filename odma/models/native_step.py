@@ -74,9 +74,9 @@ class NativeLayers:
 
     def serves(self, decode: object) -> bool:
         """Whether a step planned as `decode` is one the kernel runs: the CPU's decode attention took every row
-        (`DecodeAttention.plan_step` where each request feeds one token, `plan_tokens` for prefill rows), and no
-        request reads rows from other blocks (the layers' kernel reads each request's own block only)."""
-        return isinstance(decode, DecodeBatch) and decode.rows is None and decode.pieces is None
+        (`DecodeAttention.plan_step` where each request feeds one token, reading pieces or not, `plan_tokens` for
+        prefill rows)."""
+        return isinstance(decode, DecodeBatch) and decode.rows is None
 
     def run(self, x: torch.Tensor, decode: DecodeBatch, rotary: torch.Tensor, first: int = 0,
             count: int | None = None) -> torch.Tensor:
@@ -84,7 +84,7 @@ class NativeLayers:
         [B, hidden] in the model's dtype; returns the layers' output (fp32 x updated in place)."""
         wide = x.float().contiguous()  # the kernel's activations are fp32 (a bf16 model's: bf16 values, exact)
         self.kernel(self.prepared, wide, decode.blocks, decode.layer_stride, decode.half_stride, decode.lens, rotary,
-                    first, count, decode.half)
+                    first, count, decode.half, decode.pieces)
         return wide.to(self.dtype)
 
 
