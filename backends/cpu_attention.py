@@ -78,15 +78,20 @@ class PieceTables:
         columns = list(zip(*rows))
         return cls(*(torch.tensor(x, dtype=torch.long) for x in (start, *columns, [_own_first(p) for p in pieces])))
 
-    def pointers(self, lo: int) -> tuple[int, ...]:
-        """The kernel's piece arguments for the requests from `lo` on (their entries stay where they are)."""
-        i64 = 8
-        return (self.start.data_ptr() + lo * i64, self.blocks.data_ptr(), self.layer_stride.data_ptr(),
-                self.half_stride.data_ptr(), self.first.data_ptr(), self.end.data_ptr(),
-                self.own_first.data_ptr() + lo * i64)
 
 
-NO_PIECES = (None,) * 7
+MAX_PIECES = 16  # pieces the kernels read for one request (attend.h's MAX_PIECES); a request with more is not planned
+
+
+def piece_pointers(pieces: PieceTables | None, lo: int = 0) -> tuple[int | None, ...]:
+    """The kernels' piece arguments (attend.h's `odma_pieces`, field by field) for the requests from `lo` on (their
+    entries stay where they are); NULLs without pieces."""
+    if pieces is None:
+        return (None,) * 7
+    i64 = 8
+    return (pieces.start.data_ptr() + lo * i64, pieces.blocks.data_ptr(), pieces.layer_stride.data_ptr(),
+            pieces.half_stride.data_ptr(), pieces.first.data_ptr(), pieces.end.data_ptr(),
+            pieces.own_first.data_ptr() + lo * i64)
 
 
 class DecodeAttention:
@@ -104,8 +109,8 @@ class DecodeAttention:
         other blocks; paged slots are not for this kernel)."""
         if any(s.pages is not None for s in slots):
             return None
-        pieces = [getattr(s, "pieces", None) for s in slots] if any(getattr(s, "pieces", None) for s in slots) else None
-        return self.plan([s.kv for s in slots], [s.start for s in slots], [s.q_len for s in slots], pieces=pieces)
+        return self.plan([s.kv for s in slots], [s.start for s in slots], [s.q_len for s in slots],
+                         pieces=[getattr(s, "pieces", None) for s in slots])
 
     def plan(self, blocks: list[torch.Tensor], starts: list[int], q_lens: list[int],
              workers: int | None = None, pieces: list | None = None) -> DecodeBatch | None:
@@ -117,7 +122,7 @@ class DecodeAttention:
         # start < capacity: the kernel writes row `start` of the block, and must never write past it
         picked = [i for i, (kv, start, n, own) in enumerate(zip(blocks, starts, q_lens, pieces))
                   if n == 1 and _readable(kv) and start - _own_first(own) < kv.shape[2]
-                  and all(_readable(view) for view, _, _ in own or ())]
+                  and len(own or ()) <= MAX_PIECES and all(_readable(view) for view, _, _ in own or ())]
         if not picked:
             return None
         rows = None
@@ -175,7 +180,7 @@ class DecodeAttention:
                             q.data_ptr() + lo * heads * dim * f32, k.data_ptr() + lo * kv_heads * dim * f32,
                             v.data_ptr() + lo * kv_heads * dim * f32, out.data_ptr() + lo * heads * dim * f32,
                             hi - lo, heads, kv_heads, dim, scale, int(batch.half),
-                            *(batch.pieces.pointers(lo) if batch.pieces is not None else NO_PIECES))
+                            *piece_pointers(batch.pieces, lo))
 
         if len(batch.shares) == 1:
             codes = [run(0, b)]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from backends import ckernels
-from backends.cpu_attention import PieceTables
+from backends.cpu_attention import PieceTables, piece_pointers
 from backends.errors import BackendError
 
 SOURCE = ckernels.CSRC / "decode_step.c"
@@ -188,7 +188,7 @@ class DecodeStepKernel:
         if rotary.dtype != torch.float32 or not rotary.is_contiguous() or rotary.shape[0] < int(lens.max()):
             raise ValueError(f"rotary table {tuple(rotary.shape)} does not cover position {int(lens.max()) - 1}")
         step = _Step(b, torch.get_num_threads(), blocks.data_ptr(), layer_stride.data_ptr(), half_stride.data_ptr(),
-                     lens.data_ptr(), rotary.data_ptr(), int(half), *(pieces.pointers(0) if pieces else (None,) * 7))
+                     lens.data_ptr(), rotary.data_ptr(), int(half), *piece_pointers(pieces))
         code = self._fn(ctypes.byref(layers.shape), layers.layers, first, count, ctypes.byref(step), x.data_ptr())
         if code:
             raise RuntimeError(f"decode-step kernel failed (code {code}) on {b} requests, layers "

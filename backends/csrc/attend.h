@@ -229,4 +229,43 @@ static inline void attend_pieces_any(const void *const *Ks, const void *const *V
     else attend_pieces_kv32(Ks, Vs, firsts, ends, pieces, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim);
 }
 
+/* The pieces requests read before their own blocks (a shared prefix read in place, a block continued elsewhere), as
+ * backends/cpu_attention.py's PieceTables lays them out: request b's are entries [start[b], start[b + 1]) in row
+ * order (each a block's address, layer and K-to-V strides in elements, the first row it holds and the row after the
+ * piece); its own block holds rows from own_first[b] on. start NULL: no request reads pieces. */
+typedef struct {
+    const int64_t *start, *block, *layer_stride, *half_stride, *first, *end, *own_first;
+} odma_pieces;
+
+#define MAX_PIECES 16 /* pieces a request may read (the engine's tables hold fewer) */
+
+/* The first row request b's own block holds. */
+static inline int64_t pieces_own_first(const odma_pieces *P, int64_t b) { return P->start ? P->own_first[b] : 0; }
+
+static inline int64_t pieces_of(const odma_pieces *P, int64_t b) { return P->start ? P->start[b + 1] - P->start[b] : 0; }
+
+/* Whether request b's pieces (at most MAX_PIECES) end where its own block begins, before its new row at len - 1. */
+static inline int pieces_fit(const odma_pieces *P, int64_t b, int64_t len) {
+    const int64_t p = pieces_of(P, b), own = pieces_own_first(P, b);
+    return p >= 0 && p <= MAX_PIECES && own >= 0 && own < len && (p ? P->end[P->start[b + 1] - 1] : 0) == own;
+}
+
+/* Request b's attention over its pieces of `layer`, then its own block (K, V: that layer's, n rows in all). */
+static inline void attend_through_pieces(const odma_pieces *P, int64_t b, int64_t layer, const void *K, const void *V,
+                                         int64_t n, int64_t kv_heads, const float *qb, float *outb, float *scores,
+                                         float *wide, float scale, int64_t group, int64_t head_dim, int half) {
+    const void *Ks[MAX_PIECES + 1], *Vs[MAX_PIECES + 1];
+    int64_t firsts[MAX_PIECES + 1], ends[MAX_PIECES + 1];
+    const int64_t p0 = P->start[b], pieces = pieces_of(P, b), elem = half ? 2 : 4;
+    for (int64_t i = 0; i < pieces; i++) {
+        const int64_t e = p0 + i;
+        Ks[i] = (const char *)(intptr_t)P->block[e] + layer * P->layer_stride[e] * elem;
+        Vs[i] = (const char *)Ks[i] + P->half_stride[e] * elem;
+        firsts[i] = P->first[e], ends[i] = P->end[e];
+    }
+    Ks[pieces] = K, Vs[pieces] = V, firsts[pieces] = pieces_own_first(P, b), ends[pieces] = n;
+    attend_pieces_any(Ks, Vs, firsts, ends, pieces + 1, n, kv_heads, qb, outb, scores, wide, scale, group, head_dim,
+                      half);
+}
+
 #endif

@@ -27,10 +27,9 @@
 
 #include "attend.h"
 
-/* A request may also read its first rows from other blocks (pieces: a shared prefix read in place, a block
- * continued elsewhere): with `piece_start`, request b's pieces are entries [piece_start[b], piece_start[b + 1]) of the
- * piece arrays, in row order (each a block's address, layer and K-to-V strides, the first row it holds and the row
- * after the piece), and its own block holds rows from own_first[b] on; piece_start NULL: none has any. */
+/* A request may also read its first rows from other blocks: the piece arguments are attend.h's `odma_pieces`, field
+ * by field (piece_start NULL: no request reads pieces). Returns 0; 1 for a request without a position, 2 without
+ * memory, 3 for pieces that do not end where a request's own block begins. */
 int odma_decode_attention(const int64_t *blocks, const int64_t *layer_stride, const int64_t *half_stride,
                           int64_t layer, const int64_t *lens,
                           const float *q, const float *k_new, const float *v_new, float *out,
@@ -38,48 +37,29 @@ int odma_decode_attention(const int64_t *blocks, const int64_t *layer_stride, co
                           const int64_t *piece_start, const int64_t *piece_block, const int64_t *piece_layer_stride,
                           const int64_t *piece_half_stride, const int64_t *piece_first, const int64_t *piece_end,
                           const int64_t *own_first) {
+    const odma_pieces P = {piece_start, piece_block, piece_layer_stride, piece_half_stride, piece_first, piece_end,
+                           own_first};
     const int64_t group = heads / kv_heads, row = kv_heads * head_dim, elem = half ? 2 : 4;
-    int64_t max_len = 0, max_pieces = 0;
+    int64_t max_len = 0;
     for (int64_t b = 0; b < batch; b++) {
         if (lens[b] < 1) return 1;
         if (lens[b] > max_len) max_len = lens[b];
-        if (piece_start) {
-            const int64_t first = own_first[b], p = piece_start[b + 1] - piece_start[b];
-            if (p < 0 || first < 0 || first >= lens[b] || (p ? piece_end[piece_start[b + 1] - 1] : 0) != first) return 3;
-            if (p > max_pieces) max_pieces = p;
-        }
+        if (!pieces_fit(&P, b, lens[b])) return 3;
     }
     float *scores = malloc(sizeof(float) * (heads * max_len + row));
-    const void **parts = malloc(sizeof(void *) * 2 * (max_pieces + 1));
-    int64_t *bounds = malloc(sizeof(int64_t) * 2 * (max_pieces + 1));
-    if (!scores || !parts || !bounds) {
-        free(scores), free(parts), free(bounds);
-        return 2;
-    }
+    if (!scores) return 2;
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t n = lens[b], first = piece_start ? own_first[b] : 0;
+        const int64_t n = lens[b], first = pieces_own_first(&P, b);
         char *K = (char *)(intptr_t)blocks[b] + layer * layer_stride[b] * elem, *V = K + half_stride[b] * elem;
         kv_put(K, n - 1 - first, row, k_new + b * row, half);
         kv_put(V, n - 1 - first, row, v_new + b * row, half);
         const float *qb = q + b * heads * head_dim;
-        float *ob = out + b * heads * head_dim;
-        const int64_t p0 = piece_start ? piece_start[b] : 0, pieces = piece_start ? piece_start[b + 1] - p0 : 0;
-        if (!pieces) {
-            attend_any(K, V, n, kv_heads, qb, ob, scores, scores + heads * max_len, scale, group, head_dim, half);
-            continue;
-        }
-        const void **Ks = parts, **Vs = parts + pieces + 1;
-        int64_t *firsts = bounds, *ends = bounds + pieces + 1;
-        for (int64_t i = 0; i < pieces; i++) {
-            const int64_t e = p0 + i;
-            Ks[i] = (char *)(intptr_t)piece_block[e] + layer * piece_layer_stride[e] * elem;
-            Vs[i] = (const char *)Ks[i] + piece_half_stride[e] * elem;
-            firsts[i] = piece_first[e], ends[i] = piece_end[e];
-        }
-        Ks[pieces] = K, Vs[pieces] = V, firsts[pieces] = first, ends[pieces] = n;
-        attend_pieces_any(Ks, Vs, firsts, ends, pieces + 1, n, kv_heads, qb, ob, scores, scores + heads * max_len,
-                          scale, group, head_dim, half);
+        float *ob = out + b * heads * head_dim, *wide = scores + heads * max_len;
+        if (pieces_of(&P, b))
+            attend_through_pieces(&P, b, layer, K, V, n, kv_heads, qb, ob, scores, wide, scale, group, head_dim, half);
+        else
+            attend_any(K, V, n, kv_heads, qb, ob, scores, wide, scale, group, head_dim, half);
     }
-    free(scores), free(parts), free(bounds);
+    free(scores);
     return 0;
 }

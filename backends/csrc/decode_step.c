@@ -74,40 +74,15 @@ typedef struct {
 
 /* The step: row b's block at address blocks[b], its layer l's K at l * layer_stride[b] elements, V half_stride[b]
  * further (decode_attention.c's layout); lens[b] its context including its token (at position lens[b]-1). Rows of
- * one request's prefill chunk share its block, lens one apart. With piece_start, decode row b reads its first rows
- * from other blocks, as in decode_attention.c (entries [piece_start[b], piece_start[b + 1]) of the piece arrays),
- * and its block holds rows from own_first[b] on; piece_start NULL: none does. */
+ * one request's prefill chunk share its block, lens one apart. Decode rows may read their first rows from other
+ * blocks (`pieces`, attend.h; its start NULL: none does). */
 typedef struct {
     int64_t batch, threads;
     const int64_t *blocks, *layer_stride, *half_stride, *lens;
     const float *rotary; /* [positions, head_dim] */
     int64_t half; /* K/V blocks in float16 (else float32) */
-    const int64_t *piece_start, *piece_block, *piece_layer_stride, *piece_half_stride, *piece_first, *piece_end,
-        *own_first;
+    odma_pieces pieces;
 } odma_step;
-
-#define MAX_PIECES 16 /* pieces a row may read (the engine's tables hold fewer) */
-
-/* The first row row b's own block holds. */
-static inline int64_t own_first(const odma_step *step, int64_t b) { return step->piece_start ? step->own_first[b] : 0; }
-
-/* Decode row b's attention over its pieces, then its own block (K, V): attend.h's `attend_pieces`. */
-static void attend_row_pieces(const odma_step *step, int64_t b, int64_t l, const char *K, const char *V, int64_t kvh,
-                              const float *qb, float *ob, float *scores, float *wide, float scale, int64_t G,
-                              int64_t D) {
-    const void *Ks[MAX_PIECES + 1], *Vs[MAX_PIECES + 1];
-    int64_t firsts[MAX_PIECES + 1], ends[MAX_PIECES + 1];
-    const int64_t p0 = step->piece_start[b], pieces = step->piece_start[b + 1] - p0, elem = step->half ? 2 : 4;
-    for (int64_t i = 0; i < pieces; i++) {
-        const int64_t e = p0 + i;
-        Ks[i] = (const char *)(intptr_t)step->piece_block[e] + l * step->piece_layer_stride[e] * elem;
-        Vs[i] = (const char *)Ks[i] + step->piece_half_stride[e] * elem;
-        firsts[i] = step->piece_first[e], ends[i] = step->piece_end[e];
-    }
-    Ks[pieces] = K, Vs[pieces] = V, firsts[pieces] = own_first(step, b), ends[pieces] = step->lens[b];
-    attend_pieces_any(Ks, Vs, firsts, ends, pieces + 1, step->lens[b], kvh, qb, ob, scores, wide, scale, G, D,
-                      (int)step->half);
-}
 
 int odma_decode_step_max_parts(void) { return MAX_PARTS; }
 
@@ -232,9 +207,9 @@ static void attend_jobs(const odma_step *step, int64_t l, const attn_job *jobs, 
         if (job->rows)
             prefill_block(K, V, kvh, job->g, G, step->lens[b] - 1, job->rows, q + b * q_stride, q_stride, out + b * qd,
                           qd, scale, mine, D, (int)step->half);
-        else if (step->piece_start && step->piece_start[b + 1] > step->piece_start[b])
-            attend_row_pieces(step, b, l, K, V, kvh, q + b * q_stride, out + b * qd, mine, mine + heads * max_len, scale,
-                              G, D);
+        else if (pieces_of(&step->pieces, b))
+            attend_through_pieces(&step->pieces, b, l, K, V, step->lens[b], kvh, q + b * q_stride, out + b * qd, mine,
+                                  mine + heads * max_len, scale, G, D, (int)step->half);
         else
             attend_any(K, V, step->lens[b], kvh, q + b * q_stride, out + b * qd, mine, mine + heads * max_len, scale,
                        G, D, step->half);
@@ -281,12 +256,7 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
     for (int64_t b = 0; b < B; b++) {
         if (step->lens[b] < 1) return 1;
         if (step->lens[b] > max_len) max_len = step->lens[b];
-        if (step->piece_start) {
-            const int64_t p = step->piece_start[b + 1] - step->piece_start[b], own = step->own_first[b];
-            if (p < 0 || p > MAX_PIECES || own < 0 || own >= step->lens[b]
-                || (p ? step->piece_end[step->piece_start[b + 1] - 1] : 0) != own)
-                return 3;
-        }
+        if (!pieces_fit(&step->pieces, b, step->lens[b])) return 3;
     }
     const int64_t widest = qd + 2 * kvd > 2 * I ? qd + 2 * kvd : 2 * I;
     /* h: a norm's output (then the MLP's product), wide: qkv or gate_up, att: attention's output, y: a projection */
@@ -317,8 +287,8 @@ int odma_decode_layers(const odma_shape *S, const odma_layer *layers, int64_t fi
             rotate(qb, heads, D, table, bf16);
             rotate(kb, kvh, D, table, bf16);
             char *K = (char *)(intptr_t)step->blocks[b] + l * step->layer_stride[b] * elem;
-            kv_put(K, n - 1 - own_first(step, b), kvd, kb, step->half);
-            kv_put(K + step->half_stride[b] * elem, n - 1 - own_first(step, b), kvd, vb, step->half);
+            kv_put(K, n - 1 - pieces_own_first(&step->pieces, b), kvd, kb, step->half);
+            kv_put(K + step->half_stride[b] * elem, n - 1 - pieces_own_first(&step->pieces, b), kvd, vb, step->half);
         }
         attend_jobs(step, l, jobs, n_jobs, heads, kvh, D, wide, row, att, scores, per_thread, threads);
         if (bf16)
