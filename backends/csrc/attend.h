@@ -59,8 +59,8 @@ ALWAYS_INLINE void prefetch_row(const void *K, const void *V, int64_t t, int64_t
     for (int64_t c = 0; c < bytes; c += 64) PREFETCH(ahead + c); /* a prefetch never faults */
 }
 
-/* The steps of `attend_pieces` (`attend` keeps its loops written out: the contiguous path's code as measured). Row
- * t's scores (all KV heads of K row kr) against every query head: scores[h * n + t]. */
+/* The steps of `attend` and `attend_pieces`. Row t's scores (all KV heads of K row kr) against every query head:
+ * scores[h * n + t]. */
 ALWAYS_INLINE void score_row(const float *kr, const float *qb, float *scores, int64_t n, int64_t t, int64_t kv_heads,
                              float scale, const int64_t G, const int64_t D) {
     for (int64_t g = 0; g < kv_heads; g++) {
@@ -114,40 +114,16 @@ ALWAYS_INLINE void attend(const void *Kc, const void *Vc, int64_t n, int64_t kv_
         prefetch_row(Kc, Vc, t, n, row, HALF);
         const float *kr = K + t * row;
         if (HALF) halves_to_floats(K16 + t * row, wide, row), kr = wide;
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const float *kh = kr + g * D;
-            for (int64_t j = 0; j < G; j++) {
-                const float *qh = qb + (g * G + j) * D;
-                float dot = 0.f;
-                for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
-                scores[(g * G + j) * n + t] = dot * scale;
-            }
-        }
+        score_row(kr, qb, scores, n, t, kv_heads, scale, G, D);
     }
-    for (int64_t h = 0; h < heads; h++) {
-        float *s = scores + h * n, m = s[0], sum = 0.f;
-        for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < n; t++) {
-            s[t] = expf(s[t] - m);
-            sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; t++) s[t] *= inv;
-    }
+    softmax_rows(scores, heads, n);
     /* one sequential pass over V */
     for (int64_t i = 0; i < heads * D; i++) outb[i] = 0.f;
     for (int64_t t = 0; t < n; t++) {
         if (t + PREFETCH_ROWS < n) prefetch_row(Vc, Vc, t, n, row, HALF);
         const float *vr = V + t * row;
         if (HALF) halves_to_floats(V16 + t * row, wide, row), vr = wide;
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const float *vh = vr + g * D;
-            for (int64_t j = 0; j < G; j++) {
-                const float p = scores[(g * G + j) * n + t];
-                float *a = outb + (g * G + j) * D;
-                for (int64_t d = 0; d < D; d++) a[d] += p * vh[d];
-            }
-        }
+        add_row(vr, scores, outb, n, t, kv_heads, G, D);
     }
 }
 
