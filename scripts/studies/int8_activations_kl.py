@@ -1,10 +1,11 @@
-"""How far the served weights' int8 activations move the model's next-token distribution, against llama.cpp's scheme.
+"""How far the served weights' int8 activations move the model's next-token distribution, beside a 32-depth scheme.
 
 The default CPU path multiplies SmolLM2's Q4_1 blocks with activations quantized to int8 per row and 16 depths
 (backends/cpu_quant.py). For Alpaca prompts (SmolLM2's chat template, the distribution after the prompt) this
 measures KL(fp32 activations || each of): odma's kernel with int8 activations; the same file dequantized to fp32 with
-every linear layer's input rounded per 16 depths (what the kernel computes, emulated); and per 32 depths (llama.cpp's
-Q8_0 / Q8_1 activation blocks), with top-1 agreement.
+every linear layer's input rounded per 16 depths (what the kernel computes, emulated); and per 32 depths (the block
+size of ggml's Q8_0 / Q8_1 activations, emulated here in torch: a comparison of schemes, not a llama.cpp run), with
+top-1 agreement.
 
     .venv/bin/python scripts/studies/int8_activations_kl.py --prompts 40 --json out.json
 """
