@@ -10,6 +10,7 @@ seconds come from the shipped H200 and H100 profiles, and its tok/s is divided b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -31,6 +32,12 @@ def _pool(**fields) -> PoolConfig:
 
 
 PACKED_POOL = dict(compact_growth=True, slide_growth=True, neighbour_growth=True, growth="step")
+
+
+@functools.cache
+def _profile(name: str):
+    """A shipped GPU profile, read once per run of the study."""
+    return load_gpu_profile(name)
 
 
 def _packed_without(*names: str, **engine) -> dict:
@@ -137,7 +144,7 @@ def run(name: str, trace: str, gib: float, prompts) -> dict:
                       predictor=None if lengths in ("median", "oracle") else lengths)
     row = {"variant": name, "trace": trace, "kv_gib": gib, **burst.summary()}
     for p in PROFILES:
-        profile = load_gpu_profile(p)
+        profile = _profile(p)
         parts = profile.breakdown(burst.steps, burst.paged)
         # bounds for what the replay does not charge, reading rows through pieces: the decode context of requests
         # that read pieces at the paged pool's cost (pieces are a few long runs, not pages: this over-charges), and
@@ -157,7 +164,7 @@ def _break_even(r: dict, base: dict | None, profile: str) -> float:
     context at a contiguous read's ms per 1K tokens, so each further unit of cost adds that much again."""
     if base is None:
         return float("nan")
-    per_unit = load_gpu_profile(profile).ms_per_1k_context * r[profile]["piece_context"] / 1e6
+    per_unit = _profile(profile).ms_per_1k_context * r[profile]["piece_context"] / 1e6
     return 1 + (base[profile]["seconds"] - r[profile]["seconds"]) / per_unit
 
 
