@@ -56,3 +56,14 @@ def test_the_command_reads_a_file(tmp_path, capsys):
     assert gpu_summary.main([str(path)]) == 0
     assert "engine azure-conv (10 requests):" in capsys.readouterr().out
     assert gpu_summary.main([]) == 2
+
+
+def test_a_file_that_is_no_result_is_refused_clearly(tmp_path, capsys):
+    """A replay check's list, a broken file or no file: a one-line reason and status 2, no traceback."""
+    other, broken = tmp_path / "replay_check.json", tmp_path / "broken.json"
+    other.write_text(json.dumps([{"run": "x", "policy": "odma"}]))
+    broken.write_text("{")
+    for path, reason in ((other, "is not an `odma-bench gpu` result"), (broken, "cannot read"),
+                         (tmp_path / "none.json", "cannot read")):
+        assert gpu_summary.main([str(path)]) == 2
+        assert reason in capsys.readouterr().err

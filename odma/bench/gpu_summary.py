@@ -105,7 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python3 -m odma.bench.gpu_summary RESULT.json", file=sys.stderr)
         return 2
-    print(summary(json.loads(Path(args[0]).read_text())))
+    try:
+        result = json.loads(Path(args[0]).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"gpu_summary: cannot read {args[0]}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(result, dict) or not result.keys() & {"device", "engine", "kernels", "http", "peer"}:
+        print(f"gpu_summary: {args[0]} is not an `odma-bench gpu` result (no device, kernels, engine, http or peer "
+              "part)", file=sys.stderr)
+        return 2
+    print(summary(result))
     return 0
 
 
