@@ -196,7 +196,7 @@ def test_a_tiny_temperature_is_greedy(srv, temperature):
     ("/v1/completions", completion(max_tokens=5.0), "max_tokens"),
     ("/v1/completions", completion(max_tokens=True), "max_tokens"),
     ("/v1/completions", completion([True, False]), "prompt"),
-    ("/v1/completions", completion(["a", "b"]), "prompt"),
+    ("/v1/completions", completion(["a", [1, 2]]), "prompt"),  # a batch mixing text and token ids
     ("/v1/completions", completion(best_of=2), "best_of"),
     ("/v1/completions", completion(suffix="tail"), "suffix"),
     ("/v1/completions", completion(logprobs=21), "logprobs"),

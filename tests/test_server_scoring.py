@@ -211,8 +211,10 @@ def _task_files(tmp_path) -> Path:
     return tmp_path
 
 
-def test_lm_eval_local_completions_scores_match_transformers(srv, folder, hf, tok, tmp_path, monkeypatch):
-    """lm-evaluation-harness itself (the test extra installs it), offline, on two local tasks."""
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_lm_eval_local_completions_scores_match_transformers(srv, folder, hf, tok, tmp_path, monkeypatch, batch_size):
+    """lm-evaluation-harness itself (the test extra installs it), offline, on two local tasks; with batch_size 4
+    it sends several prompts in one request."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
@@ -223,7 +225,7 @@ def test_lm_eval_local_completions_scores_match_transformers(srv, folder, hf, to
     out = lm_eval.simple_evaluate(
         model="local-completions", tasks=["odma_mc", "odma_gen"], task_manager=tasks, log_samples=True,
         model_args={"model": MODEL, "base_url": srv.url + "/v1/completions", "tokenizer_backend": "huggingface",
-                    "tokenizer": str(folder), "max_length": 512})
+                    "tokenizer": str(folder), "max_length": 512, "batch_size": batch_size})
     mc = sorted(out["samples"]["odma_mc"], key=lambda s: s["doc_id"])
     assert len(mc) == len(MC_DOCS)
     for sample, doc in zip(mc, MC_DOCS):

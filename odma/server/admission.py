@@ -48,6 +48,12 @@ class Door:
             self._waiting += samples
             return Pass(self, samples)
 
+    def _split(self, held: Pass, places: int) -> Pass:
+        with self._lock:
+            k = max(0, min(places, held.places))
+            held.places -= k
+            return Pass(self, k)
+
     def _release(self, held: Pass, samples: int | None) -> None:
         with self._lock:
             k = held.places if samples is None else max(0, min(samples, held.places))
@@ -64,6 +70,11 @@ class Pass:
     def release(self, samples: int | None = None) -> None:
         """Give back `samples` places (None: all that are left)."""
         self._door._release(self, samples)
+
+    def split(self, places: int) -> Pass:
+        """A pass of its own for `places` of these (at most what is left), taken from this one: a request of several
+        prompts hands each its share."""
+        return self._door._split(self, places)
 
 
 class BehindADoor:

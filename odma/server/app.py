@@ -123,29 +123,46 @@ def _generation_routes(app: FastAPI, runtime: ServedRuntime, metrics: Metrics, l
             raise HTTPError(429, busy_message(runtime.max_queue), headers={"Retry-After": str(RETRY_AFTER_S)})
         return admitted
 
-    async def job_of(admitted: Pass, build, body) -> Job:
+    async def built(admitted: Pass, build, body):
+        """What `build` (a JobBuilder method) makes of the body, off the event loop; the places are given back if
+        it fails."""
         try:
             return await offload(build, body)
         except BaseException:  # refused by validation, or the client left while it was tokenized
             admitted.release()
             raise
 
-    async def answer(request: Request, job: Job, admitted: Pass):
-        handle = runtime.submit(job.prompt_ids, job.params, n=job.n, prompt_text=job.prompt_text, tags=job.tags,
-                                admitted=admitted)
-        samples = [Sample(i, job, runtime.engine, texts) for i in range(job.n)]
-        rid = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if job.stream:
-            return StreamingResponse(sse(runtime, handle, job, samples, rid, model_name, offload),
+    def submit(batch: list[Job], admitted: Pass) -> list:
+        """Every prompt's samples queued, each with its share of the places; one that cannot be queued (the server
+        stopping) cancels those queued before it."""
+        handles = []
+        try:
+            for job in batch:
+                handles.append(runtime.submit(job.prompt_ids, job.params, n=job.n, prompt_text=job.prompt_text,
+                                              tags=job.tags, admitted=admitted.split(job.n)))
+        except BaseException:
+            admitted.release()
+            for handle in handles:
+                runtime.cancel(handle)
+            raise
+        return handles
+
+    async def answer(request: Request, batch: list[Job], admitted: Pass):
+        handles = submit(batch, admitted)
+        samples = [Sample(i * job.n + j, job, runtime.engine, texts) for i, job in enumerate(batch)
+                   for j in range(job.n)]
+        rid = f"{'chatcmpl' if batch[0].chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if batch[0].stream:
+            return StreamingResponse(sse(runtime, handles, batch, samples, rid, model_name, offload),
                                      media_type="text/event-stream")
-        return await collect(request, runtime, handle, job, samples, rid, model_name, offload)
+        return await collect(request, runtime, handles, batch, samples, rid, model_name, offload)
 
     @app.post("/v1/completions", response_model=None, responses=generate_responses(CompletionResponse))
     async def completions(body: Completion, request: Request):
-        admitted = admit(body, body.n or 1)
-        return await answer(request, await job_of(admitted, jobs.completion, body), admitted)
+        admitted = admit(body, (body.n or 1) * len(body.prompts()))
+        return await answer(request, await built(admitted, jobs.completions, body), admitted)
 
     @app.post("/v1/chat/completions", response_model=None, responses=generate_responses(ChatCompletionResponse))
     async def chat(body: Chat, request: Request):
         admitted = admit(body, body.n or 1)
-        return await answer(request, await job_of(admitted, jobs.chat, body), admitted)
+        return await answer(request, [await built(admitted, jobs.chat, body)], admitted)

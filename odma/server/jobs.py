@@ -46,8 +46,21 @@ class JobBuilder:
     def __init__(self, engine: ServedEngine, limits: ApiLimits, defaults: SamplingDefaults) -> None:
         self.engine, self.limits, self.defaults = engine, limits, defaults
 
-    def completion(self, body) -> Job:
-        prompt = body.prompt_input()
+    def completions(self, body) -> list[Job]:
+        """One job per prompt of the request, every prompt checked before any runs: one that cannot run refuses
+        the whole request, naming it (`prompt[i]`) in a batch of several."""
+        prompts = body.prompts()
+        if len(prompts) == 1:
+            return [self.completion(body, prompts[0])]
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            try:
+                jobs.append(self.completion(body, prompt))
+            except InvalidRequestError as exc:
+                raise type(exc)(f"prompt[{i}]: {exc}") from None
+        return jobs
+
+    def completion(self, body, prompt: str | list[int]) -> Job:
         if isinstance(prompt, str):
             self._fits(len(prompt), "the prompt")
             ids, text = self._encode(prompt), prompt

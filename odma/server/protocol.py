@@ -45,6 +45,7 @@ class ApiLimits:
     vocab_size: int
     max_tokens_cap: int
     max_n: int = 16
+    max_prompts: int = 128  # prompts in one completions request (a batch, as lm-eval's batch_size sends)
     default_max_tokens: int = 256  # chat requests that set no max_tokens (at most what the context leaves)
     # the longest prompt text that could fit the context (`jobs.max_prompt_chars`): longer is refused untokenized
     max_prompt_chars: int | None = None
@@ -162,7 +163,7 @@ ROLES = frozenset(role for kind in (ChatMessage, ToolMessage, AssistantMessage)
 
 def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]:
     """(CompletionRequest, ChatCompletionRequest) for a server with these limits."""
-    cap = limits.max_tokens_cap
+    cap, batch = limits.max_tokens_cap, limits.max_prompts
     TokenId = Annotated[int, Field(ge=0, le=limits.vocab_size - 1)]
     TokenIds = Annotated[list[TokenId], Field(min_length=1)]
     Stops = Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None,
@@ -212,12 +213,12 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
             return self.include_usage() and bool(self.stream_options.continuous_usage_stats)
 
     class CompletionRequest(Common):
-        prompt: Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
-                          | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=1)],
+        prompt: Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=batch)]
+                          | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=batch)],
                           _one_message("must be a non-empty string, a non-empty list of token ids in "
-                                       f"[0, {limits.vocab_size}), or a list of one of those"),
-                          Field(description="one prompt: text or token ids, alone or as a batch of one (a batch of "
-                                            "several is not supported: send one request each)")]
+                                       f"[0, {limits.vocab_size}), or a list of 1 to {batch} of either kind"),
+                          Field(description=f"text or token ids, or a batch of up to {batch} of one kind: each "
+                                            "prompt's n samples are choices prompt index * n + sample")]
         max_tokens: _opt(int, Field(ge=0, le=cap, description=(
             "0: no generation (with echo and logprobs: the prompt's log-likelihood); prompt + max_tokens must "
             "fit the model's context"))) = min(16, cap)  # OpenAI's default
@@ -227,9 +228,10 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
                                   {"minimum": 1, "maximum": 1})) = None
         suffix: _opt(Text, *_only("", "suffix (insertion) is not supported", {"maxLength": 0})) = None
 
-        def prompt_input(self) -> str | list[int]:
+        def prompts(self) -> list[str | list[int]]:
+            """The batch's prompts (one alone is a batch of one)."""
             p = self.prompt
-            return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
+            return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
     class ChatCompletionRequest(Common):
         model_config = ConfigDict(strict=True, extra="forbid",

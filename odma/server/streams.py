@@ -181,10 +181,48 @@ async def _inline(fn, *args):
     return fn(*args)
 
 
-async def collect(request, runtime, handle, job: Job, samples: list[Sample], rid: str, model: str, offload=_inline):
-    """The whole answer as one body; a client that leaves first cancels the job (its blocks are freed). The body
+async def batch_events(runtime, handles: list) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, event) for the events of every handle of a request, as they come. Leaving early (the client
+    gone, or a cancelled wait) closes every handle's events, which cancels what still runs."""
+    streams = [runtime.events(h) for h in handles]
+    if len(streams) == 1:  # one prompt: its own stream, no task per event
+        try:
+            async for ev in streams[0]:
+                yield 0, ev
+        finally:
+            await streams[0].aclose()
+        return
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.__getitem__):
+                i = pending.pop(fut)
+                try:
+                    ev = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, ev
+    finally:
+        for fut in pending:
+            fut.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # each cancelled wait cancels its handle's samples
+        for s in streams:
+            await s.aclose()
+
+
+def _prompt_tokens(jobs: list[Job]) -> int:
+    return sum(len(j.prompt_ids) for j in jobs)
+
+
+async def collect(request, runtime, handles: list, jobs: list[Job], samples: list[Sample], rid: str, model: str,
+                  offload=_inline):
+    """The whole answer as one body: the choices of every prompt (`handles[i]` runs `jobs[i]`, its samples are
+    `samples[i * n:(i + 1) * n]`); a client that leaves first cancels them all (their blocks are freed). The body
     is rendered by `offload` (off the event loop: a long prompt's echoed logprobs take a while)."""
-    stream = runtime.events(handle)
+    job, n = jobs[0], jobs[0].n
+    stream = batch_events(runtime, handles)
     watcher = asyncio.create_task(_watch_disconnect(request))
     try:
         while True:
@@ -198,10 +236,10 @@ async def collect(request, runtime, handle, job: Job, samples: list[Sample], rid
                     pass
                 return Response(status_code=499)
             try:
-                ev = nxt.result()
+                prompt, ev = nxt.result()
             except StopAsyncIteration:
                 break
-            sample = samples[ev.seq.index]
+            sample = samples[prompt * n + ev.seq.index]
             sample.seq = ev.seq
             sample.push(ev.token, ev.finished)
             sample.end_early(runtime)
@@ -214,7 +252,7 @@ async def collect(request, runtime, handle, job: Job, samples: list[Sample], rid
 
     def body() -> dict[str, Any]:
         out = render.envelope(rid, job.chat, int(time.time()), model, [choice_body(s) for s in samples])
-        out["usage"] = render.usage(len(job.prompt_ids), sum(s.completion_tokens for s in samples))
+        out["usage"] = render.usage(_prompt_tokens(jobs), sum(s.completion_tokens for s in samples))
         return out
 
     return await offload(body)
@@ -225,15 +263,16 @@ async def _watch_disconnect(request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model: str,
+async def sse(runtime, handles: list, jobs: list[Job], samples: list[Sample], rid: str, model: str,
               offload=_inline) -> AsyncIterator[str]:
-    """The answer as server-sent events: per choice a first chunk (the role, or the echoed prompt), its text
-    and logprobs as they come, a last chunk with its finish reason; usage at the end when asked; [DONE]. The
-    echoed prompt's logprobs are rendered by `offload`."""
+    """The answer as server-sent events (`handles`, `jobs`, `samples` as `collect` takes them): per choice a first
+    chunk (the role, or the echoed prompt), its text and logprobs as they come, a last chunk with its finish
+    reason; usage at the end when asked; [DONE]. The echoed prompt's logprobs are rendered by `offload`."""
     created = int(time.time())
+    job, n = jobs[0], jobs[0].n
 
     def usage_so_far() -> dict[str, int]:
-        return render.usage(len(job.prompt_ids), sum(s.completion_tokens for s in samples if s.seq))
+        return render.usage(_prompt_tokens(jobs), sum(s.completion_tokens for s in samples if s.seq))
 
     def event(choices: list[dict], **extra: Any) -> str:
         body = render.envelope(rid, job.chat, created, model, choices, chunk=True)
@@ -257,16 +296,16 @@ async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model:
             choice = {"index": sample.index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         return event([choice])
 
-    stream = runtime.events(handle)
+    stream = batch_events(runtime, handles)
     try:
         for s in samples:
             if job.chat:
                 yield chunk(s, None, None, role=True)
-            elif job.echo is not None:
-                yield chunk(s, job.echo, None, None)  # its logprobs come with the first event (the prompt is scored)
+            elif s.job.echo is not None:
+                yield chunk(s, s.job.echo, None, None)  # its logprobs come with the first event (the prompt is scored)
         echoed_logprobs: set[int] = set()
-        async for ev in stream:
-            sample = samples[ev.seq.index]
+        async for prompt, ev in stream:
+            sample = samples[prompt * n + ev.seq.index]
             sample.seq = ev.seq
             delta = sample.push(ev.token, ev.finished)
             sample.end_early(runtime)
@@ -274,7 +313,7 @@ async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model:
                 yield f"data: {json.dumps(error_body(_failure([sample])))}\n\n"
                 break
             logprobs = sample.new_logprobs()
-            if job.echo is not None and job.logprobs is not None and sample.index not in echoed_logprobs:
+            if sample.job.echo is not None and job.logprobs is not None and sample.index not in echoed_logprobs:
                 echoed_logprobs.add(sample.index)
                 logprobs = _merge(await offload(sample.prompt_logprobs), logprobs)
             if delta or _has_entries(logprobs):
@@ -286,7 +325,7 @@ async def sse(runtime, handle, job: Job, samples: list[Sample], rid: str, model:
                 yield event([], usage=usage_so_far())
         yield "data: [DONE]\n\n"
     finally:
-        await stream.aclose()  # a client that disconnects lands here: the job is cancelled
+        await stream.aclose()  # a client that disconnects lands here: every prompt's samples are cancelled
 
 
 def _has_entries(logprobs: Any) -> bool:
