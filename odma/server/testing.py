@@ -76,3 +76,20 @@ def tiny_process_server(folder: str | Path, *, max_queue: int = 64, max_n: int =
             yield srv
     finally:
         runtime.close()
+
+
+def leave_early(url: str, body: dict, *, timeout: float) -> None:
+    """POST a completion `body` and hang up: a stream after its first chunk, else when `timeout` passes with no
+    answer (which must: an answer in time raises AssertionError, the work asked for being too short to leave)."""
+    import httpx
+
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            for line in r.iter_lines():
+                if body.get("stream") and line.startswith("data:"):
+                    return  # one chunk, then hang up
+    except httpx.ReadTimeout:
+        if not body.get("stream"):
+            return
+        raise
+    raise AssertionError("the answer came whole before the client left")
