@@ -95,6 +95,8 @@ BODIES = [
                          "logprobs": 2}),
     ("/v1/completions", {"model": MODEL, "prompt": "Seeded", "max_tokens": 8, "n": 2, "seed": 7, "temperature": 0.9}),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 0, "echo": True, "logprobs": 1}),
+    ("/v1/completions", {"model": MODEL, "prompt": ["Rivers", "Mountains of Asia"], "max_tokens": 5, "n": 2,
+                         "temperature": 0}),  # a batch of prompts, each on whichever replica the router picks
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Name three rivers."}],
                               "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 2}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40,
