@@ -66,3 +66,17 @@ def test_a_recomputed_request_scores_its_prompt_once(folder):
     for seq in seqs:
         assert len(seq.prompt_logprobs) == len(seq.prompt_ids)
         assert [e.token for e in seq.prompt_logprobs[1:]] == seq.prompt_ids[1:]
+
+
+def test_a_scored_prompt_is_fed_whole_so_its_scores_do_not_depend_on_the_batch(folder):
+    """A prompt that asks for its scores and fits a step's prefill budget is never split over two steps: the second
+    part would attend to the cached rows by another path, whose last-bit differences int8 activations magnify (up
+    to 0.3 nats over a 21-token prompt). Its scores are then the same, to the bit, alone or behind other prompts."""
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    alone = tiny_engine(folder, max_prefill_tokens=64).generate([prompt], scored)[0]
+    engine = tiny_engine(folder, max_prefill_tokens=64)
+    other, behind = engine.generate([list(range(50, 100)), prompt],  # 50 tokens first: 14 of the budget left
+                                    [SamplingParams(max_tokens=4, temperature=0), scored])
+    assert [e and e.logprob for e in behind.prompt_logprobs] == [e and e.logprob for e in alone.prompt_logprobs]
+    assert engine.stats().scheduler_counter("prefill_chunks") == 0  # nothing else was split either
