@@ -264,7 +264,7 @@ class Scheduler:
         """Whether `seq` scores its prompt (echo with logprobs, as evaluation harnesses ask) and fits one step's
         budget: then it is not split behind other prompts but waits for a step that feeds it whole, as it would be
         fed alone. A split's second part attends to the cached rows by another path, whose last-bit differences int8
-        activations magnify (0.3 nats over a 21-token prompt), so its scores would depend on the batch."""
+        activations magnify (up to 0.45 nats on ~21-token prompts), so its scores would depend on the batch."""
         return (seq.params.prompt_logprobs is not None and self.config.chunk_prefills
                 and self.prefill_cost(start, need) <= self.config.max_prefill_tokens)
 
