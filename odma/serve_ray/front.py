@@ -191,6 +191,16 @@ class RemoteHandle:
         return self.remaining == 0
 
 
+def _as_own_call(request_id: str) -> None:
+    """Calls made from here on in this task (the job's own: a copy of the handler's context) go to the engines
+    under `request_id`. Ray Serve names every call made while one HTTP request is handled by that request's internal
+    id, and its routing tracks calls by it: of the jobs of one request's several prompts, all but one were never
+    routed (a hang)."""
+    from ray.serve import context
+
+    context._set_request_context(_internal_request_id=request_id)
+
+
 REPLICA_RETRIES = 2  # a request whose replica dies before its first event goes to another replica this often
 
 
@@ -288,6 +298,7 @@ class RemoteRuntime(HandedOverDoor):
     async def _run(self, handle: RemoteHandle, job: RemoteJob) -> None:
         views = Views(job.request_id, job.n)
         stream = None
+        _as_own_call(job.request_id)
         try:
             job = await self._sized(job)
             for attempt in range(1 + REPLICA_RETRIES):

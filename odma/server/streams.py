@@ -224,6 +224,7 @@ async def collect(request, runtime, handles: list, jobs: list[Job], samples: lis
     job, n = jobs[0], jobs[0].n
     stream = batch_events(runtime, handles)
     watcher = asyncio.create_task(_watch_disconnect(request))
+    nxt = None
     try:
         while True:
             nxt = asyncio.ensure_future(stream.__anext__())
@@ -245,6 +246,9 @@ async def collect(request, runtime, handles: list, jobs: list[Job], samples: lis
             sample.end_early(runtime)
     finally:
         watcher.cancel()
+        if nxt is not None and not nxt.done():  # this task was cancelled (Ray Serve's, when a client leaves):
+            nxt.cancel()  # end the wait first, or closing the stream it runs in fails and nothing is cancelled
+            await asyncio.gather(nxt, return_exceptions=True)
         await stream.aclose()
     failure = _failure(samples)
     if failure:
