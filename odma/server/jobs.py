@@ -50,13 +50,13 @@ class JobBuilder:
         """One job per prompt of the request, every prompt checked before any runs: one that cannot run refuses
         the whole request, naming it (`prompt[i]`) in a batch of several."""
         prompts = body.prompts()
-        if len(prompts) == 1:
-            return [self.completion(body, prompts[0])]
         jobs = []
         for i, prompt in enumerate(prompts):
             try:
                 jobs.append(self.completion(body, prompt))
             except InvalidRequestError as exc:
+                if len(prompts) == 1:
+                    raise
                 raise type(exc)(f"prompt[{i}]: {exc}") from None
         return jobs
 

@@ -229,12 +229,7 @@ async def collect(request, runtime, handles: list, jobs: list[Job], samples: lis
         while True:
             nxt = asyncio.ensure_future(stream.__anext__())
             done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:  # the client left: cancelling the wait cancels the job and frees its blocks
-                nxt.cancel()
-                try:
-                    await nxt
-                except (asyncio.CancelledError, StopAsyncIteration):
-                    pass
+            if nxt not in done:  # the client left: the wait is cancelled below, which cancels the jobs
                 return Response(status_code=499)
             try:
                 prompt, ev = nxt.result()
@@ -246,9 +241,11 @@ async def collect(request, runtime, handles: list, jobs: list[Job], samples: lis
             sample.end_early(runtime)
     finally:
         watcher.cancel()
-        if nxt is not None and not nxt.done():  # this task was cancelled (Ray Serve's, when a client leaves):
-            nxt.cancel()  # end the wait first, or closing the stream it runs in fails and nothing is cancelled
-            await asyncio.gather(nxt, return_exceptions=True)
+        # a wait still pending (the client left, or Ray Serve cancelled this task) ends first: closing the stream it
+        # runs in would fail, and nothing would be cancelled
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)  # cancelling it cancels the jobs, frees their blocks
         await stream.aclose()
     failure = _failure(samples)
     if failure:
