@@ -28,6 +28,13 @@ def early_jobs(request, tmp_path_factory):
     # threads creating it at once each get their own (mktemp then refuses a path outside the one it now holds)
     tmp_path_factory.getbasetemp()
     jobs = EarlyJobs()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # every worker collects every test but runs only the modules it is handed: a job started here could run
+        # in both workers, for tests the other one runs; the worker that runs them runs their job inline instead,
+        # beside the other worker's tests
+        yield jobs
+        jobs.close()
+        return
     wanted: dict[str, set[str]] = {}  # module name → fixtures its selected tests use
     modules = {}
     for item in request.session.items:
@@ -77,6 +84,14 @@ def answers(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "answers.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist (`-n 2 --dist loadfile`, README's test command), the modules whose slow subprocess checks
+    would have started early go first: their jobs then run inline while the other worker takes the rest, instead
+    of leaving one worker alone with them at the end. Every worker sorts alike (xdist requires the same order)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not hasattr(getattr(item, "module", None), "start_early"))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
