@@ -135,7 +135,7 @@ def test_the_dry_run_covers_every_part(dry_run):
     assert [line.split()[0] for line in (result["_out"] / "parts.txt").read_text().splitlines()] == ["tests", "bench"]
 
 
-@pytest.mark.parametrize("tagging, policies", [("ahead", "odma,odma-map,paged,static"), ("loop", "odma")])
+@pytest.mark.parametrize("tagging, policies", [("ahead", "odma,odma-map,paged,static"), ("loop", "odma,odma*0.25")])
 def test_every_policy_reports_its_tagging_time_and_first_token_times(tmp_path, tagging, policies):
     from odma.bench import gpu_bench
 
@@ -147,6 +147,9 @@ def test_every_policy_reports_its_tagging_time_and_first_token_times(tmp_path, t
         assert r["prediction"]["tagged"] == r["requests"] == r["completed"], policy  # tagged, none lost
         assert r["tagging_s"] > 0 and r["tagging_s"] < r["seconds"], policy  # the running median's calls
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"], policy
+    if "odma*0.25" in run["policies"]:  # a policy's own share of each prediction reaches its engine's pool
+        assert run["policies"]["odma*0.25"]["reserve_scale"] == 0.25
+        assert run["policies"]["odma"]["reserve_scale"] == 0.5
     if "odma-map" in run["policies"]:  # growth by mapping runs in the engine part (the host's VM on a CPU)
         assert run["policies"]["odma-map"]["growth"] == "map" and run["policies"]["odma"]["growth"] == "copy"
 

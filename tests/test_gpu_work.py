@@ -95,19 +95,23 @@ def test_engine_runs_parse_traces_requests_and_a_predictor_and_order_per_policy(
 
     run = EngineRun.parse("alpaca-eval:gpt4:50=odma:default,odma-map:oracle,odma:.gpu/predictor/default,paged,"
                           "odma:.gpu/predictor/default@sjf,odma@adaptive,odma-reads:median,odma-continue,"
-                          "odma-pieces:default")
+                          "odma-pieces:default,odma-pieces:.gpu/predictor/default@sjf*0.25,odma*1")
     assert (run.trace, run.requests) == ("alpaca-eval:gpt4", 50)
     assert [(p.policy, p.mapped, p.predictor, p.schedule) for p in run.policies] == [
         ("odma", False, "default", "fcfs"), ("odma", True, "oracle", "fcfs"),
         ("odma", False, ".gpu/predictor/default", "fcfs"), ("paged", False, "median", "fcfs"),
         ("odma", False, ".gpu/predictor/default", "sjf"), ("odma", False, "median", "adaptive"),
-        ("odma", False, "median", "fcfs"), ("odma", False, "median", "fcfs"), ("odma", False, "default", "fcfs")]
+        ("odma", False, "median", "fcfs"), ("odma", False, "median", "fcfs"), ("odma", False, "default", "fcfs"),
+        ("odma", False, ".gpu/predictor/default", "sjf"), ("odma", False, "median", "fcfs")]
     assert [(p.reads, p.continues) for p in run.policies] == [(False, False)] * 6 + [
-        (True, False), (False, True), (True, True)]
+        (True, False), (False, True), (True, True), (True, True), (False, False)]
+    assert [p.reserve_scale for p in run.policies] == [None] * 9 + [0.25, 1.0]  # None: the pool's default
     assert run.policies[4].label == "odma:.gpu/predictor/default@sjf"  # the key of its results
     assert EngineRun.parse("alpaca-eval:gpt4=static").requests is None
     for bad in ("azure-conv", "azure-conv=", "=odma", "azure-conv=vllm", "azure-conv:0=odma", "azure-conv=odma@ljf",
-                "azure-conv=odma:default@", "azure-conv=paged-reads", "azure-conv=paged-continue"):
+                "azure-conv=odma:default@", "azure-conv=paged-reads", "azure-conv=paged-continue",
+                "azure-conv=odma*", "azure-conv=odma*0", "azure-conv=odma*-1", "azure-conv=odma*half",
+                "azure-conv=odma*inf", "azure-conv=odma*nan", "azure-conv=paged*0.5", "azure-conv=static*0.25"):
         with pytest.raises(ConfigError):
             EngineRun.parse(bad)
 
@@ -176,9 +180,11 @@ def test_every_odma_variant_is_divided_by_paged_and_static():
 
     runs = {name: {"tokens_per_s": tps, "cut_at_cap": name == "odma:oracle"} for name, tps in (
         ("odma", 120.0), ("odma:default@sjf", 130.0), ("odma@adaptive", 110.0), ("odma-reads:median", 150.0),
-        ("odma-continue", 140.0), ("odma:oracle", 90.0), ("paged", 100.0), ("static", 50.0))}
+        ("odma-continue", 140.0), ("odma-pieces:default@sjf*0.25", 160.0), ("odma:oracle", 90.0), ("paged", 100.0),
+        ("static", 50.0))}
     out = _ratios(runs)
     assert out["odma_vs_paged"] == 1.2 and out["odma-reads:median_vs_paged"] == 1.5
     assert out["odma-continue_vs_static"] == 2.8
     assert out["odma:default@sjf_vs_static"] == 2.6 and out["odma@adaptive_vs_paged"] == 1.1
+    assert out["odma-pieces:default@sjf*0.25_vs_paged"] == 1.6
     assert not any(k.startswith("odma:oracle") for k in out)  # cut at its cap: no ratio

@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from odma.bench import gpu_http
@@ -91,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-run", action="append", default=None, metavar="TRACE[:REQUESTS]=POLICIES",
                    help="a burst of TRACE (its first REQUESTS records, default --requests) under each POLICY (comma-"
                         "separated, each optionally POLICY:PREDICTOR: odma:default, odma:median, odma:oracle, "
-                        "odma:FOLDER, and @ORDER: odma:default@sjf serves shortest predicted first); repeat it to "
+                        "odma:FOLDER, then @ORDER: odma:default@sjf serves shortest predicted first, then *SHARE: "
+                        "odma:default*0.25 reserves a quarter of each prediction); repeat it to "
                         "run several traces on one model (results keyed by trace). "
                         "Without it: --trace under --policies")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -321,7 +324,9 @@ class PolicyRun:
     `--continue-growth`), `odma-pieces` (both), each optionally with the length predictor it runs
     (`odma:default`, `odma:median`, `odma:oracle`, `odma:PATH`, as `predictor.registry` takes specs); none named is
     the running median, as the engine part always ran. A suffix `@ORDER` serves it in that order
-    (`odma:default@sjf`: shortest predicted first; default fcfs)."""
+    (`odma:default@sjf`: shortest predicted first; default fcfs); a last `*SHARE` makes an odma policy reserve that
+    share of each prediction at admission (`PoolConfig.reserve_scale`, default 0.5; `odma-pieces:default@sjf*0.25`,
+    the learned encoder's best in the replay on first turns)."""
 
     label: str  # as given: the key of its results
     policy: str
@@ -330,13 +335,23 @@ class PolicyRun:
     schedule: str = "fcfs"
     reads: bool = False
     continues: bool = False
+    reserve_scale: float | None = None  # None: the pool's default
 
     @classmethod
     def parse(cls, label: str) -> "PolicyRun":
         from odma.engine.ordering import ORDERS
         from odma.errors import ConfigError
 
-        spec, at, schedule = label.rpartition("@") if "@" in label else (label, "", "fcfs")
+        spec, star, share = label.rpartition("*") if "*" in label else (label, "", "")
+        reserve_scale = None
+        if star:
+            try:
+                reserve_scale = float(share)
+            except ValueError:
+                reserve_scale = math.nan
+            if not 0 < reserve_scale < math.inf:
+                raise ConfigError(f"engine policy {label!r}: the share after * is a positive number, got {share!r}")
+        spec, at, schedule = spec.rpartition("@") if "@" in spec else (spec, "", "fcfs")
         if at and schedule not in ORDERS:
             raise ConfigError(f"engine policy {label!r}: the order after @ is one of {', '.join(ORDERS)}")
         name, _, predictor = spec.partition(":")
@@ -346,8 +361,10 @@ class PolicyRun:
         if policy not in ENGINE_POLICIES:
             raise ConfigError(f"engine policy {label!r}: the policy is one of {', '.join(ENGINE_POLICIES)} (NAME-map "
                               "grows by mapping; odma-reads reads shared prefixes in place, odma-continue continues "
-                              "blocks elsewhere, odma-pieces both), optionally followed by :PREDICTOR and @ORDER")
-        return cls(label, policy, mapped, predictor or "median", schedule, reads, continues)
+                              "blocks elsewhere, odma-pieces both), optionally followed by :PREDICTOR, @ORDER and *SHARE")
+        if reserve_scale is not None and policy != "odma":
+            raise ConfigError(f"engine policy {label!r}: only odma's policies reserve a share of a prediction")
+        return cls(label, policy, mapped, predictor or "median", schedule, reads, continues, reserve_scale)
 
 
 @dataclass(frozen=True)
@@ -515,11 +532,15 @@ def _describe(work) -> dict:
 
 def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRun, deadline: float) -> dict:
     """One policy's burst of `work`, ended at `deadline` (perf_counter) whatever it has done by then."""
+    from odma.config import PoolConfig
     from odma.engine import SamplingParams
     from odma.engine.length_predictor import LoadedPredictor
     from predictor.running_median import RunningMedian
 
     memory = _odma_memory(args, continue_growth=policy.continues) if policy.policy == "odma" else {}
+    if policy.reserve_scale is not None:
+        memory["pool"] = replace(memory.get("pool", PoolConfig(align=4 if args.tiny else 16)),
+                                 reserve_scale=policy.reserve_scale)
     # warm-ups run under a throwaway median: the measured predictor (a running median learns) sees only the burst
     engine = _engine(args, device, dtype_name, model, policy=policy.policy,
                      kv_growth="map" if policy.mapped else "copy", tagging=args.tagging, schedule=policy.schedule,
@@ -547,6 +568,7 @@ def _measure_policy(args, device, dtype_name: str, model, work, policy: PolicyRu
     result["schedule"] = engine.config.schedule
     result["prefix_reads"] = engine.config.prefix_reads
     result["continue_growth"] = engine.config.pool.continue_growth
+    result["reserve_scale"] = engine.config.resolved_pool.reserve_scale
     result["preempt"] = engine.config.resolved_preempt
     result["compact_growth"] = engine.config.resolved_pool.compact_growth
     result["packing"] = engine.config.packing_resolved
@@ -565,7 +587,7 @@ def _ratios(policies: dict) -> dict:
     tps = {p: r["tokens_per_s"] for p, r in policies.items() if "tokens_per_s" in r and not r["cut_at_cap"]}
     out = {}
     for a in tps:
-        if a.split(":")[0].split("@")[0] in ("odma", "odma-reads", "odma-continue", "odma-pieces"):
+        if re.split("[:@*]", a)[0] in ("odma", "odma-reads", "odma-continue", "odma-pieces"):
             for b in ("paged", "static"):
                 if b in tps:
                     out[f"{a}_vs_{b}"] = round(tps[a] / tps[b], 3)
