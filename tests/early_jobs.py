@@ -5,8 +5,9 @@ the suite runs beside them instead of before or after them.
 A test module offers its jobs as `start_early(tmp_path_factory) -> {name: (fixture, prepare)}`; a job starts only
 where a selected test uses its fixture. `prepare()` returns the `Command` to run, or raises pytest's skip or fail,
 which every test waiting for that job then raises. The fixture waits with `EarlyJobs.result(name, prepare)`; a job
-that was not started early runs then, inline, at the normal priority. Under pytest-xdist (README's test command) no job starts early: each
-worker runs the job of the modules it is handed inline, and conftest.py hands those modules out first."""
+that was not started early runs then, inline, at the normal priority. Under pytest-xdist (README's test command)
+no job starts early: each worker runs the jobs of the modules it is handed inline, and conftest.py hands those
+modules out first."""
 
 from __future__ import annotations
 
