@@ -201,9 +201,14 @@ def test_a_tiny_temperature_is_greedy(srv, temperature):
     ("/v1/completions", completion(suffix="tail"), "suffix"),
     ("/v1/completions", completion(logprobs=21), "logprobs"),
     ("/v1/completions", completion(logprobs=True), "logprobs"),
-    ("/v1/completions", completion(frequency_penalty=0.5), "frequency_penalty"),
-    ("/v1/completions", completion(presence_penalty=-1), "presence_penalty"),
-    ("/v1/completions", completion(logit_bias={"50": 10}), "logit_bias"),
+    ("/v1/completions", completion(frequency_penalty=2.5), "frequency_penalty"),
+    ("/v1/completions", completion(presence_penalty=-3), "presence_penalty"),
+    ("/v1/completions", completion(frequency_penalty="1"), "frequency_penalty"),
+    ("/v1/completions", completion(logit_bias={"50": 101}), "logit_bias.50"),
+    ("/v1/completions", completion(logit_bias={"50": "1"}), "logit_bias.50"),
+    ("/v1/completions", completion(logit_bias={"x": 1}), None),  # not a token id
+    ("/v1/completions", completion(logit_bias={"050": 1}), None),
+    ("/v1/completions", completion(logit_bias={"99999999": 1}), None),  # outside the vocabulary
     ("/v1/completions", completion(repetition_penalty=1.1), "repetition_penalty"),
     ("/v1/completions", completion(n="2"), "n"),
     ("/v1/completions", completion(stream="yes"), "stream"),
@@ -245,6 +250,21 @@ def test_chat_logprobs_are_honoured(srv):
     for c in content:
         assert len(c["top_logprobs"]) == 5 and c["top_logprobs"][0]["token"] == c["token"]  # greedy: the top one
         assert c["logprob"] <= 0 and bytes(c["bytes"]).decode("utf-8", "replace")
+
+
+def test_penalties_and_logit_bias_are_honoured(srv):
+    def tokens(**kw) -> list[str]:
+        r = post(srv, "/v1/completions", completion([5, 6, 7], logprobs=0, ignore_eos=True, temperature=0,
+                                                     **{"max_tokens": 12, **kw}))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    plain = tokens()
+    forced = tokens(logit_bias={"77": 100})
+    assert len(set(forced)) == 1 and forced != plain
+    # 2 a time it occurs: the bias of 100 stops winning after ~50 of them (the model's own logits are small)
+    penalized = tokens(logit_bias={"77": 100}, frequency_penalty=2, presence_penalty=1, max_tokens=64)
+    assert penalized[:40] == forced[:1] * 40 and len(set(penalized)) > 1
 
 
 def test_completion_logprobs_zero_reports_the_chosen_token_only(srv):

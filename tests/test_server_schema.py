@@ -5,6 +5,7 @@ schema-valid request refused, no schema-violating request accepted, every respon
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -81,7 +82,11 @@ def test_the_schema_carries_the_enforced_limits(spec):
     assert (props["seed"]["minimum"], props["seed"]["maximum"]) == (-(2**63), 2**63 - 1)  # exact, not floats
     assert (props["temperature"]["minimum"], props["temperature"]["maximum"]) == (0, 2)
     assert props["logprobs"]["maximum"] == 20 and props["model"]["enum"][0] == "tiny"
-    assert props["frequency_penalty"]["maximum"] == 0 and props["best_of"]["maximum"] == 1
+    assert props["frequency_penalty"]["maximum"] == 2 and props["best_of"]["maximum"] == 1
+    bias = props["logit_bias"]  # its keys: the vocabulary's token ids
+    assert bias["additionalProperties"] is False and list(bias["patternProperties"].values())[0]["maximum"] == 100
+    key = re.compile(next(iter(bias["patternProperties"])))
+    assert key.match("0") and key.match("49151") and not key.match("49152") and not key.match("07")
     token_ids = next(b for b in props["prompt"]["anyOf"] if b.get("items", {}).get("type") == "integer")
     assert token_ids["items"]["maximum"] == 49151
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]

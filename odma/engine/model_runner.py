@@ -138,11 +138,12 @@ class ModelRunner:
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[int]:
         """One token per row. Plain greedy rows take the argmax where the logits are (on an accelerator only the
-        token ids come back); rows that sample, mask tokens (min_tokens) or report logprobs go through the sampler
-        on the host."""
+        token ids come back); rows that sample, mask tokens (min_tokens), adjust logits (penalties, logit bias) or
+        report logprobs go through the sampler on the host."""
         params = [w.seq.params for w in work]
         banned = [self._banned(w) for w in work]
-        host = [i for i, (p, ban) in enumerate(zip(params, banned)) if not p.greedy or ban or p.logprobs is not None]
+        host = [i for i, (p, ban) in enumerate(zip(params, banned))
+                if not p.greedy or ban or p.logprobs is not None or p.adjusts_logits]
         if not host:
             return logits.argmax(-1).tolist()
         tokens: list[int] = [0] * len(work)
@@ -156,7 +157,7 @@ class ModelRunner:
         sub = [work[i] for i in host]
         chosen = SampledLogprobs(sub, logits)  # before the sampler masks the logits in place
         sampled = self.sampler(logits, [params[i] for i in host], [seeded_generator(w.seq) for w in sub],
-                               [banned[i] for i in host])
+                               [banned[i] for i in host], [w.seq.output_ids for w in sub])
         for i, t in zip(host, sampled):
             tokens[i] = t
         chosen.record([t if w.seq.num_cached == w.seq.num_tokens else None for t, w in zip(sampled, sub)])

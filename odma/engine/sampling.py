@@ -1,4 +1,5 @@
-"""Sampling parameters of one request, and the batched sampler (greedy, temperature, top-k, top-p)."""
+"""Sampling parameters of one request, and the batched sampler (OpenAI's penalties and logit bias, then greedy,
+temperature, top-k, top-p)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from odma.errors import InvalidRequestError
 GREEDY_EPSILON = 1e-5
 MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's bound
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; OpenAI's top_logprobs bound)
+MAX_PENALTY = 2.0  # frequency_penalty and presence_penalty lie in [-2, 2] (OpenAI's bound, vLLM's)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's bound)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # OpenAI's schema and vLLM's: a signed 64-bit integer
 NO_SEED = -1  # vLLM: seed -1 means unseeded
 
@@ -31,6 +34,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the engine ends the request in the step that completes one
     logprobs: int | None = None  # log-probabilities of each generated token and of this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo, scoring)
+    # OpenAI's: a token's logit minus frequency_penalty × its count in the output so far, minus presence_penalty
+    # once it occurs there; plus its logit_bias (token id, bias) pairs. Logprobs report the model's own logits.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -57,10 +65,28 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (type(k) is not int or not 0 <= k <= MAX_LOGPROBS):
                 raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise bad(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        if not isinstance(self.logit_bias, tuple) or not all(
+                isinstance(pair, tuple) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
+                and _number(pair[1]) and -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS for pair in self.logit_bias):
+            raise bad(f"logit_bias must be (token id >= 0, bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]) pairs, "
+                      f"got {self.logit_bias!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or a logit bias change the logits before a token is picked."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def generator_seed(seed: int, index: int = 0) -> int:
@@ -81,8 +107,14 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         banned: list[tuple[int, ...]],
+        outputs: list[list[int]] | None = None,
     ) -> list[int]:
+        """`outputs`: each row's tokens generated so far (what the penalties count; needed where a row's params
+        set one)."""
         logits = logits.float()
+        for i, p in enumerate(params):
+            if p.adjusts_logits:
+                _adjust(logits[i], p, outputs[i] if outputs is not None else ())
         for i, ban in enumerate(banned):
             if ban:  # min_tokens: EOS / stop ids may not end the request yet
                 logits[i, list(ban)] = -math.inf
@@ -136,6 +168,16 @@ class Sampler:
                 out[[rows[j] for j in here]] = order.gather(1, idx.unsqueeze(1)).squeeze(1)
             rows = [rows[j] for j, ok in enumerate(done) if not ok]
         return out
+
+
+def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int]) -> None:
+    """OpenAI's penalties on the tokens of `output`, then the logit bias, on one row of logits in place."""
+    if output and (p.frequency_penalty or p.presence_penalty):
+        ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
+        row.index_add_(0, ids, -(counts.float() * p.frequency_penalty + p.presence_penalty))
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+        row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype))
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -115,6 +115,8 @@ class JobBuilder:
             top_k=top_k, seed=body.seed, ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens,
             stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            logit_bias=tuple((int(t), float(b)) for t, b in (body.logit_bias or {}).items()),
         )
 
     def _fits(self, chars: int, what: str) -> None:

@@ -2,8 +2,8 @@
 `stop_token_ids`); the bodies it sends are in `responses.py`.
 
 Requests are validated strictly, as OpenAI's schema is: `max_tokens: "5"`, `5.0` or `true` are refused, not
-coerced; an unknown parameter is refused, not ignored; a parameter odma cannot honour (penalties, logit_bias,
-best_of > 1, tools, a JSON response format) is declared with the only value it accepts, so a client that asks
+coerced; an unknown parameter is refused, not ignored; a parameter odma cannot honour (best_of > 1, suffix,
+tools, a JSON response format) is declared with the only value it accepts, so a client that asks
 for it gets a 400 saying so. The models are built per server (`request_models`) from its limits, so the
 published schema (/openapi.json) states exactly what the server enforces: the token cap, n, the vocabulary,
 the served model names. What JSON Schema cannot say (prompt + max_tokens must fit the context, min_tokens <=
@@ -20,7 +20,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       field_validator)
 from pydantic_core import PydanticCustomError
 
-from odma.engine.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SEED_RANGE
+from odma.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_TEMPERATURE, SEED_RANGE
 
 MAX_STOPS = 4
 MAX_TOP_K = 2**31 - 1
@@ -99,7 +99,17 @@ def _opt(t: Any, *meta: Any) -> Any:
     return Annotated[(t, *meta)] | None if meta else t | None
 
 
-NO_PENALTIES = "not supported (odma-serve applies no penalties): send 0 or leave it out"
+def _decimal_up_to(n: int) -> str:
+    """A pattern matching exactly the decimal numbers 0..n, without leading zeros (logit_bias's keys are token ids
+    as strings: the schema bounds them by the vocabulary as it bounds token ids)."""
+    s = str(n)
+    parts = (["[0-9]"] + [f"[1-9][0-9]{{{k - 1}}}" for k in range(2, len(s))]) if len(s) > 1 else []
+    for i, d in enumerate(s):  # as long as n, below it: n's first i digits, a smaller one, then any
+        low = 1 if i == 0 and len(s) > 1 else 0
+        if int(d) > low:
+            rest = len(s) - i - 1
+            parts.append(s[:i] + f"[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return "^(" + "|".join([*parts, s]) + ")$"
 
 
 class StreamOptions(BaseModel):
@@ -166,6 +176,7 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
     cap, batch = limits.max_tokens_cap, limits.max_prompts
     TokenId = Annotated[int, Field(ge=0, le=limits.vocab_size - 1)]
     TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+    TokenKey = Annotated[str, Field(pattern=_decimal_up_to(limits.vocab_size - 1))]
     Stops = Annotated[NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None,
                       _one_message(f"must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings"),
                       Field(description="stop strings; the text ends before the first one")]
@@ -185,10 +196,13 @@ def request_models(limits: ApiLimits) -> tuple[type[BaseModel], type[BaseModel]]
         seed: _opt(int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1], description=(
             "sample i draws from seed + i; -1 means unseeded (as in vLLM)"))) = None
         user: Text | None = None
-        frequency_penalty: _opt(float, *_only(0.0, NO_PENALTIES, {"minimum": 0, "maximum": 0})) = None
-        presence_penalty: _opt(float, *_only(0.0, NO_PENALTIES, {"minimum": 0, "maximum": 0})) = None
-        logit_bias: _opt(dict[Text, float], *_only({}, "not supported: send {} or leave it out",
-                                                   {"maxProperties": 0})) = None
+        frequency_penalty: _opt(float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
+            "subtracted from a token's logit once per time it occurs in the output so far"))) = None
+        presence_penalty: _opt(float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
+            "subtracted from a token's logit once it occurs in the output"))) = None
+        logit_bias: _opt(dict[TokenKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]], Field(
+            description="token id (as a string) → a bias added to its logit before sampling",
+            json_schema_extra={"additionalProperties": False})) = None  # a key that is no token id is refused
         # vLLM extensions
         ignore_eos: bool | None = False
         min_tokens: _opt(int, Field(ge=0, le=cap, description="EOS and stop tokens are masked until this many "
