@@ -252,6 +252,13 @@ def test_chat_logprobs_are_honoured(srv):
         assert c["logprob"] <= 0 and bytes(c["bytes"]).decode("utf-8", "replace")
 
 
+def test_a_logit_bias_key_that_is_no_token_id_says_so(srv):
+    for key in ("x", "050", "49152"):
+        err = assert_error(post(srv, "/v1/completions", completion(logit_bias={key: 1})), 400,
+                           match="is not a token id of this model's vocabulary")
+        assert err["param"].startswith(f"logit_bias.{key}"), err
+
+
 def test_penalties_and_logit_bias_are_honoured(srv):
     def tokens(**kw) -> list[str]:
         r = post(srv, "/v1/completions", completion([5, 6, 7], logprobs=0, ignore_eos=True, temperature=0,

@@ -118,6 +118,8 @@ def _message(e: dict, path: str) -> str:
         op = {"less_than_equal": "<=", "greater_than_equal": ">=", "less_than": "<", "greater_than": ">"}[kind]
         bound = next(iter(ctx.values()), "?")
         return f"must be {op} {bound}, got {got}"
+    if kind == "string_pattern_mismatch" and path.startswith("logit_bias."):  # a key: the pattern says little
+        return f"{got} is not a token id of this model's vocabulary (a decimal string without leading zeros)"
     return _TYPE_MESSAGES.get(kind) or str(e.get("msg", "invalid"))
 
 
