@@ -118,7 +118,10 @@ def test_out_of_range_values_are_refused(kw):
         SamplingParams(**kw)
 
 
-def test_a_bias_outside_the_vocabulary_is_refused_before_anything_is_queued(engine):
+@pytest.mark.parametrize("kw", [dict(logit_bias=((256, 1.0),)), dict(stop_token_ids=(999,), min_tokens=2),
+                                dict(stop_token_ids=(-1,))])
+def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_queued(engine, kw):
+    """Not failed inside a step (the sampler indexes the logits by them), with every request batched beside it."""
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        engine.add_request([5, 6, 7], _greedy(logit_bias=((256, 1.0),)))
+        engine.add_request([5, 6, 7], _greedy(**kw))
     assert not engine.has_work() and engine.pool.stats().live_blocks == 0

@@ -62,9 +62,11 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
         raise InvalidRequestError("the prompt is empty (0 tokens)")
     if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
-    outside = sorted({t for t, _ in params.logit_bias if t >= vocab_size})
-    if outside:
-        raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
+    # the sampler indexes the logits by these ids: one outside the vocabulary would fail the whole step's batch
+    for name, named in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        outside = sorted({t for t in named if not (type(t) is int and 0 <= t < vocab_size)})
+        if outside:
+            raise InvalidRequestError(f"{name} names token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
     if params.max_tokens > max_tokens_cap:
         raise InvalidRequestError(f"max_tokens {params.max_tokens} exceeds this server's cap of {max_tokens_cap}")
     total = len(ids) + params.max_tokens
